@@ -1,0 +1,24 @@
+"""QCFuse kernels (installed as `qcfuse_kernels`).
+
+Public operations, each with a plain PyTorch reference in `reference.py`:
+
+    sparse_attention(q, k, v, q_pos, scale)                   -> (R, H, D)
+    attention_mass(q, k, q_pos, scale)                        -> (T,) fp32
+    rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> (k_rot, v_out)
+
+`ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
+reference once per process (see `ops.backend()`), with an override for tests.
+"""
+
+from qcfuse_kernels.ops import attention_mass, backend, rerotate_scatter, set_backend, sparse_attention
+from qcfuse_kernels.reference import apply_rope, rotate_half
+
+__all__ = [
+    "apply_rope",
+    "attention_mass",
+    "backend",
+    "rerotate_scatter",
+    "rotate_half",
+    "set_backend",
+    "sparse_attention",
+]

@@ -1,0 +1,105 @@
+"""Plain PyTorch references for every QCFuse kernel.
+
+These are the oracles the Triton kernels are tested against and the path the engine takes
+on a plain CPU. They favour obviousness over speed, but avoid dense (R x T) masks where a
+simple loop-free formulation exists.
+
+Conventions (token-major, batch 1):
+    q      (R, H, D)    query rows, already rotated to their absolute positions
+    k, v   (T, Hkv, D)  the fused prompt's keys (rotated) and values; key j sits at position j
+    q_pos  (R,)  int64  absolute position of each query row; key j is visible iff j <= q_pos
+    H % Hkv == 0 (grouped-query attention: query head h reads KV head h // (H // Hkv))
+
+RoPE follows HF transformers' `rotate_half` convention: cos/sin are (T, D) with the two
+halves of the head dim repeated, and rope(x) = x * cos + rotate_half(x) * sin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, Hx, D), cos/sin (T, D) -> rotated x (T, Hx, D), computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    c = cos.float()[:, None, :]
+    s = sin.float()[:, None, :]
+    return (xf * c + rotate_half(xf) * s).to(x.dtype)
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # (T, Hkv, D) -> (T, Hkv * n_rep, D), head h reading KV head h // n_rep
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def sparse_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Location-aware attention of scattered rows over the whole prompt.
+
+    q (R, H, D), k/v (T, Hkv, D), q_pos (R,) -> out (R, H, D) in q's dtype.
+    Row i sees keys 0..q_pos[i]; fp32 softmax and accumulation.
+    """
+    R, H, D = q.shape
+    T, Hkv, _ = k.shape
+    n_rep = H // Hkv
+    kf = _expand_kv(k, n_rep).float().transpose(0, 1)  # (H, T, D)
+    vf = _expand_kv(v, n_rep).float().transpose(0, 1)  # (H, T, D)
+    qf = q.float().transpose(0, 1)  # (H, R, D)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, R, T)
+    visible = torch.arange(T, device=q.device)[None, :] <= q_pos.to(q.device)[:, None]  # (R, T)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf)  # (H, R, D)
+    return out.transpose(0, 1).to(q.dtype).contiguous()
+
+
+def attention_mass_ref(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention mass each key receives from probe queries, averaged over heads and queries.
+
+    q (R, H, D), k (T, Hkv, D), q_pos (R,) -> mass (T,) fp32.
+    Softmax of each (row, head) runs over the keys the row can see (j <= q_pos); the mass of
+    key j is the mean over rows and heads of its probability (0 where it is not visible).
+    sum(mass) == 1 up to rounding.
+    """
+    R, H, D = q.shape
+    T, Hkv, _ = k.shape
+    kf = _expand_kv(k, H // Hkv).float().transpose(0, 1)  # (H, T, D)
+    qf = q.float().transpose(0, 1)  # (H, R, D)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, R, T)
+    visible = torch.arange(T, device=q.device)[None, :] <= q_pos.to(q.device)[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return probs.mean(dim=(0, 1))
+
+
+def rerotate_scatter_ref(
+    k_pre: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    k_new_pre: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write fresh rows into a layer's cache and rotate every key to its position.
+
+    k_pre, v (T, Hkv, D) cached pre-RoPE keys and values; rows (R,) int64 unique positions;
+    k_new_pre, v_new (R, Hkv, D); cos/sin (T, D) for positions 0..T-1.
+    Returns (k_rot, v_out), both (T, Hkv, D) new tensors in k_pre's / v's dtype:
+        k_rot[j] = rope(k_new_pre[i] if j == rows[i] else k_pre[j], pos=j)
+        v_out[j] = v_new[i]      if j == rows[i] else v[j]
+    """
+    k_all = k_pre.clone()
+    v_out = v.clone()
+    if rows.numel():
+        k_all[rows] = k_new_pre.to(k_all.dtype)
+        v_out[rows] = v_new.to(v_out.dtype)
+    return apply_rope(k_all, cos, sin), v_out
