@@ -1,0 +1,162 @@
+"""Ids, keys and the named result types that cross module boundaries.
+
+Vocabulary: T tokens, L layers, H heads, Hkv KV heads, D head dim, C chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+import torch
+
+NodeId = NewType("NodeId", str)
+"""What a framework (LlamaIndex node, LangChain document, Chroma record) calls a chunk."""
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def hash_token_ids(token_ids: list[int] | torch.Tensor) -> str:
+    """sha256 (hex) of the exact token ids, as little-endian int64."""
+    if isinstance(token_ids, torch.Tensor):
+        ids = token_ids.detach().to("cpu", torch.int64).contiguous()
+    else:
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Content address of one chunk cache: exact token ids x model fingerprint.
+
+    The same text under two node ids maps to one key, so it is stored once; a cache made
+    for another model, dtype, tokenizer or storage format has another fingerprint and is
+    never found. String form: ``<fingerprint:16 hex>-<token sha256:64 hex>``.
+    """
+
+    fingerprint: str
+    token_hash: str
+
+    def __post_init__(self) -> None:
+        if not _HEX16.match(self.fingerprint):
+            raise ValueError(f"fingerprint must be 16 lowercase hex chars, got {self.fingerprint!r}")
+        if not _HEX64.match(self.token_hash):
+            raise ValueError(f"token_hash must be 64 lowercase hex chars, got {self.token_hash!r}")
+
+    @classmethod
+    def for_tokens(cls, fingerprint: str, token_ids: list[int] | torch.Tensor) -> "ChunkKey":
+        return cls(fingerprint, hash_token_ids(token_ids))
+
+    def to_string(self) -> str:
+        return f"{self.fingerprint}-{self.token_hash}"
+
+    @classmethod
+    def from_string(cls, s: str) -> "ChunkKey":
+        parts = s.split("-")
+        if len(parts) != 2:
+            raise ValueError(f"malformed chunk key {s!r}: expected '<fingerprint>-<token hash>'")
+        return cls(parts[0], parts[1])
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+@dataclass
+class KVChunk:
+    """One chunk's cache, computed alone at positions 0..T-1.
+
+    token_ids (T,) int64; k, v (L, T, Hkv, D). Keys are stored **pre-RoPE** (after the
+    q/k norm where the model has one), so they can be rotated to any global offset later.
+    `anchors` (filled by the selector's anchor extraction) maps a method name to per-layer
+    index tensors of the chunk's anchor tokens.
+    """
+
+    key: ChunkKey
+    token_ids: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        T = self.token_ids.shape[0]
+        if self.k.shape != self.v.shape or self.k.dim() != 4 or self.k.shape[1] != T:
+            raise ValueError(
+                f"KVChunk shapes disagree: token_ids {tuple(self.token_ids.shape)}, "
+                f"k {tuple(self.k.shape)}, v {tuple(self.v.shape)}; expected k, v (L, T, Hkv, D)"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+@dataclass
+class SelectionResult:
+    """Which prompt rows a method recomputes, and why.
+
+    rows: sorted unique absolute positions (always includes the whole suffix, never the
+    prefix). scores: per context token score where the method has one (T_ctx,), else None.
+    """
+
+    method: str
+    rows: torch.Tensor
+    scores: torch.Tensor | None = None
+    full_layers: int = 0  # layers 0..full_layers-1 recompute every token (cacheblend)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FusionResult:
+    """Everything about one answer: text, timings, counts, what was recomputed."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    method: str = ""
+    ratio: float | None = None
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    context_tokens: int = 0
+    prompt_tokens: int = 0
+    recomputed_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    chunks: int = 0
+    finish_reason: str = ""
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    selection: SelectionResult | None = None
+    store_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recompute_share(self) -> float:
+        return self.recomputed_tokens / self.context_tokens if self.context_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "answer": self.text,
+            "ttft_ms": round(self.ttft_ms, 3),
+            "total_ms": round(self.total_ms, 3),
+            "method": self.method,
+            "ratio": self.ratio,
+            "context_tokens": self.context_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_share": round(self.recompute_share, 4),
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "chunks": self.chunks,
+            "new_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
+            "store": self.store_stats,
+        }
