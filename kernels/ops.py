@@ -1,42 +1,364 @@
-"""Launchers for the QCFuse kernels.
+"""Launchers for the QCFuse kernels: validate, allocate, pick the grid, dispatch.
 
-Interim version: only the PyTorch reference backend exists; the Triton kernels and the
-capability-based choice land with the kernels issue. The signatures here are the contract
-the engine relies on.
+Backend, chosen once per process by capability (`backend()`), overridable for tests
+(`set_backend`):
+
+    "triton"     triton importable and CUDA available: Triton kernels on CUDA tensors
+    "interpret"  triton was imported with TRITON_INTERPRET=1: Triton kernels run by the
+                 interpreter on CPU tensors (tests; slow)
+    "torch"      otherwise: the PyTorch references in `reference.py`
+
+A call whose tensors live on a device the chosen backend does not serve (CPU tensors
+under "triton", CUDA tensors under "interpret") runs the reference. Validation is the same
+on every backend, so a call that fails on the GPU fails on the CPU too.
+
+Value checks that would need a device->host sync (positions inside [0, T), unique rows)
+run for CPU tensors only; on CUDA they are preconditions.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
 from qcfuse_kernels import reference as ref
 
-_BACKENDS = ("torch",)
+log = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "interpret", "torch")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
 _backend: str | None = None
 
 
+# ---------------------------------------------------------------- backend choice
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_mode() -> str | None:
+    """'compiled', 'interpreted' (TRITON_INTERPRET=1 at triton import) or None (no triton).
+
+    Asks the decorated kernel itself: triton decides at decoration time whether a
+    @triton.jit function is compiled or interpreted, so this is the ground truth.
+    """
+    try:
+        from qcfuse_kernels import triton_sparse_attention as sa
+    except ImportError:
+        return None
+    return "interpreted" if type(sa.sparse_attention_kernel).__name__ == "InterpretedFunction" else "compiled"
+
+
+def _detect() -> str:
+    mode = _triton_mode()
+    if mode == "interpreted":
+        return "interpret"
+    if mode == "compiled" and torch.cuda.is_available():
+        return "triton"
+    return "torch"
+
+
 def backend() -> str:
+    """The backend in use: 'triton', 'interpret' or 'torch' (detected once, then cached)."""
     global _backend
     if _backend is None:
-        _backend = "torch"
+        _backend = _detect()
+        log.info("qcfuse_kernels backend: %s", _backend)
     return _backend
 
 
 def set_backend(name: str | None) -> None:
-    """Force a backend by name (tests); None re-detects on next use."""
+    """Force a backend by name (tests); None re-detects on next use.
+
+    'triton' needs triton compiled mode and CUDA; 'interpret' needs triton imported with
+    TRITON_INTERPRET=1 (set it before anything imports triton, e.g. in tests/conftest.py).
+    """
     global _backend
-    if name is not None and name not in _BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(_BACKENDS)}")
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(BACKENDS)}")
+    if name == "interpret" and _triton_mode() != "interpreted":
+        raise ValueError(
+            "backend 'interpret' needs TRITON_INTERPRET=1 set before triton is first imported"
+        )
+    if name == "triton" and not (_triton_mode() == "compiled" and torch.cuda.is_available()):
+        raise ValueError("backend 'triton' needs triton (not in interpreter mode) and a CUDA device")
     _backend = name
 
 
+def _use_kernels(device: torch.device) -> bool:
+    b = backend()
+    return (b == "triton" and device.type == "cuda") or (b == "interpret" and device.type == "cpu")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, x, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        valid = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {x.dtype}; valid: {valid}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {n: t.device for n, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    return first
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    return float(scale)
+
+
+def _check_attention_inputs(q, k, q_pos, scale) -> tuple[int, int, int, int, int]:
+    """Shared checks of sparse_attention / attention_mass -> (R, H, D, T, Hkv)."""
+    _check_tensor("q", q, 3, FLOAT_DTYPES)
+    _check_tensor("k", k, 3, FLOAT_DTYPES)
+    _check_tensor("q_pos", q_pos, 1, INDEX_DTYPES)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    R, H, D = q.shape
+    T, Hkv, Dk = k.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
+    if T == 0 or Hkv == 0 or H == 0 or D == 0:
+        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
+    if q_pos.shape[0] != R:
+        raise ValueError(f"q_pos has {q_pos.shape[0]} entries for {R} query rows")
+    _check_scale(scale)
+    if q_pos.device.type == "cpu" and R:
+        lo, hi = int(q_pos.min()), int(q_pos.max())
+        if lo < 0 or hi >= T:
+            raise ValueError(f"q_pos must lie in [0, {T}), got range [{lo}, {hi}]")
+    return R, H, D, T, Hkv
+
+
+# ---------------------------------------------------------------- launch configs
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query vectors per tile (rows x GQA group)
+    block_n: int  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _block_d(D: int) -> int:
+    return max(16, _next_pow2(D))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attention_configs(group: int, block_d: int, interpret: bool) -> list[LaunchConfig]:
+    """Candidate tiles for the sparse attention kernel, heuristic choice first.
+
+    Interpreter: one small tile (several tiles per test, fast numpy ops). CUDA (H200):
+    FlashAttention-2-style tiles sized so K/V stages fit shared memory; the autotuner
+    times them once per (GROUP, D, dtype) and drops any that fail to compile.
+    """
+    min_m = max(16, _next_pow2(group))
+    if interpret:
+        return [LaunchConfig(min_m, 32)]
+    if block_d <= 64:
+        cands = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+    elif block_d <= 128:
+        cands = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)]
+    elif block_d <= 256:
+        cands = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)]
+    else:
+        cands = [(32, 32, 4, 1), (16, 16, 4, 1)]
+    cfgs = [LaunchConfig(*c) for c in cands if c[0] >= min_m]
+    return cfgs or [LaunchConfig(min_m, 32 if block_d <= 128 else 16, 4, 1)]
+
+
+def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
+    min_m = max(16, _next_pow2(group))
+    if interpret:
+        return LaunchConfig(min_m, 32)
+    return LaunchConfig(max(64, min_m), 64 if block_d <= 128 else 32, 4, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_attention_kernel(group: int, block_d: int, interpret: bool):
+    """The sparse attention kernel wrapped in triton.autotune over `_attention_configs`.
+
+    Under the interpreter the list has exactly one config (autotune with several fails
+    there), so the same launch path runs in CPU tests.
+    """
+    import triton
+
+    from qcfuse_kernels.triton_sparse_attention import sparse_attention_kernel
+
+    configs = [
+        triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in _attention_configs(group, block_d, interpret)
+    ]
+    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM"])(sparse_attention_kernel)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no TF32) so results match the fp32 reference;
+    # fp16/bf16: "tf32" is triton's default and means plain tensor-core products.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------- public ops
+
+
 def sparse_attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
-    return ref.sparse_attention_ref(q, k, v, q_pos, scale)
+    """Location-aware attention of scattered rows over the whole prompt.
+
+    q (R, H, D), k/v (T, Hkv, D), q_pos (R,) int32/int64 with 0 <= q_pos < T -> (R, H, D)
+    in q's dtype. Row i sees keys 0..q_pos[i]; fp32 softmax and accumulation; no dense
+    mask. Any row order is correct; pass rows sorted by ascending position (the engine's
+    recompute set is) so each tile skips the keys beyond its last row.
+    """
+    R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
+    _check_tensor("v", v, 3, FLOAT_DTYPES)
+    if v.dtype != q.dtype:
+        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; they must match")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    device = _check_same_device(q=q, k=k, v=v, q_pos=q_pos)
+    if not _use_kernels(device):
+        return ref.sparse_attention_ref(q, k, v, q_pos, scale)
+
+    out = torch.empty_like(q)  # (R, H, D)
+    if R == 0:
+        return out
+    group = H // Hkv
+    block_d = _block_d(D)
+    interpret = backend() == "interpret"
+    kernel = _tuned_attention_kernel(group, block_d, interpret)
+
+    def grid(meta):
+        return (_cdiv(R, meta["BLOCK_M"] // group), Hkv)
+
+    kernel[grid](
+        q, k, v, q_pos, out, R, T, float(scale) * _LOG2E,
+        NUM_KV_HEADS=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
+        UPCAST=interpret and q.dtype == torch.bfloat16, PRECISION=_dot_precision(q.dtype),
+    )
+    return out
 
 
 def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
-    return ref.attention_mass_ref(q, k, q_pos, scale)
+    """Attention mass each key receives from probe queries, averaged over heads and rows.
+
+    q (R, H, D), k (T, Hkv, D), q_pos (R,) with 0 <= q_pos < T, R >= 1 -> mass (T,) fp32;
+    mass[j] = mean over (row, head) of softmax_j, 0 for keys no row sees; sum == 1.
+    Two passes (log-sum-exp, then mass); the (R, H, T) probabilities are never stored.
+    """
+    R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
+    if R == 0:
+        raise ValueError("attention_mass needs at least one query row")
+    device = _check_same_device(q=q, k=k, q_pos=q_pos)
+    if not _use_kernels(device):
+        return ref.attention_mass_ref(q, k, q_pos, scale)
+
+    from qcfuse_kernels.triton_attention_mass import lse_kernel, mass_kernel
+
+    group = H // Hkv
+    block_d = _block_d(D)
+    interpret = backend() == "interpret"
+    cfg = _mass_config(group, block_d, interpret)
+    lse = torch.empty((R, H), device=device, dtype=torch.float32)  # base-2 log-sum-exp
+    part = torch.empty((Hkv, T), device=device, dtype=torch.float32)  # mass per KV head
+    common = dict(
+        NUM_KV_HEADS=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        UPCAST=interpret and q.dtype == torch.bfloat16, PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    qk_scale = float(scale) * _LOG2E
+    lse_kernel[(_cdiv(R, cfg.block_m // group), Hkv)](q, k, q_pos, lse, R, T, qk_scale, **common)
+    mass_kernel[(_cdiv(T, cfg.block_n), Hkv)](q, k, q_pos, lse, part, R, T, qk_scale, **common)
+    return part.sum(0).div_(R * H)  # (T,)
 
 
-def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin):
-    return ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
+def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write fresh rows into a layer's cache and rotate every key to its position, one pass.
+
+    k_pre, v (T, Hkv, D) cached pre-RoPE keys / values; rows (R,) unique positions in
+    [0, T) (R may be 0); k_new_pre, v_new (R, Hkv, D) with k_pre's / v's dtype; cos, sin
+    (T, D), D even (HF rotate_half convention). -> (k_rot, v_out), new (T, Hkv, D) tensors:
+        k_rot[j] = rope(k_new_pre[i] if j == rows[i] else k_pre[j], pos=j)
+        v_out[j] = v_new[i]      if j == rows[i] else v[j]
+    """
+    _check_tensor("k_pre", k_pre, 3, FLOAT_DTYPES)
+    _check_tensor("v", v, 3, FLOAT_DTYPES)
+    _check_tensor("rows", rows, 1, INDEX_DTYPES)
+    _check_tensor("k_new_pre", k_new_pre, 3, FLOAT_DTYPES)
+    _check_tensor("v_new", v_new, 3, FLOAT_DTYPES)
+    _check_tensor("cos", cos, 2, FLOAT_DTYPES)
+    _check_tensor("sin", sin, 2, FLOAT_DTYPES)
+    if k_new_pre.dtype != k_pre.dtype:
+        raise TypeError(f"k_new_pre has dtype {k_new_pre.dtype} but k_pre has {k_pre.dtype}; they must match")
+    if v_new.dtype != v.dtype:
+        raise TypeError(f"v_new has dtype {v_new.dtype} but v has {v.dtype}; they must match")
+    T, Hkv, D = k_pre.shape
+    R = rows.shape[0]
+    if v.shape != k_pre.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k_pre shape {tuple(k_pre.shape)}")
+    if k_new_pre.shape != (R, Hkv, D) or v_new.shape != (R, Hkv, D):
+        raise ValueError(
+            f"k_new_pre {tuple(k_new_pre.shape)} and v_new {tuple(v_new.shape)} must be "
+            f"(len(rows), Hkv, D) = {(R, Hkv, D)}"
+        )
+    if cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be (T, D) = {(T, D)}")
+    if D % 2:
+        raise ValueError(f"head dim must be even for rotate_half RoPE, got {D}")
+    device = _check_same_device(k_pre=k_pre, v=v, rows=rows, k_new_pre=k_new_pre, v_new=v_new, cos=cos, sin=sin)
+    if device.type == "cpu" and R:
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= T:
+            raise ValueError(f"rows must lie in [0, {T}), got range [{lo}, {hi}]")
+        if torch.unique(rows).numel() != R:
+            raise ValueError("rows must be unique")
+    if not _use_kernels(device):
+        return ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
+
+    from qcfuse_kernels.triton_rerotate import rerotate_scatter_kernel
+
+    k_rot = torch.empty_like(k_pre)  # (T, Hkv, D)
+    v_out = torch.empty_like(v)  # (T, Hkv, D)
+    if T == 0 or Hkv == 0 or D == 0:
+        return k_rot, v_out
+    inv = torch.full((T,), -1, device=device, dtype=torch.int32)  # position -> fresh row or -1
+    if R:
+        inv[rows] = torch.arange(R, device=device, dtype=torch.int32)
+    else:  # never read (inv is all -1); avoids handing the kernel a 0-element pointer
+        k_new_pre, v_new = k_pre, v
+    interpret = backend() == "interpret"
+    half = D // 2
+    block_r = 16 if interpret else 32
+    rerotate_scatter_kernel[(_cdiv(T * Hkv, block_r),)](
+        k_pre, v, k_new_pre, v_new, inv, cos, sin, k_rot, v_out, T,
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, HALF=half, BLOCK_HALF=_next_pow2(half), BLOCK_R=block_r,
+        num_warps=4,
+    )
+    return k_rot, v_out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

