@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,8 @@ from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
-from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, SelectionResult
+from qcfuse_core.segment import ChunkTextIndex
+from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, SelectionResult
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +51,6 @@ class EngineConfig:
             raise ValueError("question_template must contain '{question}'")
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A piece of prompt text. kind: prefix | chunk | text | suffix; chunks may carry a node id."""
-
-    kind: str
-    text: str
-    node_id: str | None = None
-
-
 class TokenStream:
     """Iterator over text deltas; `.result` holds the FusionResult once exhausted."""
 
@@ -77,9 +70,13 @@ class TokenStream:
 
 
 class QCFuseEngine:
-    def __init__(self, adapter: ModelAdapter, store: ChunkStore | None = None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, adapter: ModelAdapter, store: ChunkStore | None = None, config: EngineConfig | None = None,
+        text_index: ChunkTextIndex | None = None,
+    ) -> None:
         self.adapter = adapter
         self.store = store if store is not None else MemoryStore()
+        self.texts = text_index if text_index is not None else ChunkTextIndex()
         self.config = config or EngineConfig()
         self.fingerprint = adapter.fingerprint()
         self._head, self._tail = _chat_frame(adapter.tokenizer, self.config.system_prompt)
@@ -87,9 +84,9 @@ class QCFuseEngine:
     @classmethod
     def from_pretrained(
         cls, model: str | None = None, *, store: ChunkStore | None = None, dtype=None, device: str = "cpu",
-        config: EngineConfig | None = None,
+        config: EngineConfig | None = None, text_index: ChunkTextIndex | None = None,
     ) -> "QCFuseEngine":
-        return cls(load_model(model, dtype=dtype, device=device), store=store, config=config)
+        return cls(load_model(model, dtype=dtype, device=device), store=store, config=config, text_index=text_index)
 
     @property
     def tokenizer(self):
@@ -124,8 +121,10 @@ class QCFuseEngine:
         return chunk, hit
 
     def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
-        """Ingestion: compute (if new) and store the cache of `text` as it appears in prompts."""
+        """Ingestion: compute (if new) and store the cache of `text` as it appears in prompts,
+        and register the text so `complete` finds it inside framework prompts."""
         chunk, _ = self.chunk_cache(self.tokenize(text), node_id)
+        self.texts.add(text, node_id)
         return chunk.key
 
     # ------------------------------------------------------------------ prompts
@@ -196,12 +195,18 @@ class QCFuseEngine:
         return self.stream_pieces(lambda: self.rag_pieces(question, documents, node_ids), method=method,
                                   ratio=ratio, generation=generation, **gen_kw)
 
-    def complete(self, prompt: str, chunks: Sequence[Piece] = (), **kw) -> FusionResult:
-        stream = self.stream_pieces(lambda: self.completion_pieces(prompt, chunks), **kw)
+    def complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> FusionResult:
+        """Answer a raw completion prompt; known chunk texts inside it are found by content."""
+        stream = self.stream_complete(prompt, chunks, **kw)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
+
+    def stream_complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> TokenStream:
+        if chunks is None:
+            chunks = self.texts.find(prompt)
+        return self.stream_pieces(lambda: self.completion_pieces(prompt, chunks), **kw)
 
     def stream_pieces(self, make_pieces, *, method: str | None = None, ratio: float | None = None,
                       generation: GenerationConfig | None = None, **gen_kw) -> TokenStream:
@@ -307,3 +312,29 @@ def _chat_frame(tokenizer, system: str) -> tuple[str, str]:
 
 
 __all__ = ["EngineConfig", "Piece", "QCFuseEngine", "SelectionResult", "TokenStream"]
+
+
+def open_engine(
+    store_dir: str | Path | None = None, *, model: str | None = None, dtype=None, device: str = "cpu",
+    config: EngineConfig | None = None, memory_bytes: int | None = None,
+) -> QCFuseEngine:
+    """An engine over a persistent store folder (default: <cache dir>/store).
+
+    Layout of `store_dir`: kv/ (chunk caches), chunk_texts.sqlite (content index), chroma/
+    (the vector store, used by the CLI and integrations). Models are loaded once per process.
+    """
+    from qcfuse_core.model import cache_dir
+    from qcfuse_core.store import kv_dir, open_store
+
+    root = Path(store_dir) if store_dir is not None else cache_dir() / "store"
+    root.mkdir(parents=True, exist_ok=True)
+    key = (str(model), str(dtype), device)
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = load_model(model, dtype=dtype, device=device)
+    store_kw = {} if memory_bytes is None else {"memory_bytes": memory_bytes}
+    store = open_store(kv_dir(root), **store_kw)
+    return QCFuseEngine(_ADAPTERS[key], store=store, config=config,
+                        text_index=ChunkTextIndex(root / "chunk_texts.sqlite"))
+
+
+_ADAPTERS: dict[tuple[str, str, str], ModelAdapter] = {}

@@ -64,6 +64,15 @@ class ChunkKey:
         return self.to_string()
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A piece of prompt text. kind: prefix | chunk | text | suffix; chunks may carry a node id."""
+
+    kind: str
+    text: str
+    node_id: str | None = None
+
+
 @dataclass
 class KVChunk:
     """One chunk's cache, computed alone at positions 0..T-1.
