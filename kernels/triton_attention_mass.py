@@ -62,7 +62,7 @@ def lse_kernel(
         Q, POS, tile, kvh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST
     )
     offs_d = tl.arange(0, BLOCK_D)
-    end = tl.max(pos, 0) + 1  # keys beyond the tile's last position are never loaded
+    end = tl.minimum(tl.max(pos, 0) + 1, T)  # keys beyond the tile's last position are never loaded
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start_n in range(0, end, BLOCK_N):

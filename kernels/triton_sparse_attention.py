@@ -113,8 +113,8 @@ def sparse_attention_kernel(
     head = kvh * GROUP + offs_m % GROUP  # (BLOCK_M,)
     m_ok = (offs_m < ROWS * GROUP) & (row < R)
     pos = tl.load(POS + row, mask=m_ok, other=0).to(tl.int32)  # padding rows: pos 0
-    lo = tl.min(tl.where(m_ok, pos, T), 0)
-    hi = tl.max(pos, 0)
+    lo = tl.minimum(tl.min(tl.where(m_ok, pos, T), 0), T - 1)  # clamps: never read past T-1
+    hi = tl.minimum(tl.max(pos, 0), T - 1)
     lo_block = ((lo + 1) // BLOCK_N) * BLOCK_N  # keys [0, lo_block) visible to every row
     end = hi + 1
 
