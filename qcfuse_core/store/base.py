@@ -31,6 +31,7 @@ class StoreStats:
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    write_failures: int = 0  # puts that could not reach durable storage (e.g. disk full)
 
     def as_dict(self) -> dict:
         return asdict(self)

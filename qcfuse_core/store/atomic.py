@@ -1,0 +1,79 @@
+"""Crash-safe file writes: temporary file in the target folder, fsync, rename, fsync folder.
+
+A reader never sees a partial file under a final name: the data reaches the disk (fsync)
+before the rename publishes it, and the rename is atomic. A writer killed at any point
+leaves at most a `.tmp-*` file (never read, removed by `gc`) or a published file that no
+manifest row points to yet (an orphan: never read, removed by `gc`).
+
+    prepare_tmp(final, buffers)  ->  tmp          (write + fsync; unlinked on any error)
+    publish(tmp, final)                           (rename + fsync of the folder)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def write_all(fd: int, buffers: list[memoryview]) -> None:
+    """Write every buffer in order, resuming after short writes."""
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        while len(view):
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def prepare_tmp(final: Path, buffers: list[memoryview]) -> Path:
+    tmp = final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{final.name}"
+    for attempt in range(3):  # a concurrent `gc` may prune the empty folder in between
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    try:
+        write_all(fd, buffers)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def read_exact(fd: int, buf: memoryview, offset: int) -> int:
+    """pread into `buf` from `offset` until full or end of file; returns bytes read."""
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got

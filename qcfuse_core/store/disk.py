@@ -1,0 +1,473 @@
+"""The disk tier: entry files + the SQLite manifest, verified on every read.
+
+Folder layout (under the KV store folder, `<store root>/kv`):
+
+    manifest.sqlite                                     (+ -wal, -shm)
+    data/<fingerprint>/<hash[:2]>/<hash>.<storage>.v<version>.<tag>.safetensors
+    data/<fingerprint>/<hash[:2]>/<hash>.v<version>.<tag>.sidecar.safetensors
+
+`tag` is a hash of the entry's checksums, so two different byte images of one entry never
+share a path and a row always describes exactly the file it names.
+
+What must hold:
+- a read returns the bytes that were written, or None: the file size, the header (checked
+  against the canonical layout), every segment checksum and the token-id hash are verified;
+  any failure is a miss that is logged, counted (`corrupt`) and removed from the manifest;
+- an entry is valid only under its format version and storage name (other rows are ignored);
+- a full disk (ENOSPC/EDQUOT, or SQLite's "disk is full") puts the tier in degraded mode:
+  one warning, then writes are skipped and counted as `write_failures`; reads continue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from qcfuse_core.store.atomic import is_disk_full, prepare_tmp, publish, read_exact
+from qcfuse_core.store.codec import DTYPE_NAME, check_storage_name, decode_layer
+from qcfuse_core.store.entry import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    EntryFormatError,
+    EntryImage,
+    EntryLayout,
+    checksum,
+    header_length,
+    parse_header,
+)
+from qcfuse_core.store.manifest import EntryRow, Manifest, SidecarRow
+from qcfuse_core.store.tier import TierStats
+from qcfuse_core.types import ChunkKey, hash_token_ids
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.sqlite"
+DATA_DIR = "data"
+_LAYOUT_CACHE = 4096
+_TOUCH_EVERY_S = 30.0
+
+Alloc = Callable[[int], torch.Tensor]  # nbytes -> uint8 host buffer (plain or pinned)
+
+
+def plain_alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+@dataclass
+class Sidecar:
+    """What selection needs before the bulk of a chunk arrives.
+
+    anchors: method name -> anchor index tensor (as `KVChunk.anchors`);
+    layer_keys: layer -> pre-RoPE K of that (critical) layer, (T, Hkv, D).
+    """
+
+    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
+    layer_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        ts = [*self.anchors.values(), *self.layer_keys.values()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class _Located:
+    """A verified header + preamble, cached for single-layer reads."""
+
+    row: EntryRow
+    layout: EntryLayout
+    scales: torch.Tensor | None  # (L, 2, Hkv) float32 for fp8
+
+
+def _sqlite_full(e: sqlite3.Error) -> bool:
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
+
+
+class DiskTier:
+    def __init__(
+        self, root: Path | str, storage: str = "auto", *, capacity_bytes: int | None = None,
+        alloc: Alloc = plain_alloc,
+    ) -> None:
+        self.root = Path(root)
+        self.storage = check_storage_name(storage)
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"disk capacity must be >= 0 or None, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.alloc = alloc
+        (self.root / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        self.manifest = Manifest(self.root / MANIFEST_NAME)
+        self.stats = TierStats()
+        self.degraded = False
+        self._located: OrderedDict[ChunkKey, _Located] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- paths ------------------------------------------------------------------------------
+    def _rel(self, key: ChunkKey, tag: str, kind: str) -> str:
+        h = key.token_hash
+        name = (f"{h}.{self.storage}.v{FORMAT_VERSION}.{tag}.safetensors" if kind == "entry"
+                else f"{h}.v{FORMAT_VERSION}.{tag}.sidecar.safetensors")
+        return f"{DATA_DIR}/{key.fingerprint}/{h[:2]}/{name}"
+
+    # -- failure handling -------------------------------------------------------------------
+    def _degrade(self, exc: BaseException) -> None:
+        self.stats.write_failures += 1
+        if not self.degraded:
+            self.degraded = True
+            logger.warning("KV store %s: disk full (%s); serving compute-only, no more writes",
+                           self.root, exc)
+
+    def guard(self, fn: Callable[[], bool]) -> bool:
+        """Run a write. A full disk degrades the tier (one warning, then every write is a
+        counted no-op); any other error propagates."""
+        if self.degraded:
+            self.stats.write_failures += 1
+            return False
+        try:
+            return fn()
+        except OSError as e:
+            if is_disk_full(e):
+                self._degrade(e)
+                return False
+            raise
+        except sqlite3.OperationalError as e:
+            if _sqlite_full(e):
+                self._degrade(e)
+                return False
+            raise
+
+    def _bad(self, key: ChunkKey, row: EntryRow, reason: str) -> None:
+        """A damaged entry: log, count, forget it (row first, then the file it named)."""
+        logger.warning("KV store: entry %s unusable (%s); treated as a miss", key, reason)
+        self.stats.corrupt += 1
+        self.stats.misses += 1
+        with self._lock:
+            self._located.pop(key, None)
+        try:
+            if self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path):
+                (self.root / row.path).unlink(missing_ok=True)
+        except (OSError, sqlite3.Error) as e:
+            logger.warning("KV store: could not remove damaged entry %s: %s", key, e)
+
+    def _lookup(self, key: ChunkKey) -> EntryRow | None:
+        try:
+            return self.manifest.lookup(key.to_string(), FORMAT_VERSION, self.storage)
+        except sqlite3.Error as e:
+            logger.warning("KV store: manifest lookup failed for %s: %s", key, e)
+            return None
+
+    # -- writes -----------------------------------------------------------------------------
+    def write(self, image: EntryImage) -> bool:
+        """Write-through of a host image. True when the entry is on disk afterwards."""
+        if image.layout.storage != self.storage:
+            raise ValueError(f"image stored as {image.layout.storage!r}, tier is {self.storage!r}")
+        return self.guard(lambda: self._write(image))
+
+    def _entry_ok(self, row: EntryRow) -> bool:
+        p = self.root / row.path
+        return p.exists() and p.stat().st_size == row.nbytes
+
+    def _write(self, image: EntryImage) -> bool:
+        key, lay = image.key, image.layout
+        old = self._lookup(key)
+        if old is not None and self._entry_ok(old):
+            return True  # idempotent: already stored
+        sums = image.checksums()
+        rel = self._rel(key, checksum("".join(sums).encode())[:12], "entry")
+        final = self.root / rel
+        now = time.time()
+        row = EntryRow(key.to_string(), FORMAT_VERSION, self.storage, rel, lay.file_bytes, sums,
+                       lay.num_layers, lay.num_tokens, DTYPE_NAME[lay.dtype], now, now)
+        tmp = prepare_tmp(final, [memoryview(image.data.numpy())])
+        try:
+            committed, old = self.manifest.commit_entry(row, lambda: publish(tmp, final), self._entry_ok)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if committed:
+            self.stats.bytes_written += lay.file_bytes
+            if old is not None and old.path != rel:
+                (self.root / old.path).unlink(missing_ok=True)
+            with self._lock:
+                self._located.pop(key, None)
+            self._enforce_capacity()
+        return True
+
+    def _enforce_capacity(self) -> None:
+        if self.capacity_bytes is None:
+            return
+        _, total = self.manifest.count_and_bytes()
+        for row in self.manifest.entries():  # least recently used first
+            if total <= self.capacity_bytes:
+                break
+            if self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path):
+                (self.root / row.path).unlink(missing_ok=True)
+                total -= row.nbytes
+                self.stats.evictions += 1
+                with self._lock:
+                    self._located.pop(ChunkKey.from_string(row.chunk_key), None)
+
+    # -- reads ------------------------------------------------------------------------------
+    def read(self, key: ChunkKey) -> EntryImage | None:
+        """The whole entry, verified, in a fresh host buffer; None on a miss."""
+        row = self._lookup(key)
+        if row is None:
+            self.stats.misses += 1
+            return None
+        image, reason = self.read_row(key, row)
+        if image is None:
+            self._bad(key, row, reason)
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += row.nbytes
+        if time.time() - row.last_access > _TOUCH_EVERY_S:
+            try:
+                self.manifest.touch(row.chunk_key, row.format_version, row.storage, time.time())
+            except sqlite3.Error:
+                pass  # recency is advisory (gc order); the read itself succeeded
+        return image
+
+    def read_row(self, key: ChunkKey, row: EntryRow) -> tuple[EntryImage | None, str]:
+        """Read and fully verify the file a row names. Returns (image, "") or (None, reason)."""
+        try:
+            fd = os.open(self.root / row.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None, "file missing"
+        except OSError as e:
+            return None, f"open failed: {e}"
+        try:
+            size = os.fstat(fd).st_size
+            if size != row.nbytes:
+                return None, f"size {size} != {row.nbytes} (truncated or replaced)"
+            data = self.alloc(row.nbytes)
+            if read_exact(fd, memoryview(data.numpy()), 0) != row.nbytes:
+                return None, "short read"
+        except OSError as e:
+            return None, f"read failed: {e}"
+        finally:
+            os.close(fd)
+        mv = memoryview(data.numpy())
+        try:
+            S = header_length(bytes(mv[:8]))
+            if S > row.nbytes or checksum(mv[:S]) != row.checksums[0]:
+                return None, "header checksum mismatch"
+            layout = parse_header(bytes(mv[:S]), key, row.storage)
+        except EntryFormatError as e:
+            return None, f"bad header: {e}"
+        if layout.file_bytes != row.nbytes or len(row.checksums) != len(layout.segments()):
+            return None, "layout disagrees with manifest"
+        image = EntryImage(layout, data)
+        if image.checksums() != row.checksums:
+            return None, "data checksum mismatch"
+        if hash_token_ids(image.token_ids()) != key.token_hash:
+            return None, "token ids do not match the key"
+        return image, ""
+
+    def _locate(self, key: ChunkKey) -> _Located | None:
+        """Verified header and preamble of an entry (cached); counts a miss when absent."""
+        with self._lock:
+            loc = self._located.get(key)
+            if loc is not None:
+                self._located.move_to_end(key)
+                return loc
+        row = self._lookup(key)
+        if row is None:
+            self.stats.misses += 1
+            return None
+        reason = ""
+        try:
+            with open(self.root / row.path, "rb") as f:
+                prefix = f.read(8)
+                S = header_length(prefix)
+                header = prefix + f.read(S - 8)
+                if checksum(header) != row.checksums[0]:
+                    raise EntryFormatError("header checksum mismatch")
+                layout = parse_header(header, key, row.storage)
+                if layout.file_bytes != row.nbytes or os.fstat(f.fileno()).st_size != row.nbytes:
+                    raise EntryFormatError("file size disagrees with manifest")
+                pre = f.read(layout.layer_spans[0][0] - S)
+                if checksum(pre) != row.checksums[1]:
+                    raise EntryFormatError("preamble checksum mismatch")
+        except FileNotFoundError:
+            reason = "file missing"
+        except (OSError, EntryFormatError) as e:
+            reason = str(e)
+        if reason:
+            self._bad(key, row, reason)
+            return None
+        pre_t = torch.frombuffer(bytearray(pre), dtype=torch.uint8)
+        T = layout.num_tokens
+        if hash_token_ids(pre_t[: 8 * T].view(torch.int64)) != key.token_hash:
+            self._bad(key, row, "token ids do not match the key")
+            return None
+        scales = None
+        if layout.scale_span is not None:
+            scales = pre_t[8 * T :].view(torch.float32).view(layout.num_layers, 2, layout.kv_heads)
+        loc = _Located(row, layout, scales)
+        with self._lock:
+            self._located[key] = loc
+            while len(self._located) > _LAYOUT_CACHE:
+                self._located.popitem(last=False)
+        return loc
+
+    def layout(self, key: ChunkKey) -> EntryLayout | None:
+        loc = self._locate(key)
+        return None if loc is None else loc.layout
+
+    def read_layer_into(
+        self, key: ChunkKey, layer: int, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> bool:
+        """Read layer `layer` of one entry into out_k, out_v (T, Hkv, D) on the host.
+
+        Fast path (stored dtype == out dtype, contiguous): the bytes go straight from the
+        file into the two output buffers (one pread each), then are checksummed in place.
+        On a checksum failure the outputs hold garbage and False is returned.
+        """
+        loc = self._locate(key)
+        if loc is None:
+            return False
+        lay = loc.layout
+        if not 0 <= layer < lay.num_layers:
+            raise IndexError(f"layer {layer} out of range for {lay.num_layers} layers")
+        shape = lay.layer_shape[1:]
+        if tuple(out_k.shape) != shape or tuple(out_v.shape) != shape:
+            raise ValueError(f"out_k/out_v must be {shape}, got {tuple(out_k.shape)}, {tuple(out_v.shape)}")
+        start, end = lay.layer_spans[layer]
+        half = (end - start) // 2
+        direct = (out_k.dtype == lay.dtype and out_v.dtype == lay.dtype and lay.scale_span is None
+                  and out_k.device.type == "cpu" and out_k.is_contiguous() and out_v.is_contiguous())
+        if direct:
+            views = [memoryview(out_k.view(torch.uint8).numpy()).cast("B"),
+                     memoryview(out_v.view(torch.uint8).numpy()).cast("B")]
+        else:
+            scratch = self.alloc(end - start)
+            views = [memoryview(scratch.numpy())[:half], memoryview(scratch.numpy())[half:]]
+        try:
+            fd = os.open(self.root / loc.row.path, os.O_RDONLY)
+        except OSError as e:
+            self._bad(key, loc.row, f"open failed: {e}")
+            return False
+        reason = ""
+        try:
+            got = read_exact(fd, views[0], start) + read_exact(fd, views[1], start + half)
+            if got != end - start:
+                reason = "short read (truncated)"
+        except OSError as e:
+            reason = f"read failed: {e}"
+        finally:
+            os.close(fd)
+        if reason:
+            self._bad(key, loc.row, reason)
+            return False
+        h = xxhash.xxh3_64()
+        h.update(views[0])
+        h.update(views[1])
+        if h.hexdigest() != loc.row.checksums[2 + layer]:
+            self._bad(key, loc.row, f"layer {layer} checksum mismatch")
+            return False
+        if not direct:
+            kv = scratch.view(lay.dtype).view(lay.layer_shape)
+            sc = None if loc.scales is None else loc.scales[layer]
+            kv = decode_layer(kv, sc, out_k.dtype)
+            out_k.copy_(kv[0])
+            out_v.copy_(kv[1])
+        self.stats.hits += 1
+        self.stats.bytes_read += end - start
+        return True
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self._lookup(key) is not None
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            self._located.pop(key, None)
+        row = self._lookup(key)
+        if row is None:
+            return False
+        removed = self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path)
+        if removed:
+            (self.root / row.path).unlink(missing_ok=True)
+        return removed
+
+    def keys(self) -> list[ChunkKey]:
+        return [ChunkKey.from_string(r.chunk_key)
+                for r in self.manifest.entries(FORMAT_VERSION, self.storage)]
+
+    # -- sidecars ---------------------------------------------------------------------------
+    def write_sidecar(self, key: ChunkKey, sidecar: Sidecar) -> bool:
+        tensors = {f"anchors.{m}": t.detach().cpu().contiguous() for m, t in sidecar.anchors.items()}
+        tensors.update({f"layer_k.{l:03d}": t.detach().cpu().contiguous()
+                        for l, t in sidecar.layer_keys.items()})
+        meta = {"format": FORMAT_NAME + "-sidecar", "format_version": str(FORMAT_VERSION),
+                "key": key.to_string()}
+        blob = st_save(tensors, metadata=meta)
+
+        def write() -> bool:
+            digest = checksum(blob)
+            rel = self._rel(key, digest[:12], "sidecar")
+            final = self.root / rel
+            tmp = prepare_tmp(final, [memoryview(blob)])
+            row = SidecarRow(key.to_string(), FORMAT_VERSION, rel, len(blob), digest)
+            try:
+                replaced = self.manifest.commit_sidecar(row, lambda: publish(tmp, final))
+            finally:
+                tmp.unlink(missing_ok=True)
+            if replaced is not None:
+                (self.root / replaced).unlink(missing_ok=True)
+            self.stats.bytes_written += len(blob)
+            return True
+
+        return self.guard(write)
+
+    def read_sidecar(self, key: ChunkKey) -> Sidecar | None:
+        try:
+            row = self.manifest.lookup_sidecar(key.to_string(), FORMAT_VERSION)
+        except sqlite3.Error as e:
+            logger.warning("KV store: sidecar lookup failed for %s: %s", key, e)
+            return None
+        if row is None:
+            return None
+        reason = ""
+        try:
+            blob = (self.root / row.path).read_bytes()
+            if len(blob) != row.nbytes or checksum(blob) != row.checksum:
+                reason = "sidecar checksum mismatch"
+            else:
+                S = header_length(blob[:8])
+                meta = json.loads(blob[8:S]).get("__metadata__", {})
+                if meta.get("key") != key.to_string():
+                    reason = "sidecar names another key"
+        except FileNotFoundError:
+            reason = "sidecar file missing"
+        except (OSError, ValueError) as e:
+            reason = f"sidecar unreadable: {e}"
+        if reason:
+            logger.warning("KV store: sidecar of %s unusable (%s); treated as a miss", key, reason)
+            self.stats.corrupt += 1
+            if self.manifest.remove_sidecar(row.chunk_key, row.format_version, row.path):
+                (self.root / row.path).unlink(missing_ok=True)
+            return None
+        tensors = st_load(blob)
+        side = Sidecar()
+        for name, t in tensors.items():
+            kind, _, rest = name.partition(".")
+            if kind == "anchors":
+                side.anchors[rest] = t
+            elif kind == "layer_k":
+                side.layer_keys[int(rest)] = t
+        self.stats.bytes_read += len(blob)
+        return side
+
+    def close(self) -> None:
+        self.manifest.close()

@@ -1,0 +1,340 @@
+"""The tiered chunk store: GPU memory -> host memory -> disk, behind `ChunkStore`.
+
+    get(key)            gpu hit ──────────────────────────────> decode
+                        host hit ──> promote to gpu ──────────> decode
+                        disk hit ──> host (pinned) ──> gpu ───> decode
+                        miss everywhere ──> None (the engine recomputes and puts)
+    put(chunk)          encode once (host image) ──> disk (write-through) ──> host tier
+
+What must hold:
+- tiers are inclusive caches of the disk; each holds at most its byte capacity;
+- every tensor handed out is a fresh copy the caller owns (in-place edits by the engine,
+  such as scattering recomputed rows, never reach a cached entry);
+- nothing here raises to the engine on a damaged or missing entry: that is a miss;
+- when the disk is full, puts still fill the memory tiers (counted as write failures), and
+  every answer is still served (from memory or by recomputing).
+GPU tier: only when CUDA is present; the host tier is pinned then, plain memory otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qcfuse_core.store.base import ChunkStore, StoreStats
+from qcfuse_core.store.codec import check_storage_name, decode_layer
+from qcfuse_core.store.disk import DiskTier, Sidecar, plain_alloc
+from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, encode_chunk
+from qcfuse_core.store.eviction import get_policy
+from qcfuse_core.store.tier import MemoryTier
+from qcfuse_core.types import ChunkKey, KVChunk, NodeId
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+KV_SUBDIR = "kv"
+
+
+def kv_dir(store_root: Path | str) -> Path:
+    """The KV store folder inside a QCFuse store root (which also holds the Chroma data)."""
+    return Path(store_root) / KV_SUBDIR
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    memory_bytes: int = 2 * GiB  # host tier (pinned when CUDA is present)
+    gpu_bytes: int = 2 * GiB  # GPU tier, used only when CUDA is present
+    disk_bytes: int | None = None  # None: unbounded
+    storage_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 | fp8
+    policy: str = "lru"
+    sidecar_layers: tuple[int, ...] = ()  # layers whose K goes into the sidecar on put
+    sidecar_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        check_storage_name(self.storage_dtype)
+        get_policy(self.policy)
+        for name in ("memory_bytes", "gpu_bytes", "sidecar_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.disk_bytes is not None and self.disk_bytes < 0:
+            raise ValueError(f"disk_bytes must be >= 0 or None, got {self.disk_bytes}")
+        if any(l < 0 for l in self.sidecar_layers):
+            raise ValueError(f"sidecar_layers must be >= 0, got {self.sidecar_layers}")
+
+
+@dataclass
+class LayerBatch:
+    """One layer of C chunks laid end to end.
+
+        k, v (T_total, Hkv, D):  | chunk 0 | chunk 1 | ... | chunk C-1 |
+        offsets (C+1,):          0        t1        t2   ...          T_total
+    A chunk found nowhere (found[c] False) occupies zero rows.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    offsets: list[int]
+    found: list[bool]
+
+
+def _pinned_alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class TieredStore(ChunkStore):
+    def __init__(self, root: Path | str, config: StoreConfig = StoreConfig(), *,
+                 use_cuda: bool | None = None) -> None:
+        self.config = config
+        self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        policy = get_policy(config.policy)
+        self.gpu = (MemoryTier("gpu", "cuda", config.gpu_bytes, policy)
+                    if self.cuda and config.gpu_bytes > 0 else None)
+        self.host = MemoryTier("host", "cpu", config.memory_bytes, policy, pin=self.cuda)
+        self.disk = DiskTier(root, config.storage_dtype, capacity_bytes=config.disk_bytes,
+                             alloc=_pinned_alloc if self.cuda else plain_alloc)
+        self._stats = StoreStats()
+        self._sidecars: OrderedDict[ChunkKey, Sidecar | None] = OrderedDict()
+        self._sidecar_bytes = 0
+        self._nodes: dict[tuple[str, str], ChunkKey] = {}  # fallback when the disk is full
+        self._lock = threading.Lock()
+
+    @property
+    def memory_tiers(self) -> list[MemoryTier]:
+        return [t for t in (self.gpu, self.host) if t is not None]
+
+    # -- lookup with promotion --------------------------------------------------------------
+    def _image(self, key: ChunkKey) -> EntryImage | None:
+        """The entry from the fastest tier that has it, promoting it into faster tiers."""
+        for i, tier in enumerate(self.memory_tiers):
+            image = tier.get(key)
+            if image is not None:
+                for faster in self.memory_tiers[:i]:
+                    faster.put(image)
+                    image = faster.get(key, count=False) or image
+                return image
+        image = self.disk.read(key)
+        if image is None:
+            return None
+        for tier in reversed(self.memory_tiers):  # host first, then gpu
+            tier.put(image)
+            image = tier.get(key, count=False) or image
+        return image
+
+    def get(self, key: ChunkKey) -> KVChunk | None:
+        image = self._image(key)
+        if image is None:
+            self._stats.misses += 1
+            return None
+        chunk = image.decode()
+        side = self.get_sidecar(key)
+        if side is not None:
+            chunk.anchors = dict(side.anchors)
+        self._stats.hits += 1
+        self._stats.bytes_read += image.nbytes
+        return chunk
+
+    def get_layer(self, key: ChunkKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k, v) of one layer, each (T, Hkv, D); a disk hit reads only that layer (no promotion)."""
+        for tier in self.memory_tiers:
+            image = tier.get(key)
+            if image is not None:
+                self._stats.hits += 1
+                self._stats.bytes_read += image.layout.layer_bytes
+                return image.decode_layer(layer)
+        lay = self.disk.layout(key)
+        if lay is not None:
+            k = torch.empty(lay.layer_shape[1:], dtype=lay.src_dtype)
+            v = torch.empty_like(k)
+            if self.disk.read_layer_into(key, layer, k, v):
+                self._stats.hits += 1
+                self._stats.bytes_read += lay.layer_bytes
+                return k, v
+        self._stats.misses += 1
+        return None
+
+    def read_layer_batch(
+        self, keys: Sequence[ChunkKey], layer: int, *, out_k: torch.Tensor | None = None,
+        out_v: torch.Tensor | None = None, device: torch.device | str | None = None,
+    ) -> LayerBatch:
+        """Layer `layer` of many chunks into one (preallocated, possibly pinned) buffer pair.
+
+        out_k/out_v, when given, must be (T_total, Hkv, D) with T_total the sum of the found
+        chunks' lengths; otherwise they are allocated on `device` (host: pinned under CUDA).
+        """
+        sources: list[tuple[str, EntryImage | None, object]] = []
+        lengths = []
+        for key in keys:
+            src = None
+            for tier in self.memory_tiers:
+                image = tier.get(key)
+                if image is not None:
+                    src = ("mem", image, image.layout)
+                    break
+            if src is None:
+                lay = self.disk.layout(key)
+                src = ("disk", None, lay) if lay is not None else ("miss", None, None)
+            sources.append(src)
+            lengths.append(0 if src[2] is None else src[2].num_tokens)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        first = next((s[2] for s in sources if s[2] is not None), None)
+        if out_k is None or out_v is None:
+            shape = (offsets[-1], *(first.layer_shape[2:] if first else (0, 0)))
+            dtype = first.src_dtype if first else torch.float32
+            dev = torch.device(device or "cpu")
+            pin = self.cuda and dev.type == "cpu"
+            out_k = torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin)
+            out_v = torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin)
+        elif out_k.shape[0] != offsets[-1]:
+            raise ValueError(f"out_k has {out_k.shape[0]} rows, the found chunks have {offsets[-1]}")
+        found = []
+        for (kind, image, lay), key, a, b in zip(sources, keys, offsets, offsets[1:]):
+            ok = kind != "miss"
+            if kind == "mem":
+                kv, sc = image.kv(layer), image.scale(layer)
+                if sc is not None:
+                    kv = decode_layer(kv, sc, out_k.dtype)
+                nb = image.data.is_pinned() and out_k.device.type == "cuda"
+                out_k[a:b].copy_(kv[0], non_blocking=nb)
+                out_v[a:b].copy_(kv[1], non_blocking=nb)
+            elif kind == "disk":
+                if out_k.device.type == "cpu":
+                    ok = self.disk.read_layer_into(key, layer, out_k[a:b], out_v[a:b])
+                else:  # through a host staging pair, then one copy each to the device
+                    sk = torch.empty((b - a, *out_k.shape[1:]), dtype=out_k.dtype, pin_memory=self.cuda)
+                    sv = torch.empty_like(sk)
+                    ok = self.disk.read_layer_into(key, layer, sk, sv)
+                    if ok:
+                        out_k[a:b].copy_(sk)
+                        out_v[a:b].copy_(sv)
+            self._stats.hits += ok
+            self._stats.misses += not ok
+            if ok and lay is not None:
+                self._stats.bytes_read += lay.layer_bytes
+            found.append(ok)
+        return LayerBatch(out_k, out_v, offsets, found)
+
+    # -- writes -----------------------------------------------------------------------------
+    def put(self, chunk: KVChunk, *, sidecar_layers: Iterable[int] | None = None) -> None:
+        """Store a chunk (idempotent); its anchors and the K of `sidecar_layers` (default: the
+        config's) go into the sidecar."""
+        key = chunk.key
+        layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
+        if chunk.anchors or layers:
+            self.put_sidecar(key, anchors=chunk.anchors,
+                             layer_keys={l: chunk.k[l] for l in layers if l < chunk.num_layers})
+        if self.disk.contains(key) or (self.disk.degraded and key in self.host):
+            return
+        image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
+        stored = self.disk.write(image)
+        self.host.put(image)
+        self._stats.puts += 1
+        if stored:
+            self._stats.bytes_written += image.nbytes
+        else:
+            self._stats.write_failures += 1
+
+    def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
+                    layer_keys: dict[int, torch.Tensor] | None = None) -> None:
+        """Merge anchors / critical-layer keys into the chunk's sidecar (written through)."""
+        old = self.get_sidecar(key) or Sidecar()
+        side = Sidecar({**old.anchors, **(anchors or {})}, {**old.layer_keys, **(layer_keys or {})})
+        side = Sidecar({m: t.detach().cpu().clone() for m, t in side.anchors.items()},
+                       {l: t.detach().cpu().clone() for l, t in side.layer_keys.items()})
+        self.disk.write_sidecar(key, side)
+        self._cache_sidecar(key, side)
+
+    def get_sidecar(self, key: ChunkKey) -> Sidecar | None:
+        """Anchors and critical-layer keys, from host memory or the small sidecar file."""
+        with self._lock:
+            if key in self._sidecars:
+                self._sidecars.move_to_end(key)
+                return self._sidecars[key]
+        side = self.disk.read_sidecar(key)
+        self._cache_sidecar(key, side)
+        return side
+
+    def _cache_sidecar(self, key: ChunkKey, side: Sidecar | None) -> None:
+        with self._lock:
+            old = self._sidecars.pop(key, None)
+            self._sidecar_bytes -= old.nbytes if old is not None else 0
+            self._sidecars[key] = side
+            self._sidecar_bytes += side.nbytes if side is not None else 0
+            while self._sidecar_bytes > self.config.sidecar_cache_bytes and self._sidecars:
+                _, gone = self._sidecars.popitem(last=False)
+                self._sidecar_bytes -= gone.nbytes if gone is not None else 0
+
+    # -- index ------------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return any(key in t for t in self.memory_tiers) or self.disk.contains(key)
+
+    def delete(self, key: ChunkKey) -> bool:
+        removed = [t.remove(key) for t in self.memory_tiers]
+        with self._lock:
+            side = self._sidecars.pop(key, None)
+            self._sidecar_bytes -= side.nbytes if side is not None else 0
+        return self.disk.delete(key) or any(removed)
+
+    def link(self, node_id: NodeId, key: ChunkKey) -> None:
+        self._nodes[(node_id, key.fingerprint)] = key
+        self.disk.guard(lambda: self.disk.manifest.link(node_id, key.fingerprint,
+                                                               key.to_string()) or True)
+
+    def resolve(self, node_id: NodeId, fingerprint: str | None = None) -> ChunkKey | None:
+        """The key `node_id` was linked to (for `fingerprint`, else the latest link)."""
+        try:
+            s = self.disk.manifest.resolve(node_id, fingerprint)
+        except sqlite3.Error as e:  # fall back to this process's links
+            logger.warning("KV store: node lookup failed (%s)", e)
+            s = None
+        if s is not None:
+            return ChunkKey.from_string(s)
+        for (nid, fp), key in self._nodes.items():
+            if nid == node_id and fingerprint in (None, fp):
+                return key
+        return None
+
+    def keys(self) -> Iterator[ChunkKey]:
+        seen = dict.fromkeys(self.disk.keys())
+        for t in self.memory_tiers:
+            seen.update(dict.fromkeys(t.keys()))
+        return iter(list(seen))
+
+    # -- observability ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        entries, nbytes = self.disk.manifest.count_and_bytes(FORMAT_VERSION, self.config.storage_dtype)
+        evictions = sum(t.stats.evictions for t in self.memory_tiers) + self.disk.stats.evictions
+        corrupt = self.disk.stats.corrupt
+        tiers = {t.name: t.summary() for t in self.memory_tiers}
+        tiers["disk"] = {"path": str(self.disk.root), "entries": entries, "bytes_used": nbytes,
+                         "capacity_bytes": self.disk.capacity_bytes, "degraded": self.disk.degraded,
+                         **self.disk.stats.as_dict()}
+        s = self._stats.as_dict() | {"corrupt": corrupt, "evictions": evictions}
+        return {"backend": "tiered", "format_version": FORMAT_VERSION,
+                "storage_dtype": self.config.storage_dtype, "policy": self.config.policy,
+                "entries": entries, "degraded": self.disk.degraded, **s, "tiers": tiers}
+
+    def close(self) -> None:
+        for t in self.memory_tiers:
+            t.clear()
+        self.disk.close()
+
+
+def open_store(
+    path: Path | str, *, memory_bytes: int = 2 * GiB, gpu_bytes: int = 2 * GiB,
+    storage_dtype: str = "auto", policy: str = "lru", disk_bytes: int | None = None,
+    sidecar_layers: Sequence[int] = (), use_cuda: bool | None = None,
+) -> TieredStore:
+    """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`)."""
+    config = StoreConfig(memory_bytes=memory_bytes, gpu_bytes=gpu_bytes, disk_bytes=disk_bytes,
+                         storage_dtype=storage_dtype, policy=policy,
+                         sidecar_layers=tuple(sidecar_layers))
+    return TieredStore(path, config, use_cuda=use_cuda)
