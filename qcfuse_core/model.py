@@ -296,6 +296,13 @@ class ModelAdapter:
         return self._fingerprint
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of a forward: `cache` (transformers >= 5.24) or `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _output_cache(out):
     """The KV cache of a forward's output across transformers 5.17 (past_key_values) and 5.24+ (cache)."""
     cache = getattr(out, "cache", None)

@@ -1,0 +1,206 @@
+"""Exactness of chunk prefill and fused prefill against HF transformers' own forward.
+
+Oracles:
+- every row recomputed             == HF forward of the whole prompt
+- exact in-context caches + sparse == HF forward (exercises scatter, re-rotation, sparse attention)
+- nothing recomputed (naive)       == an independent reference: HF's own caches of each chunk,
+                                      moved by HF's rotary, fed to HF's forward of the suffix
+- re-rotation                      == rotating at the target position directly
+All in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import qcfuse_kernels as K
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
+from qcfuse_core.model import ModelAdapter, cache_kwarg
+from qcfuse_core.testing import TINY_CONFIGS, tiny_model
+from qcfuse_core.types import ChunkKey, KVChunk
+
+ATOL = 2e-5  # fp32; logits of order 1-10
+ARCHS = list(TINY_CONFIGS)
+
+
+def _segments_lens(vocab: int, lens: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
+def _prompt_alone(adapter: ModelAdapter, parts: list[torch.Tensor], kinds: list[str]) -> FusedPrompt:
+    """Prefix and chunks cached alone (positions 0..n-1); glue and suffix uncached."""
+    eng = QCFuseEngine(adapter)
+    segs = []
+    for ids, kind in zip(parts, kinds):
+        if kind in ("prefix", "chunk"):
+            chunk, _ = eng.chunk_cache(ids)
+            segs.append(Segment(kind, ids, chunk))
+        else:
+            segs.append(Segment(kind, ids))
+    return FusedPrompt(segs)
+
+
+KINDS = ["prefix", "chunk", "text", "chunk", "chunk", "suffix"]
+LENS = [7, 23, 2, 31, 17, 9]
+
+
+def _report(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"max abs err {(a - b).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_recompute_equals_hf(arch):
+    m = tiny_model(arch)
+    prompt = _prompt_alone(m, _segments_lens(m.shape.vocab_size, LENS), KINDS)
+    ref, _ = m.hf_forward(prompt.token_ids, last_only=False)
+    out = fused_prefill(m, prompt, torch.arange(prompt.num_tokens), all_logits=True)
+    assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), _report(out.logits, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_caches_with_sparse_rows_equal_hf(arch):
+    """Caches holding the true in-context K/V make any row set exact."""
+    m = tiny_model(arch)
+    parts = _segments_lens(m.shape.vocab_size, LENS, seed=1)
+    whole = FusedPrompt([Segment("suffix", torch.cat(parts))])
+    T = whole.num_tokens
+    cap = KVCache(m, T)
+    k_pre = fused_prefill(m, whole, torch.arange(T), kv_out=cap, capture_pre_rope=True).k_pre  # (L, T, Hkv, D)
+    v = cap.v[:, :T]
+    segs, pos = [], 0
+    for ids, kind in zip(parts, KINDS):
+        n = len(ids)
+        chunk = None
+        if kind in ("prefix", "chunk"):
+            chunk = KVChunk(ChunkKey.for_tokens("0" * 16, ids), ids, k_pre[:, pos : pos + n].clone(), v[:, pos : pos + n].clone())
+        segs.append(Segment(kind, ids, chunk))
+        pos += n
+    prompt = FusedPrompt(segs)
+    ref, _ = m.hf_forward(prompt.token_ids)
+    g = torch.Generator().manual_seed(2)
+    for share in (0.0, 0.3, 1.0):
+        pick = torch.rand(T, generator=g) < share
+        pick |= prompt.uncached_mask()
+        pick[0] |= share == 1.0  # include the very first row in the all-rows case
+        rows = torch.nonzero(pick).flatten()
+        out = fused_prefill(m, prompt, rows)
+        assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), f"share={share}: {_report(out.logits, ref)}"
+
+
+def _naive_reference(m: ModelAdapter, parts, kinds) -> torch.Tensor:
+    """HF caches each cached segment alone, rotates its keys by its offset with HF's rotary,
+    and runs HF's forward over the uncached tail with that cache."""
+    n_cached = next(i for i, k in enumerate(kinds) if k not in ("prefix", "chunk"))
+    assert all(k not in ("prefix", "chunk") for k in kinds[n_cached:]), "cached segments must come first"
+    layers_k: list[list[torch.Tensor]] = [[] for _ in range(m.num_layers)]
+    layers_v: list[list[torch.Tensor]] = [[] for _ in range(m.num_layers)]
+    offset = 0
+    for kind, ids in zip(kinds, parts):
+        if kind not in ("prefix", "chunk"):
+            break
+        _, kv = m.hf_forward(ids)  # keys post-RoPE at local positions 0..n-1
+        cos, sin = m.model.model.rotary_emb(kv[0][0], torch.full((1, len(ids)), offset))  # rotate by `offset`
+        for layer, (k, v) in enumerate(kv):
+            k_moved, _ = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+            layers_k[layer].append(k_moved)
+            layers_v[layer].append(v.transpose(0, 1)[None])
+        offset += len(ids)
+    cache = DynamicCache()
+    for layer in range(m.num_layers):
+        cache.update(torch.cat(layers_k[layer], dim=2), torch.cat(layers_v[layer], dim=2), layer)
+    tail = torch.cat([ids for kind, ids in zip(kinds, parts) if kind not in ("prefix", "chunk")])
+    pos = torch.arange(offset, offset + len(tail))[None]
+    out = m.model(input_ids=tail[None], position_ids=pos, use_cache=True, **{cache_kwarg(m.model): cache})
+    return out.logits[0, -1:].float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_naive_equals_independent_reference(arch):
+    m = tiny_model(arch)
+    kinds = ["prefix", "chunk", "chunk", "chunk", "suffix"]
+    parts = _segments_lens(m.shape.vocab_size, [5, 19, 33, 11, 8], seed=3)
+    prompt = _prompt_alone(m, parts, kinds)
+    rows = torch.nonzero(prompt.uncached_mask()).flatten()
+    out = fused_prefill(m, prompt, rows)
+    ref = _naive_reference(m, parts, kinds)
+    assert torch.allclose(out.logits, ref, atol=1e-4, rtol=0), _report(out.logits, ref)
+    full, _ = m.hf_forward(prompt.token_ids)
+    assert (out.logits - full).abs().max() > 1e-3, "naive should differ from full prefill on random chunks"
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen3"])
+def test_rerotation_matches_direct_rotation(arch):
+    m = tiny_model(arch)
+    T, Hkv, D = 40, m.shape.num_kv_heads, m.shape.head_dim
+    k_pre = torch.randn(T, Hkv, D)
+    positions = torch.arange(1000, 1000 + T)
+    cos, sin = m.rope(positions)
+    ours, _ = K.rerotate_scatter(k_pre, torch.zeros_like(k_pre), torch.empty(0, dtype=torch.int64),
+                                 k_pre[:0], k_pre[:0], cos, sin)
+    hf_cos, hf_sin = m.model.model.rotary_emb(k_pre, positions[None])
+    direct, _ = apply_rotary_pos_emb(k_pre.transpose(0, 1)[None], k_pre.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), _report(ours, direct[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
+    """A chunk's stored pre-RoPE keys, rotated to offset o, equal HF's keys for the same chunk run
+    alone at positions o..o+n-1 (RoPE attention depends on relative positions only)."""
+    m = tiny_model(arch)
+    ids = _segments_lens(m.shape.vocab_size, [25], seed=4)[0]
+    k_pre, v = QCFuseEngine(m).prefill_alone(ids)
+    offset = 300
+    cos, sin = m.rope(torch.arange(offset, offset + len(ids)))
+    pos = torch.arange(offset, offset + len(ids))[None]
+    out = m.model(input_ids=ids[None], position_ids=pos, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    for layer in range(m.num_layers):
+        ours = K.apply_rope(k_pre[layer], cos, sin)
+        hf = cache.layers[layer].keys[0].transpose(0, 1)
+        assert torch.allclose(ours, hf, atol=1e-4), f"layer {layer}: {_report(ours, hf)}"
+        assert torch.allclose(v[layer], cache.layers[layer].values[0].transpose(0, 1), atol=1e-4)
+
+
+def test_embedded_model_full_recompute_equals_hf(smol):
+    eng = QCFuseEngine(smol)
+    pieces = eng.rag_pieces("Who founded the Zephyr Institute?", [
+        "The Zephyr Institute was founded in 1987 by the marine biologist Ada Ferreira.",
+        "Port Halden is known for its lantern festival, held every October since 1952.",
+    ])
+    prompt, _, misses = eng.fuse_pieces(pieces)
+    assert misses == 2
+    ref, _ = smol.hf_forward(prompt.token_ids, last_only=False)
+    out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), all_logits=True)
+    assert torch.allclose(out.logits, ref, atol=1e-3, rtol=1e-5), _report(out.logits, ref)
+    # recompute everything except the (exact) prefix: same logits at the last row
+    rows = torch.nonzero(~prompt.mask("prefix")).flatten()
+    out2 = fused_prefill(smol, prompt, rows)
+    assert torch.allclose(out2.logits, ref[-1:], atol=1e-3, rtol=1e-5), _report(out2.logits, ref[-1:])
+
+
+def test_rows_validation_errors():
+    m = tiny_model("llama")
+    prompt = _prompt_alone(m, _segments_lens(256, [5, 10, 4]), ["prefix", "chunk", "suffix"])
+    with pytest.raises(ValueError, match="uncached"):
+        fused_prefill(m, prompt, torch.tensor([18]))
+    with pytest.raises(ValueError, match="sorted"):
+        fused_prefill(m, prompt, torch.tensor([16, 15, 17, 18]))
+    with pytest.raises(ValueError, match="last position"):
+        fused_prefill(m, prompt, torch.tensor([15, 16, 17]))
+    with pytest.raises(ValueError, match="suffix"):
+        FusedPrompt([Segment("chunk", torch.arange(3))])
+    with pytest.raises(ValueError, match="valid"):
+        Segment("middle", torch.arange(3))
+
+
+def test_unsupported_architecture_names_supported_ones():
+    import transformers as tf
+
+    cfg = tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        ModelAdapter(tf.GPT2LMHeadModel(cfg))
