@@ -1,0 +1,100 @@
+"""QCFuseCacheBuilder: the ingestion step between the text splitter and the vector store.
+
+    loader -> splitter -> QCFuseCacheBuilder -> Chroma.add_documents
+
+Text splitters drop `Document.id`, so every split document gets a deterministic id
+
+    document_id = sha256(source \\0 index \\0 text)[:32]     index: n-th split of that source
+
+(the same corpus split the same way gets the same ids, so re-ingesting upserts instead of
+duplicating), and the cache of its text - exactly as the chain will paste it into the
+prompt - is computed and stored under that id. Idempotent: a text already stored is not
+recomputed. Ids already set are kept unless `overwrite_ids`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.documents import BaseDocumentTransformer, Document
+
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.types import ChunkKey
+from qcfuse_integrations.langchain.engines import engine_lock, shared_engine
+
+log = logging.getLogger(__name__)
+
+CHUNK_KEY_FIELD = "qcfuse_chunk_key"
+
+
+def document_id(source: str, index: int, text: str) -> str:
+    """32 hex chars naming the `index`-th split of `source` with this exact text."""
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return hashlib.sha256(f"{source}\0{index}\0{text}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What one transform_documents call did: caches computed vs. found already stored."""
+
+    documents: int = 0
+    built: int = 0
+    reused: int = 0
+
+
+class QCFuseCacheBuilder(BaseDocumentTransformer):
+    """Assign deterministic ids to split documents and build their chunk caches.
+
+    engine: an engine (e.g. `llm.engine`), or None to use the shared one for
+    (store_dir, model, dtype, device). render: the text the chain's formatter puts into
+    the prompt for one document (default: its page_content).
+    """
+
+    def __init__(
+        self, engine: QCFuseEngine | None = None, *, store_dir: str | None = None, model: str | None = None,
+        dtype: str | None = None, device: str = "cpu", render: Callable[[Document], str] | None = None,
+        source_key: str = "source", overwrite_ids: bool = False,
+    ) -> None:
+        self._engine = engine
+        self._engine_args = dict(store_dir=store_dir, model=model, dtype=dtype, device=device)
+        self.render = render or (lambda doc: doc.page_content)
+        self.source_key = source_key
+        self.overwrite_ids = overwrite_ids
+        self.last_build = BuildReport()
+
+    @property
+    def engine(self) -> QCFuseEngine:
+        if self._engine is None:
+            args = self._engine_args
+            self._engine = shared_engine(args["store_dir"], model=args["model"], dtype=args["dtype"],
+                                         device=args["device"])
+        return self._engine
+
+    def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
+        """Copies of `documents` with ids and `metadata["qcfuse_chunk_key"]`; caches built."""
+        if kwargs:
+            raise TypeError(f"QCFuseCacheBuilder.transform_documents takes no options, got {sorted(kwargs)}")
+        engine, out = self.engine, []
+        built = reused = 0
+        per_source: dict[str, int] = {}
+        with engine_lock(engine):
+            for doc in documents:
+                source = str(doc.metadata.get(self.source_key, ""))
+                index = per_source[source] = per_source.get(source, -1) + 1
+                doc_id = doc.id if doc.id and not self.overwrite_ids else document_id(source, index, doc.page_content)
+                text = self.render(doc)
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"render() gave no text for document {doc_id!r}")
+                stored = engine.store.contains(ChunkKey.for_tokens(engine.fingerprint, engine.tokenize(text)))
+                key = engine.build_chunk(text, node_id=doc_id)
+                built, reused = built + (not stored), reused + stored
+                out.append(Document(page_content=doc.page_content, id=doc_id,
+                                    metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()}))
+        self.last_build = BuildReport(len(out), built, reused)
+        log.info("chunk caches: %d documents, %d built, %d already stored", len(out), built, reused)
+        return out
