@@ -3,6 +3,7 @@
     qcfuse ingest PATH... [--store DIR]     files/folders -> chunks -> Chroma + chunk caches
     qcfuse ask "question" [--store DIR]     retrieve top-k, fuse, answer (--json for one object)
     qcfuse demo [--store DIR]               sample corpus, three questions, full vs fused
+    qcfuse store stats|verify|gc|clear      inspect and maintain the chunk store
 """
 
 from __future__ import annotations
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, "demo-store")
     _answer_opts(p)
     p.set_defaults(func=cmd_demo)
+
+    from qcfuse_core.store.cli import add_store_commands
+
+    add_store_commands(sub)
     return parser
 
 

