@@ -116,7 +116,7 @@ def bench_sparse_attention(torch, ops, timer, args, device, dtype, frac, gen):
         op="sparse_attention", case=f"T={T} R={R} ({frac:.0%}) H={H}/{Hkv} D={D} {args.dtype}",
         ms=t_ours, tflops=tf_ours, baseline="sdpa+bool mask", baseline_ms=t_sdpa, baseline_tflops=tf_sdpa,
         ratio=tf_ours / tf_sdpa, target=">= 0.60 of SDPA TFLOP/s", ok=tf_ours >= 0.6 * tf_sdpa,
-        flops=flops, max_abs_err_vs_sdpa=max_err, config=_tuned_config(ops, H // Hkv, D),
+        flops=flops, max_abs_err_vs_sdpa=max_err, config=_tuned_config(ops, H // Hkv, D, dtype),
     )
     del k_s, v_s, mask
     return res
@@ -177,9 +177,11 @@ def bench_rerotate(torch, ops, ref, timer, args, device, dtype, frac, gen):
                 bytes=moved)
 
 
-def _tuned_config(ops, group, D):
+def _tuned_config(ops, group, D, dtype):
+    import torch
+
     try:
-        tuner = ops._tuned_attention_kernel(group, ops._block_d(D), ops.backend() == "interpret")
+        tuner = ops._tuned_attention_kernel(group, ops._block_d(D), ops.backend() == "interpret", dtype == torch.float32)
     except ImportError:
         return None
     cfg = getattr(tuner, "best_config", None)

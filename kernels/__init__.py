@@ -7,7 +7,9 @@ Public operations, each with a plain PyTorch reference in `reference.py`:
     rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> (k_rot, v_out)
 
 `ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
-reference once per process (see `ops.backend()`), with an override for tests.
+reference once per process (see `ops.backend()`), with an override for tests. The jitted
+code lives in `triton_sparse_attention.py`, `triton_attention_mass.py` and
+`triton_rerotate.py` (imported lazily: this package imports without triton).
 """
 
 from qcfuse_kernels.ops import attention_mass, backend, rerotate_scatter, set_backend, sparse_attention

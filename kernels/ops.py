@@ -168,22 +168,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _attention_configs(group: int, block_d: int, interpret: bool) -> list[LaunchConfig]:
+def _attention_configs(group: int, block_d: int, interpret: bool, fp32: bool) -> list[LaunchConfig]:
     """Candidate tiles for the sparse attention kernel, heuristic choice first.
 
     Interpreter: one small tile (several tiles per test, fast numpy ops). CUDA (H200):
     FlashAttention-2-style tiles sized so K/V stages fit shared memory; the autotuner
-    times them once per (GROUP, D, dtype) and drops any that fail to compile.
+    times them once per (GROUP, D, dtype) and drops any that fail to compile. (Checked by
+    compiling for sm_90a: the bf16 D=128 tiles use wgmma + cp.async pipelining, no spills.)
+    fp32 inputs (exact "ieee" products, no tensor cores: a correctness path, not a fast
+    one) get one small tile that keeps register spills low.
     """
     min_m = max(16, _next_pow2(group))
     if interpret:
         return [LaunchConfig(min_m, 32)]
+    if fp32:
+        return [LaunchConfig(min_m, 32 if block_d <= 128 else 16, 4, 2)]
     if block_d <= 64:
         cands = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
     elif block_d <= 128:
-        cands = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)]
+        cands = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
     elif block_d <= 256:
-        cands = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)]
+        cands = [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)]
     else:
         cands = [(32, 32, 4, 1), (16, 16, 4, 1)]
     cfgs = [LaunchConfig(*c) for c in cands if c[0] >= min_m]
@@ -198,7 +203,7 @@ def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_attention_kernel(group: int, block_d: int, interpret: bool):
+def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: bool):
     """The sparse attention kernel wrapped in triton.autotune over `_attention_configs`.
 
     Under the interpreter the list has exactly one config (autotune with several fails
@@ -210,7 +215,7 @@ def _tuned_attention_kernel(group: int, block_d: int, interpret: bool):
 
     configs = [
         triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-        for c in _attention_configs(group, block_d, interpret)
+        for c in _attention_configs(group, block_d, interpret, fp32)
     ]
     return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM"])(sparse_attention_kernel)
 
@@ -248,7 +253,7 @@ def sparse_attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
     group = H // Hkv
     block_d = _block_d(D)
     interpret = backend() == "interpret"
-    kernel = _tuned_attention_kernel(group, block_d, interpret)
+    kernel = _tuned_attention_kernel(group, block_d, interpret, q.dtype == torch.float32)
 
     def grid(meta):
         return (_cdiv(R, meta["BLOCK_M"] // group), Hkv)

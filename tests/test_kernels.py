@@ -357,6 +357,19 @@ def test_gpu_sparse_attention(use_backend, dtype, rows):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_backend", ["triton"], indirect=True)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 1, 256), (32, 32, 128)], ids=str)
+def test_gpu_sparse_attention_other_model_shapes(use_backend, dtype, H, Hkv, D):
+    """SmolLM2 (GQA 3, D 64), Gemma-3 (1 KV head, D 256), no GQA: other autotune tile lists."""
+    q, k, v, q_pos = make_attention(300, 2000, H, Hkv, D, dtype, device="cuda")
+    out = ops.sparse_attention(q, k, v, q_pos, D**-0.5)
+    expected = ref.sparse_attention_ref(q, k, v, q_pos, D**-0.5)
+    assert_close(out, expected, **TOL[dtype], what=f"gpu {dtype} {H}/{Hkv}/{D}")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_backend", ["triton"], indirect=True)
 def test_gpu_sparse_attention_fp32_and_small_gqa(use_backend):
     for H, Hkv, D in [(8, 8, 64), (12, 4, 128), (8, 1, 256)]:
         q, k, v, q_pos = make_attention(77, 1000, H, Hkv, D, torch.float32, device="cuda")
