@@ -126,7 +126,7 @@ class DiskTier:
         self.stats.write_failures += 1
         if not self.degraded:
             self.degraded = True
-            logger.warning("KV store %s: disk full (%s); serving compute-only, no more writes",
+            logger.warning("KV store %s: disk full (%s); no more disk writes (memory tiers and recompute still serve)",
                            self.root, exc)
 
     def guard(self, fn: Callable[[], bool]) -> bool:
@@ -360,8 +360,9 @@ class DiskTier:
             return False
         reason = ""
         try:
-            got = read_exact(fd, views[0], start) + read_exact(fd, views[1], start + half)
-            if got != end - start:
+            if os.fstat(fd).st_size != loc.row.nbytes:  # truncated or grown: the entry is damaged
+                reason = "file size disagrees with manifest"
+            elif read_exact(fd, views[0], start) + read_exact(fd, views[1], start + half) != end - start:
                 reason = "short read (truncated)"
         except OSError as e:
             reason = f"read failed: {e}"

@@ -1,0 +1,118 @@
+"""Memory tiers: exact eviction order per policy, capacities never exceeded, promotion on
+hit, write-through to disk, and the configuration errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from store_fixtures import entry_bytes, make_chunk, store_at
+
+from qcfuse_core.store import StoreConfig, get_policy, open_store
+from qcfuse_core.store.entry import encode_chunk
+from qcfuse_core.store.tier import MemoryTier
+
+# put a, b, c; get a, a, b, c, a; put d; get d; put e; put f   (capacity: 3 equal entries)
+EXPECTED_VICTIMS = {"lru": "bca", "lfu": "bce", "fifo": "abc", "size": "bca"}
+
+
+@pytest.mark.parametrize("policy", sorted(EXPECTED_VICTIMS))
+def test_eviction_order_exact(policy):
+    images = {n: encode_chunk(make_chunk(i), "auto") for i, n in enumerate("abcdef")}
+    n = images["a"].nbytes
+    assert all(im.nbytes == n for im in images.values())
+    tier = MemoryTier("host", "cpu", 3 * n, get_policy(policy))
+    name = {im.key: k for k, im in images.items()}
+    evicted = []
+    for op in "+a +b +c ?a ?a ?b ?c ?a +d ?d +e +f".split():
+        kind, which = op
+        if kind == "+":
+            evicted += [name[k] for k in tier.put(images[which])]
+        else:
+            assert tier.get(images[which].key) is not None
+    assert "".join(evicted) == EXPECTED_VICTIMS[policy]
+    assert tier.stats.evictions == 3 and len(tier) == 3
+
+
+def test_size_policy_evicts_largest_first():
+    small, big, mid = (encode_chunk(make_chunk(i, T=t), "auto") for i, t in ((0, 4), (1, 40), (2, 20)))
+    tier = MemoryTier("host", "cpu", small.nbytes + big.nbytes + mid.nbytes, get_policy("size"))
+    for im in (small, big, mid):
+        tier.put(im)
+    assert tier.put(encode_chunk(make_chunk(3, T=4), "auto")) == [big.key]
+
+
+def test_unknown_policy_lists_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: \['fifo', 'lfu', 'lru', 'size'\]"):
+        open_store(tmp_path, policy="mru")
+
+
+@pytest.mark.parametrize("kw", [dict(memory_bytes=-1), dict(gpu_bytes=-1), dict(disk_bytes=-5),
+                                dict(storage_dtype="int8"), dict(sidecar_layers=(-1,))])
+def test_config_validation(kw):
+    with pytest.raises(ValueError, match="valid|must be"):
+        StoreConfig(**kw)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "size"])
+def test_capacity_never_exceeded(tmp_path, policy):
+    rng = random.Random(policy)
+    chunks = [make_chunk(i, T=rng.randint(1, 48), L=2) for i in range(30)]
+    cap = 5 * entry_bytes(chunks[0])
+    s = store_at(tmp_path, memory_bytes=cap, policy=policy, disk_bytes=3 * cap)
+    for _ in range(200):
+        c = rng.choice(chunks)
+        if rng.random() < 0.5:
+            s.put(c)
+        else:
+            got = s.get(c.key)
+            assert got is None or torch.equal(got.k, c.k)
+        assert s.host.bytes_used <= cap
+        assert s.disk.manifest.count_and_bytes()[1] <= 3 * cap
+    st = s.stats()
+    assert st["tiers"]["host"]["bytes_used"] <= cap and st["evictions"] > 0
+    s.close()
+
+
+def test_oversized_entry_not_admitted(tmp_path):
+    big = make_chunk(0, T=64)
+    with store_at(tmp_path, memory_bytes=entry_bytes(big) - 1) as s:
+        s.put(big)
+        assert big.key not in s.host and s.host.bytes_used == 0
+        assert torch.equal(s.get(big.key).k, big.k)  # still served from disk
+
+
+def test_write_through_and_promotion(tmp_path):
+    chunk = make_chunk(1)
+    with store_at(tmp_path) as s:
+        s.put(chunk)
+        assert chunk.key in s.host
+        with store_at(tmp_path) as other:  # another handle sees it on disk at once
+            assert other.contains(chunk.key) and chunk.key not in other.host
+    with store_at(tmp_path) as s:
+        s.gpu = MemoryTier("gpu", "cpu", 1 << 20, get_policy("lru"))  # stand-in for the GPU tier
+        assert s.get(chunk.key) is not None  # disk hit -> host and gpu
+        assert chunk.key in s.host and chunk.key in s.gpu
+        s.gpu.remove(chunk.key)
+        assert s.get(chunk.key) is not None  # host hit -> promoted to gpu again
+        assert chunk.key in s.gpu
+        assert s.get(chunk.key) is not None  # gpu hit
+        st = s.stats()
+        assert st["tiers"]["disk"]["hits"] == 1
+        assert st["tiers"]["host"]["hits"] == 1 and st["tiers"]["gpu"]["hits"] == 1
+        assert st["hits"] == 3 and st["misses"] == 0
+
+
+def test_stats_count_hits_misses_bytes(tmp_path):
+    chunk = make_chunk(2)
+    with store_at(tmp_path) as s:
+        assert s.get(chunk.key) is None
+        s.put(chunk)
+        s.put(chunk)  # idempotent
+        s.get(chunk.key)
+        st = s.stats()
+    n = entry_bytes(chunk)
+    assert (st["hits"], st["misses"], st["puts"], st["entries"]) == (1, 1, 1, 1)
+    assert st["bytes_written"] == n and st["bytes_read"] == n
+    assert st["tiers"]["host"]["bytes_used"] == n and st["tiers"]["disk"]["bytes_used"] == n
