@@ -1,0 +1,102 @@
+"""QCFuseCacheBuilder: an IngestionPipeline step that builds each node's chunk cache.
+
+What is cached must be byte-for-byte what the response synthesizer pastes into the prompt,
+or content matching never finds it. In llama-index-core 0.14 the compact / refine
+synthesizers render each node as
+
+    node.get_content(metadata_mode=MetadataMode.LLM)        (metadata lines + "\\n\\n" + text)
+
+then `PromptHelper.repack` strips each rendering and joins them with "\\n\\n" into the
+template's `{context_str}`:
+
+    "Context information is below.\\n---------------------\\n"
+    [node 1 rendered, stripped] "\\n\\n" [node 2 rendered, stripped] ...
+    "\\n---------------------\\n...Query: {query_str}\\nAnswer: "
+
+so `render_for_prompt` = the LLM rendering, stripped. Place the builder after the splitter
+and any metadata extractors (anything that changes text or LLM-visible metadata after it
+makes its caches unreachable), e.g.
+`IngestionPipeline(transformations=[SentenceSplitter(), QCFuseCacheBuilder(...), QCFuseEmbedding()])`.
+
+Idempotent: a node whose cache is already stored is only linked and registered again
+(the pipeline's own cache may also skip this step entirely; QCFuseLLM then computes the
+missing caches at query time). Nodes come back unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.utils import get_tqdm_iterable
+
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.segment import ANCHOR
+from qcfuse_core.types import ChunkKey, NodeId
+from qcfuse_integrations.llama_index.engines import EngineSpec, engine_for, lock_for
+
+log = logging.getLogger(__name__)
+
+
+def render_for_prompt(node: BaseNode) -> str:
+    """The exact text the compact / refine synthesizers put into the prompt for `node`."""
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+class QCFuseCacheBuilder(TransformComponent):
+    """Compute and store the chunk cache of every node, as it will be rendered into prompts."""
+
+    store_dir: Optional[str] = Field(default=None, description="Store folder shared with QCFuseLLM (None: default).")
+    model: Optional[str] = Field(default=None, description="Local model folder (None: the embedded default).")
+    dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16' (None: default).")
+    device: str = Field(default="cpu", description="Device the model runs on.")
+
+    _engine: Optional[QCFuseEngine] = PrivateAttr(default=None)
+
+    def __init__(self, *, engine: QCFuseEngine | None = None, **data: Any) -> None:
+        super().__init__(**data)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "QCFuseCacheBuilder"
+
+    @classmethod
+    def from_llm(cls, llm: Any, **data: Any) -> "QCFuseCacheBuilder":
+        """A builder over the same engine (store, model) as `llm` (a QCFuseLLM)."""
+        return cls(engine=llm.engine, store_dir=llm.store_dir, model=llm.model, dtype=llm.dtype,
+                   device=llm.device, **data)
+
+    @property
+    def engine(self) -> QCFuseEngine:
+        if self._engine is None:
+            self._engine = engine_for(EngineSpec(self.store_dir, self.model, self.dtype, self.device))
+        return self._engine
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        engine = self.engine
+        built = reused = short = 0
+        for node in get_tqdm_iterable(nodes, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
+            text = render_for_prompt(node)
+            if len(text) < ANCHOR:  # too short for the content index to find; not worth a cache
+                short += 1
+                continue
+            with lock_for(engine):
+                ids = engine.tokenize(text)
+                key = ChunkKey.for_tokens(engine.fingerprint, ids)
+                if engine.store.contains(key):
+                    engine.store.link(NodeId(node.node_id), key)
+                    engine.texts.add(text, node.node_id)
+                    reused += 1
+                else:
+                    engine.build_chunk(text, node.node_id)
+                    built += 1
+        log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        return await asyncio.to_thread(self.__call__, nodes, **kwargs)
