@@ -214,6 +214,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    _ensure_importable()
     from qcfuse_kernels import ops
     from qcfuse_kernels import reference as ref
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -248,6 +249,22 @@ def main(argv=None) -> int:
             json.dump(dict(env=env, results=results), f, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def _ensure_importable() -> None:
+    """Run from a bare checkout too: map ../kernels to `qcfuse_kernels` if not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("qcfuse_kernels") is not None:
+        return
+    root = Path(__file__).resolve().parent.parent / "kernels"
+    spec = importlib.util.spec_from_file_location(
+        "qcfuse_kernels", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["qcfuse_kernels"] = module
+    spec.loader.exec_module(module)
 
 
 def _triton_version():
