@@ -54,6 +54,19 @@ def parse_args(argv=None):
     return args
 
 
+# max abs error allowed vs the fp32-internal reference (same as tests/test_kernels.py)
+TOL = {"bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3), "float32": (2e-5, 1e-5), "mass": (1e-6, 1e-3)}
+
+
+def check(out, expected, tol) -> dict:
+    """Correctness next to each timing, so one GPU run gives both (no pytest needed)."""
+    atol, rtol = tol
+    out, expected = out.float(), expected.float()
+    err = (out - expected).abs()
+    ok = bool((err <= atol + rtol * expected.abs()).all()) and bool(out.isfinite().all())
+    return dict(max_abs_err=err.max().item(), check_ok=ok)
+
+
 class Timer:
     """Median milliseconds of fn() after warm-up; CUDA events on GPU, perf_counter on CPU."""
 
@@ -85,7 +98,7 @@ class Timer:
         return statistics.median(times)
 
 
-def bench_sparse_attention(torch, ops, timer, args, device, dtype, frac, gen):
+def bench_sparse_attention(torch, ops, ref, timer, args, device, dtype, frac, gen):
     import torch.nn.functional as F
 
     T, H, Hkv, D = args.tokens, args.heads, args.kv_heads, args.head_dim
@@ -108,6 +121,7 @@ def bench_sparse_attention(torch, ops, timer, args, device, dtype, frac, gen):
     ours = ops.sparse_attention(q, k, v, q_pos, scale)
     theirs = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, scale=scale)[0].transpose(0, 1)
     max_err = (ours.float() - theirs.float()).abs().max().item()
+    correct = check(ours, ref.sparse_attention_ref(q, k, v, q_pos, scale), TOL[args.dtype])
 
     t_ours = timer(lambda: ops.sparse_attention(q, k, v, q_pos, scale))
     t_sdpa = timer(lambda: F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, scale=scale))
@@ -116,7 +130,7 @@ def bench_sparse_attention(torch, ops, timer, args, device, dtype, frac, gen):
         op="sparse_attention", case=f"T={T} R={R} ({frac:.0%}) H={H}/{Hkv} D={D} {args.dtype}",
         ms=t_ours, tflops=tf_ours, baseline="sdpa+bool mask", baseline_ms=t_sdpa, baseline_tflops=tf_sdpa,
         ratio=tf_ours / tf_sdpa, target=">= 0.60 of SDPA TFLOP/s", ok=tf_ours >= 0.6 * tf_sdpa,
-        flops=flops, max_abs_err_vs_sdpa=max_err, config=_tuned_config(ops, H // Hkv, D, dtype),
+        flops=flops, max_abs_err_vs_sdpa=max_err, config=_tuned_config(ops, H // Hkv, D, dtype), **correct,
     )
     del k_s, v_s, mask
     return res
@@ -144,13 +158,14 @@ def bench_attention_mass(torch, ops, ref, timer, args, device, dtype, gen):
     esize = q.element_size()
     nbytes = T * Hkv * D * esize + R * H * D * esize + T * 4
     flops = 2 * (2.0 * R * H * T * D)  # Q.K in the lse pass and again in the mass pass
+    correct = check(ops.attention_mass(q, k, q_pos, scale), ref.attention_mass_ref(q, k, q_pos, scale), TOL["mass"])
     t = timer(lambda: ops.attention_mass(q, k, q_pos, scale))
     t_ref = timer(lambda: ref.attention_mass_ref(q, k, q_pos, scale))
     ideal = max(nbytes / (args.peak_tbps * 1e9), flops / (args.peak_tflops * 1e9))  # ms
     return dict(op="attention_mass", case=f"T={T} probes={R} H={H}/{Hkv} D={D} {args.dtype}", ms=t,
                 tflops=flops / t / 1e9, gbps=nbytes / t / 1e6, baseline="ideal max(bytes/BW, FLOPs/peak)",
                 baseline_ms=ideal, baseline_tflops=None, ratio=t / ideal, target="report (x of ideal)",
-                ok=None, torch_reference_ms=t_ref, bytes=nbytes, flops=flops)
+                ok=None, torch_reference_ms=t_ref, bytes=nbytes, flops=flops, **correct)
 
 
 def bench_rerotate(torch, ops, ref, timer, args, device, dtype, frac, gen):
@@ -167,6 +182,11 @@ def bench_rerotate(torch, ops, ref, timer, args, device, dtype, frac, gen):
     kv_bytes = 2 * T * Hkv * D * k_pre.element_size()  # K and V, read once and written once
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    k_rot, v_out = ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin)
+    k_exp, v_exp = ref.rerotate_scatter_ref(k_pre, v, rows, k_new, v_new, cos, sin)
+    correct = check(k_rot, k_exp, TOL[args.dtype])
+    correct["check_ok"] = correct["check_ok"] and torch.equal(v_out, v_exp)
+    del k_rot, v_out, k_exp, v_exp
     t = timer(lambda: ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin))
     t_copy = timer(lambda: dst.copy_(src))
     t_ref = timer(lambda: ref.rerotate_scatter_ref(k_pre, v, rows, k_new, v_new, cos, sin))
@@ -174,7 +194,7 @@ def bench_rerotate(torch, ops, ref, timer, args, device, dtype, frac, gen):
     return dict(op="rerotate_scatter", case=f"T={T} R={R} ({frac:.0%}) Hkv={Hkv} D={D} {args.dtype}", ms=t,
                 gbps=moved / t / 1e6, baseline="copy of the same bytes", baseline_ms=t_copy, baseline_tflops=None,
                 ratio=t / t_copy, target="<= 2.0x copy time", ok=t <= 2.0 * t_copy, torch_reference_ms=t_ref,
-                bytes=moved)
+                bytes=moved, **correct)
 
 
 def _tuned_config(ops, group, D, dtype):
@@ -188,21 +208,27 @@ def _tuned_config(ops, group, D, dtype):
     return None if cfg is None else dict(**cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _check_cell(r) -> str:
+    if "check_ok" not in r:
+        return "-"
+    return f"{'ok' if r['check_ok'] else 'MISMATCH'} ({r['max_abs_err']:.1e})"
+
+
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
 def markdown(results) -> str:
     lines = [
-        "| op | case | ms | TFLOP/s | GB/s | baseline | baseline ms | baseline TFLOP/s | ratio | target | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | case | ms | TFLOP/s | GB/s | baseline | baseline ms | baseline TFLOP/s | ratio | target | ok | vs reference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ok = {True: "yes", False: "NO", None: "-"}[r.get("ok")]
         lines.append(
             f"| {r['op']} | {r['case']} | {r['ms']:.3f} | {_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} "
             f"| {r['baseline']} | {_fmt(r.get('baseline_ms'), '.3f')} | {_fmt(r.get('baseline_tflops'), '.1f')} "
-            f"| {_fmt(r.get('ratio'), '.2f')} | {r['target']} | {ok} |"
+            f"| {_fmt(r.get('ratio'), '.2f')} | {r['target']} | {ok} | {_check_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -228,7 +254,7 @@ def main(argv=None) -> int:
 
     results = []
     for frac in args.fractions:
-        results.append(bench_sparse_attention(torch, ops, timer, args, device, dtype, frac, gen))
+        results.append(bench_sparse_attention(torch, ops, ref, timer, args, device, dtype, frac, gen))
     results.append(bench_dense_causal(torch, timer, args, device, dtype, gen))
     results.append(bench_attention_mass(torch, ops, ref, timer, args, device, dtype, gen))
     for frac in args.fractions:
@@ -248,6 +274,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, results=results), f, indent=2)
         print(f"wrote {args.json}")
+    failed = [r["case"] for r in results if r.get("check_ok") is False]
+    if failed:
+        print(f"MISMATCH vs reference: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
