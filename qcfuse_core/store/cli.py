@@ -41,14 +41,18 @@ def parse_bytes(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def add_store_commands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `store {stats,verify,gc,clear}` on the main CLI's subparsers."""
+def add_store_commands(
+    subparsers: argparse._SubParsersAction, *, default_store: Path | None = None
+) -> argparse.ArgumentParser:
+    """Register `store {stats,verify,gc,clear}` on the main CLI's subparsers.
+
+    `--store DIR` is required unless `default_store` is given (the CLI's default root)."""
     store = subparsers.add_parser("store", help="inspect and maintain the KV chunk store")
     sub = store.add_subparsers(dest="store_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--store", required=True, type=Path, metavar="DIR",
-                       help="store root (the KV store lives in DIR/kv)")
+        p.add_argument("--store", required=default_store is None, default=default_store, type=Path,
+                       metavar="DIR", help="store root (the KV store lives in DIR/kv)")
         p.add_argument("--json", action="store_true", help="print a JSON object")
         p.set_defaults(func=run_store_command)
         return p
