@@ -1,0 +1,167 @@
+"""Engine behaviour on the embedded model: generation, streaming, stops, results, caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qcfuse_core.engine import EngineConfig, QCFuseEngine
+from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
+from qcfuse_core.segment import ChunkTextIndex
+from qcfuse_core.types import ChunkKey, Piece
+
+DOCS = [
+    "The Zephyr Institute is a marine research station in Port Halden. It was founded in 1987 by the marine biologist Ada Ferreira.",
+    "Cape Wrayth lighthouse stands on the northern tip of Veloria. The stone tower is thirty-two metres tall and was first lit in 1884.",
+    "Halden Rovers is the football club of Port Halden. It was founded in 1911 and plays at Quayside Park.",
+]
+Q = "Who founded the Zephyr Institute?"
+
+
+def test_full_recompute_through_fusion_answers_like_full(smol_engine):
+    """ratio 1.0 recomputes every context token (the prefix cache is exact): same greedy answer as HF's prefill."""
+    full = smol_engine.answer(Q, DOCS, method="full", max_new_tokens=24)
+    fused = smol_engine.answer(Q, DOCS, method="random", ratio=1.0, max_new_tokens=24)
+    assert fused.recomputed_tokens == fused.context_tokens
+    assert fused.text == full.text and fused.token_ids == full.token_ids
+    assert len(full.token_ids) > 3
+
+
+def test_result_fields_and_cache_hits():
+    from qcfuse_core.model import load_model
+
+    eng = QCFuseEngine(load_model(dtype="fp32"))
+    first = eng.answer(Q, DOCS, method="naive", max_new_tokens=4)
+    assert (first.cache_hits, first.cache_misses) == (0, 3)
+    second = eng.answer(Q, DOCS[::-1], method="naive", max_new_tokens=4)  # other order: still hits
+    assert (second.cache_hits, second.cache_misses) == (3, 0)
+    r = second.to_dict()
+    for key in ("answer", "ttft_ms", "total_ms", "method", "ratio", "context_tokens", "recomputed_tokens",
+                "cache_hits", "cache_misses"):
+        assert key in r
+    assert 0 < second.ttft_ms <= second.total_ms
+    assert second.method == "naive" and second.ratio is None
+    glue = int(eng.fuse_pieces(eng.rag_pieces(Q, DOCS))[0].mask("text").sum())
+    assert second.recomputed_tokens == glue
+    assert second.context_tokens == second.prompt_tokens - len(eng.tokenize(eng._head + eng.config.context_header)) - \
+        len(eng.tokenize(eng.config.question_template.format(question=Q) + eng._tail))
+
+
+def test_streaming_deltas_join_to_text(smol_engine):
+    stream = smol_engine.stream(Q, DOCS, method="epic", ratio=0.3, max_new_tokens=20)
+    deltas = list(stream)
+    assert stream.result is not None
+    assert "".join(deltas) == stream.result.text
+    assert len(deltas) > 1
+
+
+def test_max_tokens_and_stop_strings(smol_engine):
+    free = smol_engine.answer(Q, DOCS, method="full", max_new_tokens=24)
+    capped = smol_engine.answer(Q, DOCS, method="full", max_new_tokens=3)
+    assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
+    assert free.text.startswith(capped.text)
+    words = free.text.split()
+    stop = " " + words[3]
+    stopped = smol_engine.answer(Q, DOCS, method="full", max_new_tokens=24, stop=(stop,))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+    # streamed with the same stop: never emits any part of the stop string
+    stream = smol_engine.stream(Q, DOCS, method="full", max_new_tokens=24, stop=(stop,))
+    assert "".join(stream) == stopped.text
+
+
+def test_eos_ends_generation(smol_engine):
+    r = smol_engine.answer(Q, DOCS, method="full", max_new_tokens=64)
+    assert r.finish_reason == "stop" and len(r.token_ids) < 64
+    assert smol_engine.tokenizer.eos_token_id not in r.token_ids
+
+
+def test_sampling_is_seeded(smol_engine):
+    kw = dict(method="full", max_new_tokens=12, temperature=1.5, top_p=0.95)
+    a = smol_engine.answer(Q, DOCS, seed=1, **kw)
+    b = smol_engine.answer(Q, DOCS, seed=1, **kw)
+    assert a.token_ids == b.token_ids
+    others = {tuple(smol_engine.answer(Q, DOCS, seed=s, **kw).token_ids) for s in (2, 3, 4)}
+    assert len(others | {tuple(a.token_ids)}) > 1
+
+
+def test_sampler_top_k_1_is_greedy():
+    logits = torch.randn(50)
+    s = Sampler(GenerationConfig(temperature=0.8, top_k=1, seed=0))
+    assert all(s(logits) == int(logits.argmax()) for _ in range(5))
+
+
+def test_sampler_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    s = Sampler(GenerationConfig(temperature=1.0, top_p=0.8, seed=0))
+    assert {s(logits) for _ in range(200)} == {0, 1}
+
+
+class _CharTokenizer:
+    """Token id = a character's code point; decode joins them."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_assembler_holds_back_partial_stop_strings():
+    asm = TextAssembler(_CharTokenizer(), stop=("END",))
+    out = [asm.push(ord(c)) for c in "abcEN"]
+    assert "".join(out) == "abc"  # "EN" may start "END": held back
+    assert asm.push(ord("X")) == "ENX"
+    assert [asm.push(ord(c)) for c in "END"][-1] == "" and asm.stopped
+    assert asm.text == "abcENX"
+
+
+def test_text_assembler_flushes_on_finish():
+    asm = TextAssembler(_CharTokenizer(), stop=("STOP",))
+    for c in "hiST":
+        asm.push(ord(c))
+    assert asm.text == "hi"
+    assert asm.finish() == "ST" and asm.text == "hiST"
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1),
+                                 dict(stop="x"), dict(stop=("",))])
+def test_generation_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        GenerationConfig(**bad)
+
+
+def test_bad_requests_raise_clear_errors(smol_engine):
+    with pytest.raises(ValueError, match="valid: .*full.*naive"):
+        smol_engine.answer(Q, DOCS, method="magic")
+    with pytest.raises(ValueError, match="ratio"):
+        smol_engine.answer(Q, DOCS, ratio=1.5)
+    with pytest.raises(ValueError, match="question is empty"):
+        smol_engine.answer("  ", DOCS)
+    with pytest.raises(ValueError, match="ratio"):
+        EngineConfig(ratio=-0.1)
+
+
+def test_complete_finds_registered_chunks_in_a_raw_prompt(smol):
+    eng = QCFuseEngine(smol, text_index=ChunkTextIndex())
+    for i, d in enumerate(DOCS):
+        eng.build_chunk(d, node_id=f"n{i}")
+    prompt = "Context information is below.\n---\n" + DOCS[2] + "\n\n" + DOCS[0] + "\n---\nQuery: " + Q + "\nAnswer: "
+    pieces = eng.texts.find(prompt)
+    assert [p.node_id for p in pieces] == ["n2", "n0"]
+    r = eng.complete(prompt, method="naive", max_new_tokens=4)
+    assert (r.cache_hits, r.cache_misses) == (2, 0) and r.chunks == 2
+    assert eng.store.resolve("n2") == ChunkKey.for_tokens(eng.fingerprint, eng.tokenize(DOCS[2]))
+    # the same text computed twice is stored once
+    n = len(list(eng.store.keys()))
+    eng.build_chunk(DOCS[0], node_id="other-id")
+    assert len(list(eng.store.keys())) == n
+
+
+def test_completion_pieces_layout(smol):
+    eng = QCFuseEngine(smol)
+    chunk = Piece("chunk", DOCS[1], "a")
+    pieces = eng.completion_pieces("HEAD " + DOCS[1] + " TAIL", [chunk])
+    assert [p.kind for p in pieces] == ["prefix", "chunk", "suffix"]
+    assert pieces[0].text.endswith("HEAD ") and pieces[2].text.startswith(" TAIL")
+    no_chunks = eng.completion_pieces("just a question", [])
+    assert [p.kind for p in no_chunks] == ["prefix", "suffix"]
+    with pytest.raises(ValueError, match="does not occur"):
+        eng.completion_pieces("unrelated", [chunk])
