@@ -2,7 +2,7 @@
 
     python examples/llamaindex_rag.py --store /tmp/qcfuse-li
 
-1. ingest   SimpleDirectoryReader(sample corpus) -> IngestionPipeline(SentenceSplitter,
+1. ingest   the sample corpus (one Document per file) -> IngestionPipeline(SentenceSplitter,
             QCFuseCacheBuilder, QCFuseEmbedding) -> ChromaVectorStore (persistent, telemetry off).
             The pipeline's docstore is persisted under --store, so a second run ingests nothing.
 2. query    VectorStoreIndex.from_vector_store(...).as_query_engine(llm=QCFuseLLM(...),
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
+    from llama_index.core import Document, Settings, VectorStoreIndex
     from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     vector_store = chroma_vector_store(store / "chroma")
 
     # 1. ingest (a second run over the same --store finds every document unchanged)
-    docs = SimpleDirectoryReader(str(corpus_dir()), required_exts=[".md"], filename_as_id=True).load_data()
+    docs = [Document(text=f.read_text(encoding="utf-8"), id_=f.name, metadata={"file_name": f.name})
+            for f in sorted(corpus_dir().glob("*.md"))]
     pipeline = IngestionPipeline(
         transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=32), QCFuseCacheBuilder(store_dir=str(store)), embed],
         vector_store=vector_store, docstore=SimpleDocumentStore(), docstore_strategy=DocstoreStrategy.UPSERTS,
