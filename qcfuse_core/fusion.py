@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,7 @@ class FusedPrompt:
     def chunk_spans(self) -> list[tuple[int, int]]:
         return [(st, st + len(s)) for s, st in zip(self.segments, self.starts) if s.kind == "chunk"]
 
-    def cached_layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer` of all segment caches laid end to end: k_pre, v (T, Hkv, D); zeros where uncached."""
         ks, vs = [], []
         for s in self.segments:
@@ -126,6 +127,16 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[1]
+
+
+class LayerSource(Protocol):
+    """Where fused prefill gets layer l of the cached segments (the prefetcher implements this).
+
+    `layer(l, like)` returns k_pre, v (T, Hkv, D) on like's device and dtype, laid out as the
+    prompt's segments, zeros where a segment has no cache. Layers are asked for in order.
+    """
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -174,11 +185,13 @@ def fused_prefill(
     kv_out: KVCache | None = None,
     all_logits: bool = False,
     capture_pre_rope: bool = False,
+    source: LayerSource | None = None,
 ) -> PrefillOutput:
     """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
 
     `rows` must contain every uncached position (glue text, suffix), including the last.
     `on_layer_end` may return a new row set (a subset of the current one) for later layers.
+    `source` supplies the cached layers (default: read the prompt's in-memory chunk caches).
     """
     T = prompt.num_tokens
     adapter.check_length(T)
@@ -196,7 +209,7 @@ def fused_prefill(
         cur_dev = cur.to(dev)
         x = adapter.attn_norm(layer, h)
         q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
-        k_cached, v_cached = prompt.cached_layer(layer, k_new)  # (T, Hkv, D) each
+        k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
         k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(), cos_all, sin_all)
         if captured is not None:
             kp = k_cached.clone()
