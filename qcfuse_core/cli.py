@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.store.cli import add_store_commands
 
     add_store_commands(sub)
+    from qcfuse_core.quality_cli import add_commands as add_quality_commands
+
+    add_quality_commands(sub)
     return parser
 
 

@@ -14,12 +14,17 @@ The engine runs `full` as an ordinary HF prefill; the others go through fused pr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from qcfuse_core.fusion import FusedPrompt
+from qcfuse_core import critical_layers
+from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
+from qcfuse_core.fusion import FusedPrompt, LayerState
 from qcfuse_core.model import ModelAdapter
+from qcfuse_core.probe import ProbeResult, context_keys, gather_context, query_mass, run_probe
+from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, top_budget
 from qcfuse_core.types import SelectionResult
 
 
@@ -117,3 +122,201 @@ def get_selector(name: str) -> Selector:
     if name not in SELECTORS:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(sorted(SELECTORS))}")
     return SELECTORS[name]()
+
+
+# ----------------------------------------------------------------------------- query-aware methods
+# qcfuse / qcall / qclast probe the query and rank chunk tokens by the attention mass they
+# receive (probe.py); cacheblend ranks them by V deviation at layer 1 inside the fused
+# prefill. Their options come from SelectionContext.options, parsed into QCFuseOptions.
+
+
+@dataclass(frozen=True)
+class QCFuseOptions:
+    critical_layers: tuple[int, ...] | None = None  # None: critical_layers.lookup(model)
+    anchor_method: str = "keynorm"
+    anchor_share: float = 0.125
+    sinks: int = 4
+    budget: str = "fixed"  # fixed (ratio x context) | adaptive (cover target mass)
+    target_mass: float = 0.8
+    floor: float = 0.05
+    ceiling: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGET_MODES:
+            raise ValueError(f"unknown budget mode {self.budget!r}; valid: {', '.join(BUDGET_MODES)}")
+        AnchorConfig(self.anchor_method, self.anchor_share, self.sinks)  # validates
+        AdaptiveBudget(self.target_mass, self.floor, self.ceiling)
+        if self.critical_layers is not None and not self.critical_layers:
+            raise ValueError("critical_layers must be non-empty (or None to look them up)")
+
+    @classmethod
+    def from_options(cls, options: dict) -> "QCFuseOptions":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in options.items() if k in known}
+        if kw.get("critical_layers") is not None:
+            kw["critical_layers"] = tuple(int(x) for x in kw["critical_layers"])
+        return cls(**kw)
+
+    @property
+    def anchors(self) -> AnchorConfig:
+        return AnchorConfig(self.anchor_method, self.anchor_share, self.sinks)
+
+
+class QueryAwareSelector(Selector):
+    """Shared tail of qcfuse / qcall / qclast: per-position scores -> rows + details.
+
+    query_aware: the selection reads the suffix (the last segment) as the query.
+    """
+
+    query_aware = True
+
+    def choose(self, ctx: SelectionContext, opts: QCFuseOptions, mass: torch.Tensor, details: dict) -> SelectionResult:
+        """mass (T,) fp32 over prompt positions -> SelectionResult (chunk tokens ranked)."""
+        prompt = ctx.prompt
+        cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,)
+        cand_scores = mass[cand]
+        if opts.budget == "fixed":
+            n = ctx.budget
+        else:
+            ab = AdaptiveBudget(opts.target_mass, opts.floor, opts.ceiling)
+            ctx_n = prompt.context_tokens
+            n = adaptive_count(cand_scores, ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
+        chosen = top_budget(cand, cand_scores, n)
+        chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
+        chosen_mask[torch.searchsorted(cand, chosen)] = True
+        details.update(
+            budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
+            mass_covered=covered_share(cand_scores, chosen_mask),
+        )
+        ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
+        return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)
+
+    @staticmethod
+    def suffix(ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Suffix ids and absolute positions (S,) each."""
+        seg, start = ctx.prompt.segments[-1], ctx.prompt.starts[-1]
+        return seg.token_ids, torch.arange(start, start + len(seg))
+
+    @staticmethod
+    def score(ctx: SelectionContext, probe: ProbeResult, layers) -> tuple[torch.Tensor, float]:
+        """Mean over `layers` of the context mass -> ((T,) fp32 over positions, elapsed ms)."""
+        t0 = time.perf_counter()
+        adapter = ctx.adapter
+        mass = torch.zeros(ctx.prompt.num_tokens)
+        for layer in layers:
+            k_ctx, pos = context_keys(adapter, ctx.prompt, layer)
+            mass[pos] += query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale).cpu()
+        return mass / len(layers), (time.perf_counter() - t0) * 1e3
+
+
+@register
+class QCFuseSelector(QueryAwareSelector):
+    """Probe the query against prefix + anchors up to the deepest critical layer; rank
+    chunk tokens by the mass they receive at the critical layers (full K there)."""
+
+    name = "qcfuse"
+
+    def select(self, ctx: SelectionContext) -> SelectionResult:
+        opts = QCFuseOptions.from_options(ctx.options)
+        if opts.critical_layers is not None:
+            layers, source = list(opts.critical_layers), "option"
+        else:
+            layers, source = critical_layers.lookup(ctx.adapter)
+        depth = max(layers) + 1
+        # 1. anchors (computed now only for chunks stored without them)
+        t0 = time.perf_counter()
+        acfg = opts.anchors
+        repeat_ids = repeat_prompt_ids(ctx.adapter) if acfg.method == "repeat" else None
+        anchors, fresh = {}, 0
+        for seg in ctx.prompt.segments:
+            if seg.kind == "chunk" and seg.chunk is not None:
+                a, now = ensure_anchors(ctx.adapter, seg.chunk, depth, acfg, repeat_ids)
+                anchors[id(seg)] = a
+                fresh += now
+        anchor_ms = (time.perf_counter() - t0) * 1e3
+        # 2. probe the suffix against prefix + anchors
+        context = gather_context(ctx.prompt, depth, lambda seg: anchors[id(seg)])
+        ids, pos = self.suffix(ctx)
+        probe = run_probe(ctx.adapter, ids, pos, context, keep=layers)
+        # 3. score at the critical layers, 4. select
+        mass, score_ms = self.score(ctx, probe, layers)
+        anchor_pos = torch.cat([a[0] + st for s, st in zip(ctx.prompt.segments, ctx.prompt.starts)
+                                if (a := anchors.get(id(s))) is not None]) if anchors else torch.empty(0, dtype=torch.int64)
+        details = dict(
+            critical_layers=layers, layers_source=source, anchor_method=acfg.method, anchor_share=acfg.share,
+            anchors_per_layer=int(sum(a.shape[1] for a in anchors.values())), anchors_computed=fresh,
+            anchor_positions_layer0=anchor_pos, anchor_ms=anchor_ms, probe_layer_ms=probe.layer_ms,
+            probe_context=probe.context_sizes, score_ms=score_ms,
+        )
+        return self.choose(ctx, opts, mass, details)
+
+
+class _FullContextProbe(QueryAwareSelector):
+    """Probe against every cached context token (no anchors) through `layers`."""
+
+    def layers(self, adapter) -> list[int]:
+        raise NotImplementedError
+
+    def select(self, ctx: SelectionContext) -> SelectionResult:
+        opts = QCFuseOptions.from_options(ctx.options)
+        layers = self.layers(ctx.adapter)
+        context = gather_context(ctx.prompt, max(layers) + 1, None)
+        ids, pos = self.suffix(ctx)
+        probe = run_probe(ctx.adapter, ids, pos, context, keep=layers)
+        mass, score_ms = self.score(ctx, probe, layers)
+        details = dict(critical_layers=layers, probe_layer_ms=probe.layer_ms, score_ms=score_ms)
+        return self.choose(ctx, opts, mass, details)
+
+
+@register
+class QCAllSelector(_FullContextProbe):
+    """Query attention at every layer against the full context cache (no anchors)."""
+
+    name = "qcall"
+
+    def layers(self, adapter) -> list[int]:
+        return list(range(adapter.num_layers))
+
+
+@register
+class QCLastSelector(_FullContextProbe):
+    """Query attention at the last layer only, against the full context cache."""
+
+    name = "qclast"
+
+    def layers(self, adapter) -> list[int]:
+        return [adapter.num_layers - 1]
+
+
+@register
+class CacheBlendSelector(Selector):
+    """Layers 0-1 for every token; after layer 1 keep the chunk tokens whose fresh V
+    deviates most from the cached V (sum of squares over heads and dims)."""
+
+    name = "cacheblend"
+    check_layer = 1
+
+    def select(self, ctx: SelectionContext) -> SelectionResult:
+        base = ctx.finalize(self.name, torch.empty(0, dtype=torch.int64))  # glue + suffix
+        sel = SelectionResult(method=self.name, rows=base.rows, full_layers=self.check_layer + 1)
+        chunk_mask = ctx.prompt.mask("chunk")
+
+        def on_layer_end(state: LayerState) -> torch.Tensor | None:
+            if state.layer != self.check_layer:
+                return None
+            cur = state.rows.cpu()  # (T,) every row at this layer
+            dev = (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()  # (T,)
+            cand = cur[chunk_mask[cur]]
+            chosen = top_budget(cand, dev[chunk_mask[cur]], ctx.budget)
+            res = ctx.finalize(self.name, chosen)
+            ctx_pos = torch.nonzero(ctx.prompt.mask("chunk", "text")).flatten()
+            full_dev = torch.zeros(ctx.prompt.num_tokens)
+            full_dev[cur] = dev
+            sel.scores = full_dev[ctx_pos]
+            sel.details.update(positions=chosen, selected_scores=full_dev[chosen], budget=ctx.budget,
+                               full_layers=self.check_layer + 1)
+            sel.rows = res.rows
+            return res.rows
+
+        sel.on_layer_end = on_layer_end
+        return sel

@@ -1,0 +1,182 @@
+"""`qcfuse bench quality`: every method on the same prompts, scored against full prefill and gold.
+
+Per example (one process, chunk caches built once and shared by every method):
+
+    1. build     the engine's RAG prompt; chunk caches computed alone (MemoryStore per example)
+    2. full      HF prefill of [prompt ; gold] -> first-token logits, gold NLL, greedy answer
+    3. methods   for each method x ratio: select on the prompt, fused prefill of
+                 [prompt ; gold] with the gold rows recomputed -> first-token logits, gold
+                 NLL (teacher-forced), then greedy decoding from the prompt's fused cache
+    4. score     F1 / EM / contains / ROUGE-L vs gold, agreement with full's answer,
+                 KL(full || method) on the first token, recompute share, TTFT
+
+Appending the gold answer after the suffix changes nothing before it (causal attention), so
+one prefill gives both the first-token distribution and the teacher-forced gold NLL; the
+query-aware selectors see the prompt without the gold tokens (no leak). TTFT here is
+select + prefill of the gold-extended prompt (a few tokens longer than the real one).
+
+Per-example records stream to a JSONL file (nothing is lost if the run stops); `aggregate`
+turns them into the table rows: one per dataset, method and ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from qcfuse_core import metrics as M
+from qcfuse_core.datasets import Example, dataset_name, load_dataset
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
+from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
+from qcfuse_core.store import MemoryStore
+
+log = logging.getLogger(__name__)
+
+ROW_KEYS = ("dataset", "method", "ratio", "n", "f1", "em", "contains", "rouge_l", "agree_exact", "agree_rouge_l",
+            "kl_first_token", "gold_nll", "recompute_share", "ttft_ms")
+DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
+
+
+def _greedy(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, max_new: int) -> str:
+    eos = engine._eos_ids()
+    ids: list[int] = []
+    token = int(torch.argmax(first_logits))
+    while token not in eos and len(ids) < max_new:
+        ids.append(token)
+        if len(ids) == max_new:
+            break
+        token = int(torch.argmax(decode_step(engine.adapter, cache, token)))
+    return engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
+    golds = ex.answers
+    d = dict(answer=answer, f1=M.best(M.token_f1, answer, golds), em=M.best(M.exact_match, answer, golds),
+             contains=M.best(M.contains, answer, golds), rouge_l=M.best(M.rouge_l, answer, golds))
+    if full_answer is not None:
+        d.update(agree_exact=float(M.normalize(answer) == M.normalize(full_answer)),
+                 agree_rouge_l=M.rouge_l(answer, full_answer))
+    return d
+
+
+def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dict, max_new: int,
+                gold_tokens: int = 64) -> list[dict]:
+    """All methods on one example -> per (method, ratio) records."""
+    adapter = engine.adapter
+    engine.store = MemoryStore()  # chunk caches of this example only (an fp32 6K-token context is ~300 MB)
+    t0 = time.perf_counter()
+    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
+    build_ms = (time.perf_counter() - t0) * 1e3
+    T = prompt.num_tokens
+    gold = engine.tokenize(ex.answers[0])[:gold_tokens]
+    G = int(gold.numel())
+    prompt_g = FusedPrompt(prompt.segments + [Segment("suffix", gold)])
+    gold_pos = torch.arange(T, T + G)
+    common = dict(id=ex.id, prompt_tokens=T, context_tokens=prompt.context_tokens, chunks=len(prompt.chunk_spans()),
+                  gold_tokens=G, build_ms=build_ms)
+    # 2. full prefill: the reference
+    t1 = time.perf_counter()
+    logits, kv = adapter.hf_forward(prompt_g.token_ids, last_only=False)  # (T+G, vocab)
+    full_ms = (time.perf_counter() - t1) * 1e3
+    full_first = logits[T - 1]
+    cache = KVCache(adapter, T + G + max_new)
+    fill_from_hf(cache, kv)
+    cache.length = T
+    full_answer = _greedy(engine, cache, full_first, max_new)
+    records = [dict(common, method="full", ratio=None, kl_first_token=0.0,
+                    gold_nll=M.nll(logits[T - 1 : T - 1 + G], gold), recompute_share=1.0, ttft_ms=full_ms,
+                    **_text_scores(full_answer, ex, full_answer))]
+    del logits, kv
+    # 3. every other method
+    for method in methods:
+        if method == "full":
+            continue
+        selector = get_selector(method)
+        for ratio in (ratios if selector.uses_ratio else [None]):
+            t2 = time.perf_counter()
+            query_aware = getattr(selector, "query_aware", False)
+            ctx = SelectionContext(adapter, prompt if query_aware else prompt_g, ratio or 0.0, options=options)
+            sel = selector.select(ctx)
+            select_ms = (time.perf_counter() - t2) * 1e3
+            rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
+            cache = KVCache(adapter, T + G + max_new)
+            out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
+                                kv_out=cache, all_logits=True)
+            ttft = (time.perf_counter() - t2) * 1e3
+            tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1
+            cache.length = T
+            answer = _greedy(engine, cache, tail[0], max_new)
+            ctx_rows = int(prompt.mask("chunk", "text")[out.rows[out.rows < T]].sum())
+            rec = dict(common, method=method, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
+                       gold_nll=M.nll(tail[:G], gold), recompute_share=ctx_rows / max(1, prompt.context_tokens),
+                       ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
+            if "mass_covered" in sel.details:
+                rec["mass_covered"] = sel.details["mass_covered"]
+            records.append(rec)
+    return records
+
+
+def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | None, offset: int = 0,
+        options: dict | None = None, max_new: int = 32, jsonl: Path | None = None) -> list[dict]:
+    """Run the benchmark on one dataset file; records stream to `jsonl` (appended; done ids skipped)."""
+    unknown = [m for m in methods if m not in SELECTORS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; valid: {', '.join(sorted(SELECTORS))}")
+    name = dataset_name(dataset)
+    done = set()
+    if jsonl is not None and jsonl.is_file():
+        done = {(r["dataset"], r["id"]) for r in map(json.loads, jsonl.read_text().splitlines()) if r}
+    out = []
+    for ex in load_dataset(dataset, limit=limit, offset=offset):
+        if (name, ex.id) in done:
+            continue
+        t0 = time.perf_counter()
+        recs = [dict(r, dataset=name) for r in run_example(engine, ex, methods, ratios, options or {}, max_new)]
+        log.info("%s %s: %d records in %.1f s", name, ex.id, len(recs), time.perf_counter() - t0)
+        if jsonl is not None:
+            with jsonl.open("a") as f:
+                for r in recs:
+                    f.write(json.dumps(r) + "\n")
+        out.extend(recs)
+    return out
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """Per-example records -> one row per (dataset, method, ratio), means over the examples
+    that every method finished (so methods are compared on the same questions)."""
+    by_ds: dict[str, dict] = defaultdict(lambda: defaultdict(dict))
+    for r in records:
+        by_ds[r["dataset"]][(r["method"], r["ratio"])][r["id"]] = r
+    rows = []
+    for ds, groups in by_ds.items():
+        common_ids = set.intersection(*(set(g) for g in groups.values()))
+        for (method, ratio), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+            sel = [g[i] for i in sorted(common_ids)]
+            if not sel:
+                continue
+            row = {"dataset": ds, "method": method, "ratio": ratio, "n": len(sel)}
+            for k in ROW_KEYS[4:]:
+                vals = [s[k] for s in sel if s.get(k) is not None]
+                row[k] = round(sum(vals) / len(vals), 5) if vals else None
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["dataset", "method", "ratio", "n", "kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l",
+            "contains", "f1", "em", "rouge_l", "recompute_share", "ttft_ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = []
+        for k in head:
+            v = r.get(k)
+            cells.append("-" if v is None else (f"{v:.4f}" if isinstance(v, float) and k != "ttft_ms" else
+                                                 f"{v:.0f}" if k == "ttft_ms" else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""Critical layers per model: shipped presets, saved profiles, and the lookup.
+
+QCFuse scores context tokens at a few "critical" layers (algorithm.md section 3.3). Where
+they come from, first match wins:
+
+    1. an explicit list (engine / selector option)
+    2. a user profile written by `qcfuse profile-layers`: <cache_dir>/critical_layers/<fingerprint>.json
+    3. the packaged table `qcfuse_core/data/critical_layers.json`, by fingerprint, then by
+       name (case-insensitive substring of the model's folder / repo name)
+    4. a depth heuristic: three layers at 45%, 55% and 65% of depth (logged as a warning)
+
+Profile file format (both the packaged table's entries and user profiles):
+
+    {"model": "SmolLM2-135M-Instruct", "match": ["smollm2-135m"], "fingerprints": ["..."],
+     "layers": [12, 15, 9], "source": "qcfuse profile-layers ...", "ranking": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib import resources
+from pathlib import Path
+
+from qcfuse_core.model import ModelAdapter, cache_dir
+
+log = logging.getLogger(__name__)
+
+PACKAGED = "critical_layers.json"
+
+
+def profile_dir() -> Path:
+    return cache_dir() / "critical_layers"
+
+
+def packaged_profiles() -> list[dict]:
+    text = resources.files("qcfuse_core.data").joinpath(PACKAGED).read_text()
+    return json.loads(text)["profiles"]
+
+
+def heuristic_layers(num_layers: int) -> list[int]:
+    """Three layers at 45/55/65% depth (the authors' lists sit at 40-75%)."""
+    return sorted({min(num_layers - 1, max(0, round(f * (num_layers - 1)))) for f in (0.45, 0.55, 0.65)})
+
+
+def lookup(adapter: ModelAdapter) -> tuple[list[int], str]:
+    """-> (critical layers, where they came from) for this model."""
+    fp = adapter.fingerprint()
+    user = profile_dir() / f"{fp}.json"
+    if user.is_file():
+        return _checked(json.loads(user.read_text())["layers"], adapter), f"profile {user}"
+    name = adapter.name.lower()
+    profiles = packaged_profiles()
+    for p in profiles:
+        if fp in p.get("fingerprints", []):
+            return _checked(p["layers"], adapter), f"packaged profile {p['model']} (fingerprint)"
+    for p in profiles:
+        if any(m.lower() in name for m in p.get("match", [])):
+            return _checked(p["layers"], adapter), f"packaged profile {p['model']} (name)"
+    layers = heuristic_layers(adapter.num_layers)
+    log.warning("no critical-layer profile for %s (%s); using depth heuristic %s - run `qcfuse profile-layers`",
+                adapter.name, fp, layers)
+    return layers, "depth heuristic"
+
+
+def save_profile(profile: dict, path: Path | None, adapter: ModelAdapter) -> Path:
+    """Write a profile (to `path`, or the user profile dir keyed by fingerprint)."""
+    _checked(profile["layers"], adapter)
+    target = path or profile_dir() / f"{adapter.fingerprint()}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(profile, indent=1) + "\n")
+    return target
+
+
+def _checked(layers, adapter: ModelAdapter) -> list[int]:
+    layers = [int(x) for x in layers]
+    if not layers or any(not 0 <= x < adapter.num_layers for x in layers):
+        raise ValueError(f"critical layers {layers} do not fit a {adapter.num_layers}-layer model")
+    return layers

@@ -1,0 +1,123 @@
+"""CLI commands for selection quality: `qcfuse profile-layers` and `qcfuse bench quality`.
+
+    qcfuse profile-layers --dataset PATH [--model DIR] [--limit N] [--ratio R] [--out FILE]
+    qcfuse bench quality --dataset PATH [PATH...] --methods M... --ratios R... [--limit N]
+                         --json OUT [--jsonl RECORDS] [--plot OUT.png] [--aggregate-only]
+
+`add_commands(subparsers)` registers both on the main parser (qcfuse_core/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default: agreement metrics need it) | bf16 | fp16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _selection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--anchors", dest="anchor_method", default="keynorm", choices=("keynorm", "repeat"))
+    p.add_argument("--anchor-share", type=float, default=0.125)
+    p.add_argument("--critical-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated layers (default: the model's profile / preset)")
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("profile-layers", help="rank layers for query-aware selection on a calibration set")
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--top", type=int, default=3, help="how many layers the profile keeps")
+    p.add_argument("--out", default=None, help="profile JSON (default: the user profile dir, keyed by fingerprint)")
+    _model_args(p)
+    _selection_args(p)
+    p.set_defaults(func=cmd_profile_layers)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    q = bsub.add_parser("quality", help="every method on the same prompts vs full prefill and gold")
+    q.add_argument("--dataset", nargs="+", required=True)
+    q.add_argument("--methods", nargs="+", default=None)
+    q.add_argument("--ratios", nargs="+", type=float, default=[0.15, 0.3])
+    q.add_argument("--limit", type=int, default=None)
+    q.add_argument("--offset", type=int, default=0)
+    q.add_argument("--max-new-tokens", type=int, default=32)
+    q.add_argument("--budget", default="fixed", choices=("fixed", "adaptive"))
+    q.add_argument("--target-mass", type=float, default=0.8)
+    q.add_argument("--json", required=True, help="table rows (list of objects)")
+    q.add_argument("--jsonl", default=None, help="per-example records, appended (default: JSON path + .records.jsonl)")
+    q.add_argument("--plot", default=None)
+    q.add_argument("--aggregate-only", action="store_true", help="only rebuild --json/--plot from --jsonl")
+    _model_args(q)
+    _selection_args(q)
+    q.set_defaults(func=cmd_bench_quality)
+
+
+def _open(args):
+    import torch
+
+    from qcfuse_core.engine import QCFuseEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return QCFuseEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+
+
+def _options(args) -> dict:
+    opts = {"anchor_method": args.anchor_method, "anchor_share": args.anchor_share}
+    if args.critical_layers:
+        opts["critical_layers"] = args.critical_layers
+    for k in ("budget", "target_mass"):
+        if getattr(args, k, None) is not None:
+            opts[k] = getattr(args, k)
+    return opts
+
+
+def cmd_profile_layers(args) -> int:
+    from qcfuse_core import critical_layers
+    from qcfuse_core.anchors import AnchorConfig
+    from qcfuse_core.profiler import format_ranking, profile_layers
+
+    logging.getLogger("qcfuse_core").setLevel(logging.INFO)
+    engine = _open(args)
+    prof = profile_layers(engine, args.dataset, limit=args.limit, ratio=args.ratio, top_k=args.top,
+                          anchors=AnchorConfig(args.anchor_method, args.anchor_share),
+                          layers=args.critical_layers)
+    path = critical_layers.save_profile(prof, Path(args.out) if args.out else None, engine.adapter)
+    print(format_ranking(prof))
+    print(f"critical layers {prof['layers']} -> {path}")
+    return 0
+
+
+def cmd_bench_quality(args) -> int:
+    from qcfuse_core import bench_quality as bq
+
+    out = Path(args.json)
+    jsonl = Path(args.jsonl) if args.jsonl else out.with_suffix(".records.jsonl")
+    if not args.aggregate_only:
+        logging.getLogger("qcfuse_core").setLevel(logging.INFO)
+        engine = _open(args)
+        methods = args.methods or list(bq.DEFAULT_METHODS)
+        for ds in args.dataset:
+            bq.run(engine, ds, methods, args.ratios, limit=args.limit, offset=args.offset,
+                   options=_options(args), max_new=args.max_new_tokens, jsonl=jsonl)
+    if not jsonl.is_file():
+        raise FileNotFoundError(f"no per-example records at {jsonl}")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    rows = bq.aggregate(records)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(bq.format_table(rows))
+    if args.plot:
+        from qcfuse_core.plot import plot_quality
+
+        plot_quality(rows, Path(args.plot))
+    return 0
