@@ -67,13 +67,21 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def read_exact(fd: int, buf: memoryview, offset: int) -> int:
-    """pread into `buf` from `offset` until full or end of file; returns bytes read."""
-    view = memoryview(buf).cast("B")
+def read_exact(fd: int, buffers: memoryview | list[memoryview], offset: int) -> int:
+    """pread into `buffers` (filled in order, from `offset`) until full or end of file.
+
+    One preadv call for all buffers in the common case; returns the bytes read."""
+    views = [memoryview(b).cast("B") for b in (buffers if isinstance(buffers, list) else [buffers])]
+    want = sum(len(v) for v in views)
     got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
+    while views:
+        n = os.preadv(fd, views, offset + got)
         if n == 0:
             break
         got += n
-    return got
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return min(got, want)

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def _sqlite_full(e: sqlite3.Error) -> bool:
 class DiskTier:
     def __init__(
         self, root: Path | str, storage: str = "auto", *, capacity_bytes: int | None = None,
-        alloc: Alloc = plain_alloc,
+        alloc: Alloc = plain_alloc, io_threads: int = 8,
     ) -> None:
         self.root = Path(root)
         self.storage = check_storage_name(storage)
@@ -112,7 +113,9 @@ class DiskTier:
         self.stats = TierStats()
         self.degraded = False
         self._located: OrderedDict[ChunkKey, _Located] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, key: ChunkKey, tag: str, kind: str) -> str:
@@ -151,9 +154,9 @@ class DiskTier:
     def _bad(self, key: ChunkKey, row: EntryRow, reason: str) -> None:
         """A damaged entry: log, count, forget it (row first, then the file it named)."""
         logger.warning("KV store: entry %s unusable (%s); treated as a miss", key, reason)
-        self.stats.corrupt += 1
-        self.stats.misses += 1
         with self._lock:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
             self._located.pop(key, None)
         try:
             if self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path):
@@ -283,7 +286,8 @@ class DiskTier:
                 return loc
         row = self._lookup(key)
         if row is None:
-            self.stats.misses += 1
+            with self._lock:
+                self.stats.misses += 1
             return None
         reason = ""
         try:
@@ -362,7 +366,7 @@ class DiskTier:
         try:
             if os.fstat(fd).st_size != loc.row.nbytes:  # truncated or grown: the entry is damaged
                 reason = "file size disagrees with manifest"
-            elif read_exact(fd, views[0], start) + read_exact(fd, views[1], start + half) != end - start:
+            elif read_exact(fd, views, start) != end - start:
                 reason = "short read (truncated)"
         except OSError as e:
             reason = f"read failed: {e}"
@@ -383,9 +387,41 @@ class DiskTier:
             kv = decode_layer(kv, sc, out_k.dtype)
             out_k.copy_(kv[0])
             out_v.copy_(kv[1])
-        self.stats.hits += 1
-        self.stats.bytes_read += end - start
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += end - start
         return True
+
+    def _prefetch(self, key: ChunkKey, layer: int) -> None:
+        """Ask the kernel to start reading one layer's bytes (asynchronous, advisory)."""
+        loc = self._locate(key)
+        if loc is None or not hasattr(os, "posix_fadvise") or not 0 <= layer < loc.layout.num_layers:
+            return
+        start, end = loc.layout.layer_spans[layer]
+        try:
+            fd = os.open(self.root / loc.row.path, os.O_RDONLY)
+        except OSError:
+            return  # the read itself reports it
+        try:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # advisory only
+        finally:
+            os.close(fd)
+
+    def read_layers_into(
+        self, jobs: list[tuple[ChunkKey, int, torch.Tensor, torch.Tensor]]
+    ) -> list[bool]:
+        """`read_layer_into` for many (key, layer, out_k, out_v) at once, on `io_threads`
+        threads (preadv and hashing release the GIL), so the disk sees a deeper queue."""
+        if len(jobs) <= 1 or self.io_threads <= 1:
+            return [self.read_layer_into(*job) for job in jobs]
+        for key, layer, _, _ in jobs:  # start every read now: the kernel queues them all
+            self._prefetch(key, layer)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="qcfuse-kv-io")
+        return list(self._pool.map(lambda job: self.read_layer_into(*job), jobs))
 
     def contains(self, key: ChunkKey) -> bool:
         return self._lookup(key) is not None
@@ -471,4 +507,7 @@ class DiskTier:
         return side
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.manifest.close()

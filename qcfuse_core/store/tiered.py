@@ -75,7 +75,8 @@ class LayerBatch:
 
         k, v (T_total, Hkv, D):  | chunk 0 | chunk 1 | ... | chunk C-1 |
         offsets (C+1,):          0        t1        t2   ...          T_total
-    A chunk found nowhere (found[c] False) occupies zero rows.
+    A chunk found nowhere occupies zero rows; a chunk whose read failed verification keeps
+    its rows (contents undefined). Either way found[c] is False and the caller recomputes it.
     """
 
     k: torch.Tensor
@@ -195,31 +196,37 @@ class TieredStore(ChunkStore):
             out_v = torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin)
         elif out_k.shape[0] != offsets[-1]:
             raise ValueError(f"out_k has {out_k.shape[0]} rows, the found chunks have {offsets[-1]}")
-        found = []
-        for (kind, image, lay), key, a, b in zip(sources, keys, offsets, offsets[1:]):
-            ok = kind != "miss"
+        found = [kind != "miss" for kind, _, _ in sources]
+        jobs, staged = [], []  # disk reads, run together on the disk tier's I/O threads
+        for c, ((kind, image, lay), key, a, b) in enumerate(zip(sources, keys, offsets, offsets[1:])):
             if kind == "mem":
                 kv, sc = image.kv(layer), image.scale(layer)
-                if sc is not None:
-                    kv = decode_layer(kv, sc, out_k.dtype)
                 nb = image.data.is_pinned() and out_k.device.type == "cuda"
+                if sc is not None:  # fp8: move the stored bytes (half of bf16), decode there
+                    kv = decode_layer(kv.to(out_k.device, non_blocking=nb), sc.to(out_k.device),
+                                      out_k.dtype)
                 out_k[a:b].copy_(kv[0], non_blocking=nb)
                 out_v[a:b].copy_(kv[1], non_blocking=nb)
-            elif kind == "disk":
-                if out_k.device.type == "cpu":
-                    ok = self.disk.read_layer_into(key, layer, out_k[a:b], out_v[a:b])
-                else:  # through a host staging pair, then one copy each to the device
-                    sk = torch.empty((b - a, *out_k.shape[1:]), dtype=out_k.dtype, pin_memory=self.cuda)
-                    sv = torch.empty_like(sk)
-                    ok = self.disk.read_layer_into(key, layer, sk, sv)
-                    if ok:
-                        out_k[a:b].copy_(sk)
-                        out_v[a:b].copy_(sv)
+            elif kind == "disk" and out_k.device.type == "cpu":
+                jobs.append((c, (key, layer, out_k[a:b], out_v[a:b])))
+            elif kind == "disk":  # through a host staging pair, then one copy each to the device
+                sk = torch.empty((b - a, *out_k.shape[1:]), dtype=out_k.dtype, pin_memory=self.cuda)
+                jobs.append((c, (key, layer, sk, torch.empty_like(sk))))
+                staged.append(c)
+        oks = self.disk.read_layers_into([job for _, job in jobs])
+        for (c, job), ok in zip(jobs, oks):
+            found[c] = ok
+            if ok and c in staged:
+                a, b = offsets[c], offsets[c + 1]
+                out_k[a:b].copy_(job[2], non_blocking=self.cuda)
+                out_v[a:b].copy_(job[3], non_blocking=self.cuda)
+        if staged and self.cuda:
+            torch.cuda.current_stream(out_k.device).synchronize()  # staging buffers die here
+        for ok, (_, _, lay) in zip(found, sources):
             self._stats.hits += ok
             self._stats.misses += not ok
-            if ok and lay is not None:
+            if ok:
                 self._stats.bytes_read += lay.layer_bytes
-            found.append(ok)
         return LayerBatch(out_k, out_v, offsets, found)
 
     # -- writes -----------------------------------------------------------------------------
