@@ -354,12 +354,15 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.
         inv[rows] = torch.arange(R, device=device, dtype=torch.int32)
     else:  # never read (inv is all -1); avoids handing the kernel a 0-element pointer
         k_new_pre, v_new = k_pre, v
-    interpret = backend() == "interpret"
     half = D // 2
-    block_r = 16 if interpret else 32
-    rerotate_scatter_kernel[(_cdiv(T * Hkv, block_r),)](
+    block_half, block_h = _next_pow2(half), _next_pow2(Hkv)
+    # ~4K elements per (BT, BH, BC) tile: enough bytes in flight per program, few registers
+    block_t = max(1, min(64, 4096 // (block_h * block_half)))
+    if backend() == "interpret":
+        block_t = min(block_t, 8)
+    rerotate_scatter_kernel[(_cdiv(T, block_t),)](
         k_pre, v, k_new_pre, v_new, inv, cos, sin, k_rot, v_out, T,
-        NUM_KV_HEADS=Hkv, HEAD_DIM=D, HALF=half, BLOCK_HALF=_next_pow2(half), BLOCK_R=block_r,
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BLOCK_T=block_t,
         num_warps=4,
     )
     return k_rot, v_out
