@@ -162,3 +162,16 @@ def test_bad_storage_names_raise():
         stored_dtype("int4", torch.bfloat16)
     with pytest.raises(TypeError):
         stored_dtype("auto", torch.int32)
+
+
+@pytest.mark.parametrize("storage", ["auto", "fp8"])
+def test_layer_batch_from_memory_matches_layer_reads(tmp_path, storage):
+    chunks = [make_chunk(20 + i, T=5 + i, dtype=torch.float32) for i in range(3)]
+    with store_at(tmp_path, storage_dtype=storage) as s:
+        for c in chunks:
+            s.put(c)  # now in the host tier
+        batch = s.read_layer_batch([c.key for c in chunks], 2)
+        assert batch.found == [True] * 3 and batch.k.dtype == torch.float32
+        for c, a, b in zip(chunks, batch.offsets, batch.offsets[1:]):
+            k, v = s.get_layer(c.key, 2)
+            assert torch.equal(batch.k[a:b], k) and torch.equal(batch.v[a:b], v)
