@@ -20,7 +20,6 @@ What must hold:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
@@ -29,18 +28,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from qcfuse_core.store.atomic import is_disk_full, prepare_tmp, publish, read_exact
 from qcfuse_core.store.codec import DTYPE_NAME, check_storage_name, decode_layer
 from qcfuse_core.store.entry import (
-    FORMAT_NAME,
     FORMAT_VERSION,
     EntryFormatError,
     EntryImage,
@@ -50,6 +46,7 @@ from qcfuse_core.store.entry import (
     parse_header,
 )
 from qcfuse_core.store.manifest import EntryRow, Manifest, SidecarRow
+from qcfuse_core.store.sidecar import Sidecar, decode_sidecar, encode_sidecar
 from qcfuse_core.store.tier import TierStats
 from qcfuse_core.types import ChunkKey, hash_token_ids
 
@@ -65,23 +62,6 @@ Alloc = Callable[[int], torch.Tensor]  # nbytes -> uint8 host buffer (plain or p
 
 def plain_alloc(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
-
-
-@dataclass
-class Sidecar:
-    """What selection needs before the bulk of a chunk arrives.
-
-    anchors: method name -> anchor index tensor (as `KVChunk.anchors`);
-    layer_keys: layer -> pre-RoPE K of that (critical) layer, (T, Hkv, D).
-    """
-
-    anchors: dict[str, torch.Tensor] = field(default_factory=dict)
-    layer_keys: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        ts = [*self.anchors.values(), *self.layer_keys.values()]
-        return sum(t.numel() * t.element_size() for t in ts)
 
 
 @dataclass
@@ -443,12 +423,8 @@ class DiskTier:
 
     # -- sidecars ---------------------------------------------------------------------------
     def write_sidecar(self, key: ChunkKey, sidecar: Sidecar) -> bool:
-        tensors = {f"anchors.{m}": t.detach().cpu().contiguous() for m, t in sidecar.anchors.items()}
-        tensors.update({f"layer_k.{l:03d}": t.detach().cpu().contiguous()
-                        for l, t in sidecar.layer_keys.items()})
-        meta = {"format": FORMAT_NAME + "-sidecar", "format_version": str(FORMAT_VERSION),
-                "key": key.to_string()}
-        blob = st_save(tensors, metadata=meta)
+        """Replace the chunk's sidecar (atomic, like entries). True when it is on disk."""
+        blob = encode_sidecar(key, sidecar)
 
         def write() -> bool:
             digest = checksum(blob)
@@ -468,6 +444,7 @@ class DiskTier:
         return self.guard(write)
 
     def read_sidecar(self, key: ChunkKey) -> Sidecar | None:
+        """The verified sidecar, or None (absent, or damaged: then logged, counted, removed)."""
         try:
             row = self.manifest.lookup_sidecar(key.to_string(), FORMAT_VERSION)
         except sqlite3.Error as e:
@@ -479,30 +456,19 @@ class DiskTier:
         try:
             blob = (self.root / row.path).read_bytes()
             if len(blob) != row.nbytes or checksum(blob) != row.checksum:
-                reason = "sidecar checksum mismatch"
-            else:
-                S = header_length(blob[:8])
-                meta = json.loads(blob[8:S]).get("__metadata__", {})
-                if meta.get("key") != key.to_string():
-                    reason = "sidecar names another key"
+                raise EntryFormatError("sidecar checksum mismatch")
+            side = decode_sidecar(blob, key)
         except FileNotFoundError:
             reason = "sidecar file missing"
-        except (OSError, ValueError) as e:
-            reason = f"sidecar unreadable: {e}"
+        except (OSError, EntryFormatError) as e:
+            reason = str(e)
         if reason:
             logger.warning("KV store: sidecar of %s unusable (%s); treated as a miss", key, reason)
-            self.stats.corrupt += 1
+            with self._lock:
+                self.stats.corrupt += 1
             if self.manifest.remove_sidecar(row.chunk_key, row.format_version, row.path):
                 (self.root / row.path).unlink(missing_ok=True)
             return None
-        tensors = st_load(blob)
-        side = Sidecar()
-        for name, t in tensors.items():
-            kind, _, rest = name.partition(".")
-            if kind == "anchors":
-                side.anchors[rest] = t
-            elif kind == "layer_k":
-                side.layer_keys[int(rest)] = t
         self.stats.bytes_read += len(blob)
         return side
 

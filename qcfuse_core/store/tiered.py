@@ -30,9 +30,10 @@ import torch
 
 from qcfuse_core.store.base import ChunkStore, StoreStats
 from qcfuse_core.store.codec import check_storage_name, decode_layer
-from qcfuse_core.store.disk import DiskTier, Sidecar, plain_alloc
+from qcfuse_core.store.disk import DiskTier, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, encode_chunk
 from qcfuse_core.store.eviction import get_policy
+from qcfuse_core.store.sidecar import Sidecar
 from qcfuse_core.store.tier import MemoryTier
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
@@ -131,14 +132,13 @@ class TieredStore(ChunkStore):
     def get(self, key: ChunkKey) -> KVChunk | None:
         image = self._image(key)
         if image is None:
-            self._stats.misses += 1
+            self._count(misses=1)
             return None
         chunk = image.decode()
         side = self.get_sidecar(key)
         if side is not None:
             chunk.anchors = dict(side.anchors)
-        self._stats.hits += 1
-        self._stats.bytes_read += image.nbytes
+        self._count(hits=1, bytes_read=image.nbytes)
         return chunk
 
     def get_layer(self, key: ChunkKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -146,18 +146,16 @@ class TieredStore(ChunkStore):
         for tier in self.memory_tiers:
             image = tier.get(key)
             if image is not None:
-                self._stats.hits += 1
-                self._stats.bytes_read += image.layout.layer_bytes
+                self._count(hits=1, bytes_read=image.layout.layer_bytes)
                 return image.decode_layer(layer)
         lay = self.disk.layout(key)
         if lay is not None:
             k = torch.empty(lay.layer_shape[1:], dtype=lay.src_dtype)
             v = torch.empty_like(k)
             if self.disk.read_layer_into(key, layer, k, v):
-                self._stats.hits += 1
-                self._stats.bytes_read += lay.layer_bytes
+                self._count(hits=1, bytes_read=lay.layer_bytes)
                 return k, v
-        self._stats.misses += 1
+        self._count(misses=1)
         return None
 
     def read_layer_batch(
@@ -223,10 +221,7 @@ class TieredStore(ChunkStore):
         if staged and self.cuda:
             torch.cuda.current_stream(out_k.device).synchronize()  # staging buffers die here
         for ok, (_, _, lay) in zip(found, sources):
-            self._stats.hits += ok
-            self._stats.misses += not ok
-            if ok:
-                self._stats.bytes_read += lay.layer_bytes
+            self._count(hits=int(ok), misses=int(not ok), bytes_read=lay.layer_bytes if ok else 0)
         return LayerBatch(out_k, out_v, offsets, found)
 
     # -- writes -----------------------------------------------------------------------------
@@ -243,11 +238,7 @@ class TieredStore(ChunkStore):
         image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
         stored = self.disk.write(image)
         self.host.put(image)
-        self._stats.puts += 1
-        if stored:
-            self._stats.bytes_written += image.nbytes
-        else:
-            self._stats.write_failures += 1
+        self._count(puts=1, bytes_written=image.nbytes if stored else 0, write_failures=int(not stored))
 
     def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
                     layer_keys: dict[int, torch.Tensor] | None = None) -> None:
@@ -316,6 +307,12 @@ class TieredStore(ChunkStore):
         return iter(list(seen))
 
     # -- observability ----------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        """Add to the store-level counters (the engine's loader threads call in too)."""
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
     def stats(self) -> dict:
         entries, nbytes = self.disk.manifest.count_and_bytes(FORMAT_VERSION, self.config.storage_dtype)
         evictions = sum(t.stats.evictions for t in self.memory_tiers) + self.disk.stats.evictions
@@ -324,7 +321,9 @@ class TieredStore(ChunkStore):
         tiers["disk"] = {"path": str(self.disk.root), "entries": entries, "bytes_used": nbytes,
                          "capacity_bytes": self.disk.capacity_bytes, "degraded": self.disk.degraded,
                          **self.disk.stats.as_dict()}
-        s = self._stats.as_dict() | {"corrupt": corrupt, "evictions": evictions}
+        with self._lock:
+            counters = self._stats.as_dict()
+        s = counters | {"corrupt": corrupt, "evictions": evictions}
         return {"backend": "tiered", "format_version": FORMAT_VERSION,
                 "storage_dtype": self.config.storage_dtype, "policy": self.config.policy,
                 "entries": entries, "degraded": self.disk.degraded, **s, "tiers": tiers}
