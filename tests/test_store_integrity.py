@@ -221,3 +221,23 @@ def test_other_write_errors_propagate(tmp_path, monkeypatch):
     monkeypatch.setattr(atomic, "write_all", denied)
     with store_at(tmp_path) as s, pytest.raises(PermissionError):
         s.put(make_chunk(16))
+
+
+def test_sidecar_lifecycle_follows_the_entry(tmp_path):
+    chunk, other = make_chunk(17), make_chunk(18)
+    with store_at(tmp_path) as a, store_at(tmp_path) as b:
+        a.put(chunk)
+        a.put(other)
+        assert a.get_sidecar(chunk.key) is None  # not cached as absent ...
+        b.put_sidecar(chunk.key, anchors={"m": torch.tensor([[1, 2]])})
+        assert torch.equal(a.get_sidecar(chunk.key).anchors["m"], torch.tensor([[1, 2]]))  # ... so seen
+        b.put_sidecar(other.key, layer_keys={0: other.k[0]})
+        assert len(list((tmp_path / "data").rglob("*.sidecar.safetensors"))) == 2
+        assert a.delete(chunk.key) and a.get_sidecar(chunk.key) is None  # delete takes the sidecar
+        assert len(list((tmp_path / "data").rglob("*.sidecar.safetensors"))) == 1
+    from qcfuse_core.store.maintenance import gc
+
+    with store_at(tmp_path) as s:
+        rep = gc(s.disk, 0, grace_s=0)  # evicts `other`, then its now-orphaned sidecar
+        assert rep.removed_entries == 1 and rep.removed_orphans == 1
+        assert not list((tmp_path / "data").rglob("*.safetensors"))

@@ -198,6 +198,7 @@ class DiskTier:
                 (self.root / row.path).unlink(missing_ok=True)
                 total -= row.nbytes
                 self.stats.evictions += 1
+                self.drop_orphan_sidecars(row.chunk_key)
                 with self._lock:
                     self._located.pop(ChunkKey.from_string(row.chunk_key), None)
 
@@ -415,7 +416,17 @@ class DiskTier:
         removed = self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path)
         if removed:
             (self.root / row.path).unlink(missing_ok=True)
+            self.drop_orphan_sidecars(row.chunk_key)
         return removed
+
+    def drop_orphan_sidecars(self, chunk_key: str | None = None) -> int:
+        """Remove sidecars whose chunk has no entry left (puts write the entry first)."""
+        n = 0
+        for side in self.manifest.orphan_sidecars(chunk_key):
+            if self.manifest.remove_sidecar(side.chunk_key, side.format_version, side.path):
+                (self.root / side.path).unlink(missing_ok=True)
+                n += 1
+        return n
 
     def keys(self) -> list[ChunkKey]:
         return [ChunkKey.from_string(r.chunk_key)

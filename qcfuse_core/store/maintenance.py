@@ -137,6 +137,7 @@ def gc(disk: DiskTier, max_bytes: int, *, grace_s: float = DEFAULT_GRACE_S) -> G
             rep.removed_entries += 1
             rep.removed_bytes += row.nbytes
     rep.total_bytes = total
+    rep.removed_orphans += disk.drop_orphan_sidecars()
     _prune_empty_dirs(disk.root / DATA_DIR)
     return rep
 

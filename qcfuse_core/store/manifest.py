@@ -228,6 +228,15 @@ class Manifest:
         with self.transaction() as c:
             return c.execute(sql, args).rowcount > 0
 
+    def orphan_sidecars(self, chunk_key: str | None = None) -> list[SidecarRow]:
+        """Sidecars whose chunk has no entry left (in any format version or storage)."""
+        sql = ("SELECT chunk_key, format_version, path, nbytes, checksum FROM sidecars s WHERE NOT EXISTS "
+               "(SELECT 1 FROM entries e WHERE e.chunk_key = s.chunk_key)")
+        args: tuple = ()
+        if chunk_key is not None:
+            sql, args = sql + " AND s.chunk_key = ?", (chunk_key,)
+        return [SidecarRow(*r) for r in self._query(sql, args)]
+
     def sidecars(self) -> list[SidecarRow]:
         rows = self._query("SELECT chunk_key, format_version, path, nbytes, checksum FROM sidecars")
         return [SidecarRow(*r) for r in rows]

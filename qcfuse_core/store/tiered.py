@@ -87,6 +87,9 @@ class LayerBatch:
 
 
 def _pinned_alloc(nbytes: int) -> torch.Tensor:
+    # Known cost: torch's caching host allocator rounds pinned blocks up to a power of two and
+    # keeps freed blocks cached, so real pinned memory can reach ~2x the host tier's capacity
+    # (a 1024-token Llama-8B entry is 128 MiB + 8 KiB -> a 256 MiB block).
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
@@ -102,7 +105,7 @@ class TieredStore(ChunkStore):
         self.disk = DiskTier(root, config.storage_dtype, capacity_bytes=config.disk_bytes,
                              alloc=_pinned_alloc if self.cuda else plain_alloc)
         self._stats = StoreStats()
-        self._sidecars: OrderedDict[ChunkKey, Sidecar | None] = OrderedDict()
+        self._sidecars: OrderedDict[ChunkKey, Sidecar] = OrderedDict()
         self._sidecar_bytes = 0
         self._nodes: dict[tuple[str, str], ChunkKey] = {}  # fallback when the disk is full
         self._lock = threading.Lock()
@@ -229,16 +232,16 @@ class TieredStore(ChunkStore):
         """Store a chunk (idempotent); its anchors and the K of `sidecar_layers` (default: the
         config's) go into the sidecar."""
         key = chunk.key
+        if not (self.disk.contains(key) or (self.disk.degraded and key in self.host)):
+            image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
+            stored = self.disk.write(image)  # the entry before its sidecar (see gc)
+            self.host.put(image)
+            self._count(puts=1, bytes_written=image.nbytes if stored else 0,
+                        write_failures=int(not stored))
         layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
         if chunk.anchors or layers:
             self.put_sidecar(key, anchors=chunk.anchors,
                              layer_keys={l: chunk.k[l] for l in layers if l < chunk.num_layers})
-        if self.disk.contains(key) or (self.disk.degraded and key in self.host):
-            return
-        image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
-        stored = self.disk.write(image)
-        self.host.put(image)
-        self._count(puts=1, bytes_written=image.nbytes if stored else 0, write_failures=int(not stored))
 
     def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
                     layer_keys: dict[int, torch.Tensor] | None = None) -> None:
@@ -257,18 +260,19 @@ class TieredStore(ChunkStore):
                 self._sidecars.move_to_end(key)
                 return self._sidecars[key]
         side = self.disk.read_sidecar(key)
-        self._cache_sidecar(key, side)
+        if side is not None:  # absence is not cached: another process may add it any time
+            self._cache_sidecar(key, side)
         return side
 
-    def _cache_sidecar(self, key: ChunkKey, side: Sidecar | None) -> None:
+    def _cache_sidecar(self, key: ChunkKey, side: Sidecar) -> None:
         with self._lock:
             old = self._sidecars.pop(key, None)
             self._sidecar_bytes -= old.nbytes if old is not None else 0
             self._sidecars[key] = side
-            self._sidecar_bytes += side.nbytes if side is not None else 0
+            self._sidecar_bytes += side.nbytes
             while self._sidecar_bytes > self.config.sidecar_cache_bytes and self._sidecars:
                 _, gone = self._sidecars.popitem(last=False)
-                self._sidecar_bytes -= gone.nbytes if gone is not None else 0
+                self._sidecar_bytes -= gone.nbytes
 
     # -- index ------------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
