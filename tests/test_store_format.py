@@ -175,3 +175,21 @@ def test_layer_batch_from_memory_matches_layer_reads(tmp_path, storage):
         for c, a, b in zip(chunks, batch.offsets, batch.offsets[1:]):
             k, v = s.get_layer(c.key, 2)
             assert torch.equal(batch.k[a:b], k) and torch.equal(batch.v[a:b], v)
+
+
+@pytest.mark.parametrize("storage", ["auto", "fp8"])
+def test_layer_batch_to_a_device_buffer_path(tmp_path, storage):
+    """The device-output path (raw reads, copy, decode on the device) with the meta device
+    standing in for CUDA: it runs and verifies; the data check is the GPU test's job."""
+    chunks = [make_chunk(30 + i, T=6) for i in range(3)]
+    with store_at(tmp_path, storage_dtype=storage) as s:
+        for c in chunks:
+            s.put(c)
+    with store_at(tmp_path, storage_dtype=storage, memory_bytes=0) as s:
+        out = torch.empty((18, 2, 8), dtype=torch.bfloat16, device="meta")
+        batch = s.read_layer_batch([c.key for c in chunks], 1, out_k=out, out_v=out.clone())
+        assert batch.found == [True] * 3 and s.disk.stats.hits == 3
+        kv, scale = s.disk.read_layer_raw(chunks[0].key, 1)
+        assert kv.shape == (2, 6, 2, 8) and (scale is None) == (storage == "auto")
+        if storage == "auto":
+            assert torch.equal(kv[0], chunks[0].k[1])

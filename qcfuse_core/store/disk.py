@@ -310,40 +310,23 @@ class DiskTier:
         loc = self._locate(key)
         return None if loc is None else loc.layout
 
-    def read_layer_into(
-        self, key: ChunkKey, layer: int, out_k: torch.Tensor, out_v: torch.Tensor
-    ) -> bool:
-        """Read layer `layer` of one entry into out_k, out_v (T, Hkv, D) on the host.
-
-        Fast path (stored dtype == out dtype, contiguous): the bytes go straight from the
-        file into the two output buffers (one pread each), then are checksummed in place.
-        On a checksum failure the outputs hold garbage and False is returned.
-        """
+    def _read_layer(self, key: ChunkKey, layer: int, views_for) -> _Located | None:
+        """Read one layer's bytes into `views_for(layout)` (two buffers: K bytes, V bytes)
+        and verify them; counts the hit, or handles the damage and returns None."""
         loc = self._locate(key)
         if loc is None:
-            return False
+            return None
         lay = loc.layout
         if not 0 <= layer < lay.num_layers:
             raise IndexError(f"layer {layer} out of range for {lay.num_layers} layers")
-        shape = lay.layer_shape[1:]
-        if tuple(out_k.shape) != shape or tuple(out_v.shape) != shape:
-            raise ValueError(f"out_k/out_v must be {shape}, got {tuple(out_k.shape)}, {tuple(out_v.shape)}")
         start, end = lay.layer_spans[layer]
-        half = (end - start) // 2
-        direct = (out_k.dtype == lay.dtype and out_v.dtype == lay.dtype and lay.scale_span is None
-                  and out_k.device.type == "cpu" and out_k.is_contiguous() and out_v.is_contiguous())
-        if direct:
-            views = [memoryview(out_k.view(torch.uint8).numpy()).cast("B"),
-                     memoryview(out_v.view(torch.uint8).numpy()).cast("B")]
-        else:
-            scratch = self.alloc(end - start)
-            views = [memoryview(scratch.numpy())[:half], memoryview(scratch.numpy())[half:]]
+        views = views_for(lay)
+        reason = ""
         try:
             fd = os.open(self.root / loc.row.path, os.O_RDONLY)
         except OSError as e:
             self._bad(key, loc.row, f"open failed: {e}")
-            return False
-        reason = ""
+            return None
         try:
             if os.fstat(fd).st_size != loc.row.nbytes:  # truncated or grown: the entry is damaged
                 reason = "file size disagrees with manifest"
@@ -353,25 +336,73 @@ class DiskTier:
             reason = f"read failed: {e}"
         finally:
             os.close(fd)
+        if not reason:
+            h = xxhash.xxh3_64()
+            for view in views:
+                h.update(view)
+            if h.hexdigest() != loc.row.checksums[2 + layer]:
+                reason = f"layer {layer} checksum mismatch"
         if reason:
             self._bad(key, loc.row, reason)
-            return False
-        h = xxhash.xxh3_64()
-        h.update(views[0])
-        h.update(views[1])
-        if h.hexdigest() != loc.row.checksums[2 + layer]:
-            self._bad(key, loc.row, f"layer {layer} checksum mismatch")
-            return False
-        if not direct:
-            kv = scratch.view(lay.dtype).view(lay.layer_shape)
-            sc = None if loc.scales is None else loc.scales[layer]
-            kv = decode_layer(kv, sc, out_k.dtype)
-            out_k.copy_(kv[0])
-            out_v.copy_(kv[1])
+            return None
         with self._lock:
             self.stats.hits += 1
             self.stats.bytes_read += end - start
+        return loc
+
+    def read_layer_raw(self, key: ChunkKey, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One layer as stored: (kv (2, T, Hkv, D) in the stored dtype, in a fresh host buffer
+        (pinned under CUDA), fp8 scale (2, Hkv) or None). For decoding on another device."""
+        buf: list[torch.Tensor] = []
+
+        def views_for(lay: EntryLayout) -> list[memoryview]:
+            buf.append(self.alloc(lay.layer_bytes))
+            mv = memoryview(buf[0].numpy())
+            return [mv[: lay.layer_bytes // 2], mv[lay.layer_bytes // 2 :]]
+
+        loc = self._read_layer(key, layer, views_for)
+        if loc is None:
+            return None
+        kv = buf[0].view(loc.layout.dtype).view(loc.layout.layer_shape)
+        return kv, None if loc.scales is None else loc.scales[layer]
+
+    def read_layer_into(
+        self, key: ChunkKey, layer: int, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> bool:
+        """Read layer `layer` of one entry into out_k, out_v (T, Hkv, D) on the host.
+
+        Fast path (stored dtype == out dtype, contiguous): the bytes go straight from the
+        file into the two output buffers (one preadv), then are checksummed in place; on a
+        failure they hold garbage and False is returned. Otherwise: raw read, then decode.
+        """
+        lay = self.layout(key)
+        if lay is None:
+            return False
+        shape = lay.layer_shape[1:]
+        if tuple(out_k.shape) != shape or tuple(out_v.shape) != shape:
+            raise ValueError(f"out_k/out_v must be {shape}, got {tuple(out_k.shape)}, {tuple(out_v.shape)}")
+        direct = (out_k.dtype == lay.dtype and out_v.dtype == lay.dtype and lay.scale_span is None
+                  and out_k.device.type == "cpu" and out_k.is_contiguous() and out_v.is_contiguous())
+        if direct:
+            views = [memoryview(out_k.view(torch.uint8).numpy()).cast("B"),
+                     memoryview(out_v.view(torch.uint8).numpy()).cast("B")]
+            return self._read_layer(key, layer, lambda _: views) is not None
+        raw = self.read_layer_raw(key, layer)
+        if raw is None:
+            return False
+        kv = decode_layer(raw[0], raw[1], out_k.dtype)
+        out_k.copy_(kv[0])
+        out_v.copy_(kv[1])
         return True
+
+    def map_io(self, fn, items: list) -> list:
+        """`[fn(*item) for item in items]` on the I/O threads (preadv and xxh3 release the GIL)."""
+        if len(items) <= 1 or self.io_threads <= 1:
+            return [fn(*item) for item in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="qcfuse-kv-io")
+        return list(self._pool.map(lambda item: fn(*item), items))
 
     def _prefetch(self, key: ChunkKey, layer: int) -> None:
         """Ask the kernel to start reading one layer's bytes (asynchronous, advisory)."""
@@ -393,16 +424,12 @@ class DiskTier:
     def read_layers_into(
         self, jobs: list[tuple[ChunkKey, int, torch.Tensor, torch.Tensor]]
     ) -> list[bool]:
-        """`read_layer_into` for many (key, layer, out_k, out_v) at once, on `io_threads`
-        threads (preadv and hashing release the GIL), so the disk sees a deeper queue."""
-        if len(jobs) <= 1 or self.io_threads <= 1:
-            return [self.read_layer_into(*job) for job in jobs]
-        for key, layer, _, _ in jobs:  # start every read now: the kernel queues them all
-            self._prefetch(key, layer)
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="qcfuse-kv-io")
-        return list(self._pool.map(lambda job: self.read_layer_into(*job), jobs))
+        """`read_layer_into` for many (key, layer, out_k, out_v) at once, on the I/O threads,
+        with every read announced to the kernel first so the disk sees a deeper queue."""
+        if len(jobs) > 1:
+            for key, layer, _, _ in jobs:
+                self._prefetch(key, layer)
+        return self.map_io(self.read_layer_into, jobs)
 
     def contains(self, key: ChunkKey) -> bool:
         return self._lookup(key) is not None

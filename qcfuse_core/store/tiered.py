@@ -198,7 +198,7 @@ class TieredStore(ChunkStore):
         elif out_k.shape[0] != offsets[-1]:
             raise ValueError(f"out_k has {out_k.shape[0]} rows, the found chunks have {offsets[-1]}")
         found = [kind != "miss" for kind, _, _ in sources]
-        jobs, staged = [], []  # disk reads, run together on the disk tier's I/O threads
+        to_host, to_dev = [], []  # disk reads, run together on the disk tier's I/O threads
         for c, ((kind, image, lay), key, a, b) in enumerate(zip(sources, keys, offsets, offsets[1:])):
             if kind == "mem":
                 kv, sc = image.kv(layer), image.scale(layer)
@@ -209,20 +209,22 @@ class TieredStore(ChunkStore):
                 out_k[a:b].copy_(kv[0], non_blocking=nb)
                 out_v[a:b].copy_(kv[1], non_blocking=nb)
             elif kind == "disk" and out_k.device.type == "cpu":
-                jobs.append((c, (key, layer, out_k[a:b], out_v[a:b])))
-            elif kind == "disk":  # through a host staging pair, then one copy each to the device
-                sk = torch.empty((b - a, *out_k.shape[1:]), dtype=out_k.dtype, pin_memory=self.cuda)
-                jobs.append((c, (key, layer, sk, torch.empty_like(sk))))
-                staged.append(c)
-        oks = self.disk.read_layers_into([job for _, job in jobs])
-        for (c, job), ok in zip(jobs, oks):
+                to_host.append((c, (key, layer, out_k[a:b], out_v[a:b])))
+            elif kind == "disk":
+                to_dev.append((c, (key, layer)))
+        for (c, _), ok in zip(to_host, self.disk.read_layers_into([job for _, job in to_host])):
             found[c] = ok
-            if ok and c in staged:
+        # device outputs: stored bytes into pinned buffers, one copy each, decoded on the device
+        for (c, _), raw in zip(to_dev, self.disk.map_io(self.disk.read_layer_raw, [j for _, j in to_dev])):
+            found[c] = raw is not None
+            if raw is not None:
                 a, b = offsets[c], offsets[c + 1]
-                out_k[a:b].copy_(job[2], non_blocking=self.cuda)
-                out_v[a:b].copy_(job[3], non_blocking=self.cuda)
-        if staged and self.cuda:
-            torch.cuda.current_stream(out_k.device).synchronize()  # staging buffers die here
+                kv = raw[0].to(out_k.device, non_blocking=self.cuda)
+                sc = None if raw[1] is None else raw[1].to(out_k.device)
+                if sc is not None or kv.dtype != out_k.dtype:
+                    kv = decode_layer(kv, sc, out_k.dtype)
+                out_k[a:b].copy_(kv[0])
+                out_v[a:b].copy_(kv[1])
         for ok, (_, _, lay) in zip(found, sources):
             self._count(hits=int(ok), misses=int(not ok), bytes_read=lay.layer_bytes if ok else 0)
         return LayerBatch(out_k, out_v, offsets, found)
