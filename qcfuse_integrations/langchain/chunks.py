@@ -74,9 +74,9 @@ def locate_chunks(
         engine.texts.add(text, doc_id)
     spans = sorted(claimed + [s for s in spans if not any(s.overlaps(c) for c in claimed)], key=lambda s: s.start)
     # 3. doc_ids
+    if isinstance(doc_ids, str):
+        raise TypeError("doc_ids must be a list of id strings, not one string")
     if doc_ids:
-        if isinstance(doc_ids, str):
-            raise TypeError("doc_ids must be a list of id strings, not one string")
         by_key = {ChunkKey.for_tokens(engine.fingerprint, engine.tokenize(s.text)): i for i, s in enumerate(spans)}
         for doc_id in doc_ids:
             key = engine.store.resolve(NodeId(doc_id))

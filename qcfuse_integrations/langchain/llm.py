@@ -161,8 +161,10 @@ class QCFuseLLM(BaseLLM):
         if unknown:
             raise TypeError(f"QCFuseLLM got unknown call options {unknown}; valid: {', '.join(CALL_OPTIONS)}")
         get = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(self, name)  # noqa: E731
-        if isinstance(stop, str):
-            raise TypeError("stop must be a list of strings")
+        for name, value, what in (("stop", stop, "strings"), ("doc_ids", kwargs.get("doc_ids"), "id strings"),
+                                   ("documents", kwargs.get("documents"), "Documents")):
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__}")
         return CallOptions(
             method=get("method"), ratio=get("ratio"), generation={k: get(k) for k in _GENERATION_KEYS},
             stop=tuple(stop or ()), documents=tuple(kwargs.get("documents") or ()),
