@@ -116,3 +116,17 @@ def test_stats_count_hits_misses_bytes(tmp_path):
     assert (st["hits"], st["misses"], st["puts"], st["entries"]) == (1, 1, 1, 1)
     assert st["bytes_written"] == n and st["bytes_read"] == n
     assert st["tiers"]["host"]["bytes_used"] == n and st["tiers"]["disk"]["bytes_used"] == n
+
+
+def test_tiers_charge_allocated_bytes():
+    from types import SimpleNamespace
+
+    from qcfuse_core.store.tier import charge
+
+    def image(n, device="cpu", pinned=False):
+        return SimpleNamespace(nbytes=n, device=torch.device(device), data=SimpleNamespace(is_pinned=lambda: pinned))
+
+    assert charge(image(1000)) == 1000  # plain host memory: exact
+    assert charge(image((128 << 20) + 8192, pinned=True)) == 256 << 20  # pinned: power of two
+    assert charge(image(128 << 20, pinned=True)) == 128 << 20
+    assert charge(image((4 << 20) + 1, device="cuda")) == 6 << 20  # CUDA: 2 MiB blocks

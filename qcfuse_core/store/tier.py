@@ -1,7 +1,7 @@
 """A memory tier: entry images on one device under a byte capacity, evicted by policy.
 
 Invariant: `bytes_used <= capacity_bytes` after every call (an image larger than the whole
-capacity is not admitted). The tier never talks to disk; the tiered store decides what
+capacity is not admitted). Bytes are charged as allocated (`charge`), not as payload. The tier never talks to disk; the tiered store decides what
 enters (promotion on hit, write-through on put).
 """
 
@@ -29,6 +29,17 @@ class TierStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def charge(image: EntryImage) -> int:
+    """Bytes an image really occupies: torch's pinned host allocator rounds blocks up to a
+    power of two, the CUDA caching allocator large blocks to 2 MiB; plain memory is exact."""
+    n = image.nbytes
+    if image.device.type == "cuda":
+        return -(-n // (2 << 20)) * (2 << 20)
+    if image.data.is_pinned():
+        return 1 << (n - 1).bit_length()
+    return n
 
 
 class MemoryTier:
@@ -82,12 +93,14 @@ class MemoryTier:
 
     def put(self, image: EntryImage) -> list[ChunkKey]:
         """Admit `image` (copied to this tier's device), evicting as needed. Returns evicted keys."""
-        n = image.nbytes
         with self._lock:
-            if image.key in self._images or n > self.capacity_bytes:
+            if image.key in self._images or image.nbytes > self.capacity_bytes:
                 return []
         local = image.to(self.device, pin=self.pin)  # copy outside the lock
+        n = charge(local)
         with self._lock:
+            if n > self.capacity_bytes:
+                return []
             if image.key in self._images:
                 return []
             evicted = []
@@ -117,8 +130,7 @@ class MemoryTier:
         image = self._images.pop(key, None)
         if image is None:
             return False
-        del self._meta[key]
-        self._bytes -= image.nbytes
+        self._bytes -= self._meta.pop(key).nbytes
         return True
 
     def summary(self) -> dict:

@@ -87,9 +87,9 @@ class LayerBatch:
 
 
 def _pinned_alloc(nbytes: int) -> torch.Tensor:
-    # Known cost: torch's caching host allocator rounds pinned blocks up to a power of two and
-    # keeps freed blocks cached, so real pinned memory can reach ~2x the host tier's capacity
-    # (a 1024-token Llama-8B entry is 128 MiB + 8 KiB -> a 256 MiB block).
+    # Known cost: torch's caching host allocator rounds pinned blocks up to a power of two (a
+    # 1024-token Llama-8B entry, 128 MiB + 8 KiB, takes a 256 MiB block). The host tier charges
+    # that size against its capacity (`tier.charge`), so it stays honest but holds fewer entries.
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
