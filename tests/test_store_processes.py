@@ -55,10 +55,11 @@ WRITER = textwrap.dedent("""
         disk_mod.publish = publish_and_hang
         s.put(make_chunk(1))
     elif mode == "loop":  # keep writing big entries until killed
-        for i in range(1, 10_000):
+        for i in range(1, 200):
             s.put(make_chunk(i, T=256, L=8, Hkv=4, D=64))
             if i == 3:
                 ready.touch()
+        hang()
     elif mode == "overlap":  # wait for the start signal, then write our share
         start, first = root.parent / "start", int(sys.argv[3])
         while not start.exists():
@@ -114,12 +115,13 @@ def test_writer_killed_mid_write(tmp_path, mode):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     root = tmp_path / "kv"
-    chunks = {}
+    chunks = {c.key: c for c in (make_chunk(0), make_chunk(1))}
+    big = (make_chunk(i, T=256, L=8, Hkv=4, D=64) for i in range(1, 200))
 
-    def expect(key):
-        if not chunks:
-            chunks.update({c.key: c for c in [make_chunk(0), make_chunk(1)]})
-            chunks.update({c.key: c for c in (make_chunk(i, T=256, L=8, Hkv=4, D=64) for i in range(1, 40))})
+    def expect(key):  # the writer's chunks, rebuilt lazily in its order
+        while key not in chunks:
+            c = next(big)
+            chunks[c.key] = c
         return chunks[key]
 
     n = _check_all_valid(root, expect)
