@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.quality_cli import add_commands as add_quality_commands
 
     add_quality_commands(sub)
+    from qcfuse_core.bench_ttft import add_commands as add_ttft_commands
+
+    add_ttft_commands(sub)  # `bench ttft`, under `bench` if another module created it
     return parser
 
 

@@ -199,14 +199,16 @@ def fused_prefill(
     rows = rows.to(torch.int64).cpu()
     _check_rows(rows, prompt)
     all_rows = torch.arange(T)
-    cur = all_rows if full_layers > 0 else rows  # (R,)
-    cos_all, sin_all = adapter.rope(all_rows)  # (T, D)
+    cur = all_rows if full_layers > 0 else rows  # (R,) host copy, for bookkeeping
+    # device copies made once per row set (not per layer): no host syncs in the layer loop
+    cos_all, sin_all = adapter.rope(all_rows.to(dev))  # (T, D)
+    cur_dev = cur.to(dev, non_blocking=True)
+    cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]  # (R, D)
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
     captured = [] if capture_pre_rope else None
     layer_ms: list[float] = []
     for layer in range(adapter.num_layers):
         t0 = time.perf_counter()
-        cur_dev = cur.to(dev)
         x = adapter.attn_norm(layer, h)
         q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
         k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
@@ -215,7 +217,7 @@ def fused_prefill(
             kp = k_cached.clone()
             kp[cur_dev] = k_new
             captured.append(kp)
-        q = K.apply_rope(q_pre, cos_all[cur_dev], sin_all[cur_dev])
+        q = K.apply_rope(q_pre, cos_cur, sin_cur)
         attn = attend(q, k_rot, v_all, cur_dev, adapter.scale)  # (R, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
         if kv_out is not None:
@@ -231,6 +233,8 @@ def fused_prefill(
             _check_rows(nxt, prompt)
             h = h[_positions_in(cur, nxt).to(dev)]
             cur = nxt
+            cur_dev = cur.to(dev, non_blocking=True)
+            cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
         layer_ms.append((time.perf_counter() - t0) * 1e3)
     if kv_out is not None:
         kv_out.length = T

@@ -1,0 +1,482 @@
+"""Layer-wise loading of a fused prompt's chunk caches: sidecars first, then layer 0, 1, 2, ...
+
+    request   lookup ─ plan ─ sidecars ─┬─ probe ─ select ─ layer 0 ─ layer 1 ─ ... ─ layer L-1
+    loader                              └─ load 0 ─ load 1 ─ load 2 ─ ...  (side stream / thread)
+
+Fused prefill asks for layer l only after it has enqueued layer l-1's compute, and waits on
+one event per layer, so layer l's compute overlaps the loads of layers l+1, l+2, ... The
+probe and the selection overlap the first loads too.
+
+Per layer the prefetcher fills one buffer pair laid out as the prompt (what
+`FusedPrompt.layer` returns, and what `fusion.LayerSource` promises):
+
+    rows:   0        P          P+n1   P+n1+g                 T-S       T-1
+            [prefix ][chunk 1   ][glue][chunk 2  ]  ...       [suffix      ]
+    source  tensor    gpu/host   zeros  disk                   zeros
+            (in-memory KVChunk; a memory-tier image; the disk tier; nothing)
+
+Sources, chosen per segment when the request starts (`locate`):
+
+    tensor  an in-memory KVChunk (the prefix, MemoryStore chunks)    copy k[l], v[l]
+    gpu     an entry image in GPU memory                              device -> device copy
+    host    an entry image in host memory (pinned under CUDA)         host -> device, async
+    disk    the disk tier: pread into a reused pinned staging ring,   disk -> pinned -> device
+            then host -> device (on a CPU straight into the buffer)
+    none    uncached (glue, suffix, chunks the planner recomputes)    zeros, once per request
+
+What must hold:
+- `layer(l)` returns exactly what `FusedPrompt.layer(l)` would for the same caches (tests);
+- layers are asked for in order 0..L-1, each once per request;
+- buffers are reused across requests: a new request's loads are ordered after every piece
+  of compute already enqueued (the side stream waits on the compute stream at `start`);
+- on CUDA nothing here blocks the compute thread except waiting for the loader *thread* to
+  have enqueued a layer (host tiers: microseconds; disk: the read itself).
+
+Selection runs before the bulk arrives on `ChunkView`s: lazy stand-ins for `KVChunk` that
+serve a selector from the chunk's sidecar (anchor indices with their K/V at the probe layers,
+full K at the critical layers) and load anything else synchronously from the store (counted
+as `sync_layer_loads`: qcall/qclast need whole layers and break the pipeline by design).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from qcfuse_core.anchors import AnchorConfig, ensure_anchors
+from qcfuse_core.fusion import FusedPrompt
+from qcfuse_core.model import ModelAdapter
+from qcfuse_core.types import ChunkKey, KVChunk
+
+log = logging.getLogger(__name__)
+
+TIERS = ("gpu", "host", "disk")
+
+
+# ----------------------------------------------------------------------------- sidecars / views
+
+
+def _k_name(method: str) -> str:
+    return f"{method}.k"
+
+
+def _v_name(method: str) -> str:
+    return f"{method}.v"
+
+
+def probe_sidecar(adapter: ModelAdapter, chunk: KVChunk, depth: int, critical: list[int],
+                  config: AnchorConfig = AnchorConfig()) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """What the qcfuse probe needs of one chunk -> (anchors, layer_keys) for `Sidecar`.
+
+    anchors[method] (depth, n) local indices; anchors[method.k], anchors[method.v]
+    (depth, n, Hkv, D) their K (pre-RoPE) / V; layer_keys[l] (T, Hkv, D) K of each critical layer.
+    """
+    idx, _ = ensure_anchors(adapter, chunk, depth, config)
+    idx = idx[:depth]
+    ak = torch.stack([chunk.k[l][idx[l]] for l in range(depth)])  # (depth, n, Hkv, D)
+    av = torch.stack([chunk.v[l][idx[l]] for l in range(depth)])
+    anchors = {config.method: idx, _k_name(config.method): ak, _v_name(config.method): av}
+    return anchors, {l: chunk.k[l] for l in critical}
+
+
+def ensure_sidecar(store, adapter: ModelAdapter, key: ChunkKey, depth: int, critical: list[int],
+                   config: AnchorConfig = AnchorConfig()) -> bool:
+    """Make the store's sidecar of `key` serve the probe (compute it from the chunk once).
+
+    -> True when it had to be computed (reads the whole chunk: do this at ingestion)."""
+    if _sidecar_ok(store.get_sidecar(key), depth, critical, config.method):
+        return False
+    chunk = store.get(key)
+    if chunk is None:
+        raise KeyError(f"chunk {key} is not in the store")
+    anchors, layer_keys = probe_sidecar(adapter, chunk, depth, critical, config)
+    store.put_sidecar(key, anchors=anchors, layer_keys=layer_keys)
+    return True
+
+
+def _sidecar_ok(side, depth: int, critical: list[int], method: str) -> bool:
+    if side is None:
+        return False
+    a, ak = side.anchors.get(method), side.anchors.get(_k_name(method))
+    return (a is not None and ak is not None and a.shape[0] >= depth and ak.shape[0] >= depth
+            and all(l in side.layer_keys for l in critical))
+
+
+class _AnchorRows:
+    """Layer l of a chunk as the probe's `gather_context` reads it: `[anchor indices]`."""
+
+    def __init__(self, view: "ChunkView", layer: int, which: int) -> None:
+        self.view, self.layer, self.which = view, layer, which
+
+    def __getitem__(self, local):
+        idx = self.view.anchor_idx[self.layer]
+        if isinstance(local, torch.Tensor) and local.device.type == "cpu" and torch.equal(local, idx):
+            return (self.view.anchor_k if self.which == 0 else self.view.anchor_v)[self.layer]
+        return self.view.full_layer(self.layer)[self.which][local]
+
+
+class _Layers:
+    """chunk.k / chunk.v of a ChunkView: `[l]` a layer, `[a:b]` a stack of layers."""
+
+    def __init__(self, view: "ChunkView", which: int) -> None:
+        self.view, self.which = view, which
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return torch.stack([self[l] for l in range(*item.indices(self.view.num_layers))])
+        return self.view.layer_tensor(int(item), self.which)
+
+
+class ChunkView:
+    """A KVChunk stand-in whose layers stay in the store until fused prefill asks for them.
+
+    Serves from the sidecar: anchor rows of layers < depth (K and V) and full K of the
+    critical layers; anything else is read synchronously from the store (counted).
+    """
+
+    def __init__(self, key: ChunkKey, token_ids: torch.Tensor, num_layers: int, store,
+                 device: torch.device, dtype: torch.dtype, method: str | None = None,
+                 anchor_idx: torch.Tensor | None = None, anchor_k: torch.Tensor | None = None,
+                 anchor_v: torch.Tensor | None = None, critical_k: dict[int, torch.Tensor] | None = None) -> None:
+        self.key, self.token_ids, self.num_layers = key, token_ids, num_layers
+        self.store, self.device, self.dtype = store, device, dtype
+        self.anchors: dict[str, torch.Tensor] = {method: anchor_idx} if method and anchor_idx is not None else {}
+        self.anchor_idx, self.anchor_k, self.anchor_v = anchor_idx, anchor_k, anchor_v
+        self.critical_k = critical_k or {}
+        self.k, self.v = _Layers(self, 0), _Layers(self, 1)
+        self.sync_layer_loads = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.anchor_idx is None else int(self.anchor_idx.shape[0])
+
+    def layer_tensor(self, layer: int, which: int):
+        if which == 0 and layer in self.critical_k:
+            return self.critical_k[layer]
+        if layer < self.depth:
+            return _AnchorRows(self, layer, which)
+        return self.full_layer(layer)[which]
+
+    def full_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole layer, read synchronously (breaks the pipeline; counted)."""
+        got = self.store.get_layer(self.key, layer)
+        if got is None:
+            raise KeyError(f"layer {layer} of {self.key} is unreadable")
+        self.sync_layer_loads += 1
+        return got[0].to(self.device, self.dtype), got[1].to(self.device, self.dtype)
+
+
+# ----------------------------------------------------------------------------- the prefetcher
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    threaded: bool = True  # a loader thread runs ahead; False: each layer loads when asked
+    staging_slots: int = 3  # pinned disk staging buffers (CUDA), layers in flight from disk
+
+    def __post_init__(self) -> None:
+        if self.staging_slots < 1:
+            raise ValueError(f"staging_slots must be >= 1, got {self.staging_slots}")
+
+
+@dataclass
+class PrefetchReport:
+    """Per request. wait_ms[l]: how long layer l's compute waited for its load (device time
+    from events on CUDA, host time otherwise); compute_ms[l] (CUDA only): device time of
+    layer l after its wait, up to asking for layer l+1; load_ms[l]: loader host time."""
+
+    sources: dict[str, int] = field(default_factory=dict)  # segments per source kind
+    sidecar_ms: float = 0.0
+    bytes_loaded: int = 0
+    wait_ms: list[float] = field(default_factory=list)
+    load_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # "sidecar:<segment>", "layer:<l>"
+    failed: list[int] = field(default_factory=list)  # segments whose layer read failed
+    sync_layer_loads: int = 0
+
+    @property
+    def total_wait_ms(self) -> float:
+        return float(sum(self.wait_ms))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_wait_ms"] = self.total_wait_ms
+        return d
+
+
+@dataclass
+class _Src:
+    kind: str  # tensor | gpu | host | disk | none
+    start: int
+    end: int
+    obj: Any = None  # KVChunk, EntryImage, or ChunkKey
+
+
+class Prefetcher:
+    """`fusion.LayerSource` over a TieredStore (or in-memory chunks); reused across requests."""
+
+    def __init__(self, adapter: ModelAdapter, store=None, config: PrefetchConfig = PrefetchConfig()) -> None:
+        self.adapter, self.store, self.config = adapter, store, config
+        self.device, self.dtype = adapter.device, adapter.dtype
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._buf: torch.Tensor | None = None  # (2, L, Tcap, Hkv, D) on device
+        self._stage: list[torch.Tensor] = []  # pinned (2, Tcap_disk, Hkv, D) per slot
+        self._sidecars: dict[ChunkKey, tuple] = {}  # key -> (idx, ak, av, crit) at home
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.report = PrefetchReport()
+        self._fresh = True
+
+    # -- lookup ------------------------------------------------------------------------------
+    def tier_of(self, key: ChunkKey) -> str | None:
+        """gpu | host | disk | None: the fastest tier holding `key` (no promotion, no read)."""
+        st = self.store
+        if st is None:
+            return None
+        for tier in getattr(st, "memory_tiers", []):
+            if key in tier:
+                return tier.name
+        disk = getattr(st, "disk", None)
+        return "disk" if disk is not None and disk.contains(key) else None
+
+    def view(self, key: ChunkKey, token_ids: torch.Tensor, *, depth: int = 0, critical: list[int] = (),
+             anchors: AnchorConfig = AnchorConfig(), keep: str = "host") -> ChunkView:
+        """A lazy chunk for `key`; with depth > 0 it carries the probe sidecar (sidecars first).
+
+        keep: where this prefetcher caches sidecars between requests - "device", "host"
+        (pinned under CUDA) or "none" (read from the store each time)."""
+        t0 = time.perf_counter()
+        self._begin()
+        L = self.adapter.num_layers
+        if depth <= 0:
+            return ChunkView(key, token_ids, L, self.store, self.device, self.dtype)
+        got = self._sidecars.get(key)
+        if got is None:
+            side = self.store.get_sidecar(key)
+            if not _sidecar_ok(side, depth, list(critical), anchors.method):
+                raise KeyError(f"chunk {key} has no probe sidecar; call ensure_sidecar at ingestion")
+            m = anchors.method
+            got = (side.anchors[m][:depth].to(torch.int64), side.anchors[_k_name(m)][:depth],
+                   side.anchors[_v_name(m)][:depth], {l: side.layer_keys[l] for l in critical})
+            if keep != "none":
+                got = _home(got, self.device if keep == "device" else None, pin=self.cuda)
+                self._sidecars[key] = got
+        idx, ak, av, crit = got
+        nb = self.cuda
+        view = ChunkView(key, token_ids, L, self.store, self.device, self.dtype, anchors.method, idx,
+                         ak.to(self.device, self.dtype, non_blocking=nb), av.to(self.device, self.dtype, non_blocking=nb),
+                         {l: t.to(self.device, self.dtype, non_blocking=nb) for l, t in crit.items()})
+        self.report.sidecar_ms += (time.perf_counter() - t0) * 1e3
+        self.report.order.append(f"sidecar:{key.token_hash[:8]}")
+        return view
+
+    def _begin(self) -> None:
+        """A new request's report (sidecars loaded for it are kept until its start())."""
+        if self._fresh:
+            self.report = PrefetchReport()
+            self._fresh = False
+
+    def forget_sidecars(self) -> None:
+        self._sidecars.clear()
+
+    # -- request -----------------------------------------------------------------------------
+    def start(self, prompt: FusedPrompt) -> None:
+        """Resolve every segment's source and begin loading layer 0, 1, 2, ... of them."""
+        self.finish()
+        self._begin()
+        self._fresh = True  # the next view() / start() begins a new report
+        self._prompt = prompt
+        T, L = prompt.num_tokens, self.adapter.num_layers
+        Hkv, D = self.adapter.shape.num_kv_heads, self.adapter.shape.head_dim
+        self._srcs = [self._locate(s, st) for s, st in zip(prompt.segments, prompt.starts)]
+        for s in self._srcs:
+            self.report.sources[s.kind] = self.report.sources.get(s.kind, 0) + 1
+        with torch.inference_mode():
+            if self._buf is None or self._buf.shape[2] < T or self._buf.shape[1] != L:
+                self._buf = torch.empty((2, L, T, Hkv, D), device=self.device, dtype=self.dtype)
+            disk_T = sum(s.end - s.start for s in self._srcs if s.kind == "disk")
+            if self.cuda and disk_T and (not self._stage or self._stage[0].shape[1] < disk_T):
+                self._stage = [torch.empty((2, disk_T, Hkv, D), dtype=self.dtype, pin_memory=True)
+                               for _ in range(self.config.staging_slots)]
+        self._host_ready = [threading.Event() for _ in range(L)]
+        self._next = 0
+        self._error = None
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            self._base = torch.cuda.Event(enable_timing=True)
+            self._base.record(cur)
+            self._stream.wait_stream(cur)  # reuse of buffers: after everything already enqueued
+            self._ready = [torch.cuda.Event(enable_timing=True) for _ in range(L)]
+            self._need = [torch.cuda.Event(enable_timing=True) for _ in range(L)]
+        with self._on_side(), torch.inference_mode():
+            for s in self._srcs:  # uncached rows: zeros (they are always recomputed)
+                if s.kind == "none":
+                    self._buf[:, :, s.start : s.end].zero_()
+        self.report.load_ms = [0.0] * L
+        self.report.wait_ms = [0.0] * L
+        if self.config.threaded:
+            self._thread = threading.Thread(target=self._loader, name="qcfuse-prefetch", daemon=True)
+            self._thread.start()
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer` of the prompt's caches: k_pre, v (T, Hkv, D); zeros where uncached."""
+        if layer != self._next:
+            raise ValueError(f"layers must be asked for in order: expected {self._next}, got {layer}")
+        self._next += 1
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._host_ready[layer].wait()
+            if self._error is not None:
+                raise RuntimeError("prefetch failed") from self._error
+        else:
+            with torch.inference_mode():
+                self._load(layer)
+        host_wait = (time.perf_counter() - t0) * 1e3
+        T = self._prompt.num_tokens
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            self._need[layer].record(cur)
+            cur.wait_event(self._ready[layer])
+        else:
+            self.report.wait_ms[layer] = host_wait
+        k, v = self._buf[0, layer, :T], self._buf[1, layer, :T]
+        if like.dtype != k.dtype or like.device != k.device:
+            k, v = k.to(like.device, like.dtype), v.to(like.device, like.dtype)
+        return k, v
+
+    def finish(self) -> PrefetchReport:
+        """Join the loader; on CUDA turn the events into per-layer waits (synchronizes)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise RuntimeError("prefetch failed") from self._error
+        if self.cuda and getattr(self, "_need", None) is not None and self._next:
+            torch.cuda.current_stream(self.device).synchronize()
+            n = self._next
+            need = [self._base.elapsed_time(e) for e in self._need[:n]]
+            ready = [self._base.elapsed_time(e) for e in self._ready[:n]]
+            self.report.wait_ms = [max(0.0, r - q) for q, r in zip(need, ready)] + [0.0] * (len(self._need) - n)
+            self.report.compute_ms = [need[l + 1] - need[l] - self.report.wait_ms[l] for l in range(n - 1)]
+            self._need = None
+        return self.report
+
+    # -- loading -----------------------------------------------------------------------------
+    def _locate(self, seg, start: int) -> _Src:
+        end = start + len(seg)
+        c = seg.chunk
+        if c is None:
+            return _Src("none", start, end)
+        if not isinstance(c, ChunkView):
+            return _Src("tensor", start, end, c)
+        for tier in getattr(self.store, "memory_tiers", []):
+            image = tier.get(c.key, count=False)
+            if image is not None:
+                return _Src(tier.name, start, end, image)
+        if self.store.disk.contains(c.key):
+            return _Src("disk", start, end, c.key)
+        raise KeyError(f"chunk {c.key} is in no tier; the planner should have recomputed it")
+
+    def _on_side(self):
+        if not self.cuda:
+            return _Null()
+        return torch.cuda.stream(self._stream)
+
+    def _loader(self) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+            with torch.inference_mode():
+                for layer in range(self.adapter.num_layers):
+                    self._load(layer)
+        except BaseException as e:  # surfaced to the compute thread by layer() / finish()
+            self._error = e
+            for ev in self._host_ready:
+                ev.set()
+
+    def _load(self, layer: int) -> None:
+        t0 = time.perf_counter()
+        buf = self._buf
+        nb = self.cuda
+        disk_jobs: list[tuple[_Src, int]] = []  # (source, offset in staging)
+        off = 0
+        with self._on_side():
+            for s in self._srcs:
+                if s.kind == "tensor":
+                    buf[0, layer, s.start : s.end].copy_(s.obj.k[layer], non_blocking=nb)
+                    buf[1, layer, s.start : s.end].copy_(s.obj.v[layer], non_blocking=nb)
+                elif s.kind in ("gpu", "host"):
+                    image = s.obj
+                    kv, sc = image.kv(layer), image.scale(layer)  # (2, n, Hkv, D) stored dtype
+                    if sc is not None:
+                        from qcfuse_core.store.codec import decode_layer
+
+                        kv = decode_layer(kv, sc, self.dtype)
+                    buf[:, layer, s.start : s.end].copy_(kv, non_blocking=nb)
+                elif s.kind == "disk":
+                    disk_jobs.append((s, off))
+                    off += s.end - s.start
+                if s.kind != "none":
+                    self.report.bytes_loaded += 2 * (s.end - s.start) * buf.shape[3] * buf.shape[4] * buf.element_size()
+            if disk_jobs:
+                self._load_disk(layer, disk_jobs)
+            if self.cuda:
+                self._ready[layer].record(self._stream)
+        self.report.load_ms[layer] = (time.perf_counter() - t0) * 1e3
+        self.report.order.append(f"layer:{layer}")
+        self._host_ready[layer].set()
+
+    def _load_disk(self, layer: int, jobs: list[tuple[_Src, int]]) -> None:
+        """Disk -> (pinned staging slot ->) this layer's buffer rows."""
+        buf = self._buf
+        if not self.cuda:
+            dst = [(buf[0, layer, s.start : s.end], buf[1, layer, s.start : s.end]) for s, _ in jobs]
+        else:
+            slot = layer % len(self._stage)
+            if layer >= len(self._stage):  # the slot's previous copies must be done before reuse
+                self._ready[layer - len(self._stage)].synchronize()
+            st = self._stage[slot]
+            dst = [(st[0, o : o + s.end - s.start], st[1, o : o + s.end - s.start]) for s, o in jobs]
+        oks = self.store.disk.read_layers_into([(s.obj, layer, k, v) for (s, _), (k, v) in zip(jobs, dst)])
+        for (s, _), (k, v), ok in zip(jobs, dst, oks):
+            if not ok:
+                log.warning("prefetch: layer %d of %s unreadable; its rows are zeros", layer, s.obj)
+                seg = self._srcs.index(s)
+                if seg not in self.report.failed:
+                    self.report.failed.append(seg)
+                k.zero_()
+                v.zero_()
+            if self.cuda:
+                buf[0, layer, s.start : s.end].copy_(k, non_blocking=True)
+                buf[1, layer, s.start : s.end].copy_(v, non_blocking=True)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _home(got: tuple, device: torch.device | None, pin: bool) -> tuple:
+    """Sidecar tensors moved to where this prefetcher keeps them between requests."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if device is not None:
+            return t.to(device)
+        t = t.cpu()
+        return t.pin_memory() if pin and not t.is_pinned() else t
+
+    idx, ak, av, crit = got
+    return idx.cpu(), move(ak), move(av), {l: move(t) for l, t in crit.items()}

@@ -1,0 +1,133 @@
+"""Prefetcher: same layers as the prompt's in-memory caches from every source, in order;
+ChunkViews serve the qcfuse probe from sidecars exactly as full chunks would."""
+
+import pytest
+import torch
+
+from qcfuse_core.bench_ttft import cache_alone
+from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
+from qcfuse_core.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar
+from qcfuse_core.selectors import SelectionContext, get_selector
+from qcfuse_core.store import open_store
+from qcfuse_core.testing import tiny_model
+
+CRITICAL = [1]  # tiny models have 3 layers; probe depth 2
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def parts(adapter):
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g)  # noqa: E731
+    prefix = ids(5)
+    chunks = [ids(n) for n in (17, 9, 12)]
+    return prefix, cache_alone(adapter, prefix), chunks, [cache_alone(adapter, c) for c in chunks], ids(3), ids(4)
+
+
+def _store(tmp_path, tier: str):
+    st = open_store(tmp_path / tier, memory_bytes=(64 << 20) if tier == "host" else 0, gpu_bytes=0, use_cuda=False)
+    assert st.gpu is None
+    return st
+
+
+def _prompts(pf, parts, recompute=(), views=True, depth=0):
+    """(reference prompt over in-memory chunks, prompt over views) with glue between chunks 0 and 1."""
+    prefix, pchunk, chunk_ids, chunks, glue, suffix = parts
+    ref, lazy = [Segment("prefix", prefix, pchunk)], [Segment("prefix", prefix, pchunk)]
+    for i, (ids, c) in enumerate(zip(chunk_ids, chunks)):
+        if i == 1:
+            ref.append(Segment("text", glue))
+            lazy.append(Segment("text", glue))
+        keep = i not in recompute
+        ref.append(Segment("chunk", ids, c if keep else None))
+        src = (pf.view(c.key, ids, depth=depth, critical=CRITICAL) if views else c) if keep else None
+        lazy.append(Segment("chunk", ids, src))
+    ref.append(Segment("suffix", suffix))
+    lazy.append(Segment("suffix", suffix))
+    return FusedPrompt(ref), FusedPrompt(lazy)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "tensor"])
+@pytest.mark.parametrize("threaded", [True, False])
+def test_layers_equal_default_source(adapter, parts, tmp_path, tier, threaded):
+    store = None
+    if tier != "tensor":
+        store = _store(tmp_path, tier)
+        for c in parts[3]:
+            store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=threaded))
+    for recompute in ((), (1,)):
+        ref, lazy = _prompts(pf, parts, recompute, views=tier != "tensor")
+        pf.start(lazy)
+        like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+        for l in range(adapter.num_layers):
+            k, v = pf.layer(l, like)
+            rk, rv = ref.layer(l, like)
+            assert torch.equal(k, rk) and torch.equal(v, rv), (tier, l, recompute)
+        rep = pf.finish()
+        expect = {"host": "host", "disk": "disk", "tensor": "tensor"}[tier]
+        assert rep.sources[expect] == (4 if tier == "tensor" else 3) - len(recompute)
+        assert rep.sources["none"] == 2 + len(recompute)  # glue + suffix (+ recomputed chunk)
+        assert len(rep.wait_ms) == adapter.num_layers and rep.failed == []
+    if store is not None:
+        assert tier != "disk" or store.disk.stats.bytes_read > 0
+
+
+def test_fused_prefill_through_prefetcher(adapter, parts, tmp_path):
+    store = _store(tmp_path, "disk")
+    for c in parts[3]:
+        store.put(c)
+    pf = Prefetcher(adapter, store)
+    ref, lazy = _prompts(pf, parts, recompute=(2,))
+    sel = get_selector("epic").select(SelectionContext(adapter, ref, 0.3))
+    want = fused_prefill(adapter, ref, sel.rows, all_logits=True)
+    pf.start(lazy)
+    got = fused_prefill(adapter, lazy, sel.rows, all_logits=True, source=pf)
+    pf.finish()
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+
+
+def test_order_sidecars_then_layers(adapter, parts, tmp_path):
+    store = _store(tmp_path, "host")
+    for c in parts[3]:
+        store.put(c)
+        ensure_sidecar(store, adapter, c.key, max(CRITICAL) + 1, CRITICAL)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
+    _, lazy = _prompts(pf, parts, depth=2)
+    pf.start(lazy)
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim))
+    with pytest.raises(ValueError, match="in order"):
+        pf.layer(1, like)
+    for l in range(adapter.num_layers):
+        pf.layer(l, like)
+    rep = pf.finish()
+    assert rep.order == [f"sidecar:{c.key.token_hash[:8]}" for c in parts[3]] + [f"layer:{l}" for l in range(3)]
+
+
+def test_qcfuse_selects_the_same_from_sidecars(adapter, parts, tmp_path):
+    """The probe on ChunkViews (anchors + critical K from the sidecar) picks what it picks on full chunks."""
+    store = _store(tmp_path, "disk")
+    for c in parts[3]:
+        store.put(c)
+        assert ensure_sidecar(store, adapter, c.key, 2, CRITICAL)
+        assert not ensure_sidecar(store, adapter, c.key, 2, CRITICAL)  # stored once
+    pf = Prefetcher(adapter, store)
+    ref, lazy = _prompts(pf, parts, depth=2)
+    assert all(isinstance(s.chunk, ChunkView) for s in lazy.segments if s.kind == "chunk")
+    opts = {"critical_layers": CRITICAL}
+    a = get_selector("qcfuse").select(SelectionContext(adapter, ref, 0.3, options=opts))
+    b = get_selector("qcfuse").select(SelectionContext(adapter, lazy, 0.3, options=opts))
+    assert torch.equal(a.rows, b.rows)
+    torch.testing.assert_close(a.scores, b.scores)
+    assert sum(s.chunk.sync_layer_loads for s in lazy.segments if s.kind == "chunk") == 0
+
+
+def test_view_without_sidecar_raises(adapter, parts, tmp_path):
+    store = _store(tmp_path, "host")
+    store.put(parts[3][0])
+    with pytest.raises(KeyError, match="ensure_sidecar"):
+        Prefetcher(adapter, store).view(parts[3][0].key, parts[2][0], depth=2, critical=CRITICAL)
