@@ -14,7 +14,14 @@ import logging
 import sys
 from pathlib import Path
 
-from qcfuse_core.corpus import Chunk, chunks_from_file, iter_text_files, sample_corpus_dir
+from qcfuse_core.corpus import (
+    DATASET_SUFFIXES,
+    Chunk,
+    chunk_id,
+    chunks_from_file,
+    iter_text_files,
+    sample_corpus_dir,
+)
 
 DEMO_QUESTIONS = (
     "Who founded the Zephyr Institute, and in which year?",
@@ -73,8 +80,22 @@ def ingest_chunks(engine, collection, chunks: list[Chunk], progress: bool = True
 
 
 def _collect(paths: list[str], max_chars: int, limit: int | None) -> list[Chunk]:
+    """Text/markdown files and folders are split; QA dataset files (.json/.jsonl in the
+    formats `qcfuse_core.datasets` reads) give one chunk per passage, deduplicated."""
     chunks: list[Chunk] = []
-    for f in iter_text_files(paths):
+    seen: set[str] = set()
+    text_paths = [p for p in paths if Path(p).suffix.lower() not in DATASET_SUFFIXES]
+    for p in paths:
+        if Path(p).suffix.lower() in DATASET_SUFFIXES:
+            from qcfuse_core.datasets import dataset_name, load_dataset
+
+            for ex in load_dataset(p):
+                for passage in ex.passages:
+                    c = Chunk(chunk_id(dataset_name(p), passage), passage, dataset_name(p))
+                    if c.id not in seen:
+                        seen.add(c.id)
+                        chunks.append(c)
+    for f in iter_text_files(text_paths):
         chunks.extend(chunks_from_file(f, max_chars))
     return chunks[:limit] if limit else chunks
 
@@ -82,7 +103,7 @@ def _collect(paths: list[str], max_chars: int, limit: int | None) -> list[Chunk]
 def cmd_ingest(args) -> int:
     chunks = _collect(args.paths, args.chunk_chars, args.limit)
     if not chunks:
-        print("nothing to ingest: no .md/.txt files found", file=sys.stderr)
+        print("nothing to ingest: no .md/.txt files or dataset passages found", file=sys.stderr)
         return 1
     engine = _engine(args)
     stats = ingest_chunks(engine, _collection(args.store), chunks)
@@ -184,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qcfuse", description="Query-aware KV cache fusion for RAG.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ingest", help="chunk, embed and cache text/markdown files or folders")
+    p = sub.add_parser("ingest", help="chunk, embed and cache text/markdown files, folders or QA dataset files")
     p.add_argument("paths", nargs="+")
     p.add_argument("--chunk-chars", type=int, default=1200)
     p.add_argument("--limit", type=int, default=None, help="ingest at most N chunks")

