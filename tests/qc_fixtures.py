@@ -1,0 +1,52 @@
+"""Shared toy prompts for the selection tests: a tiny random model, caches built alone."""
+
+from __future__ import annotations
+
+import torch
+
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
+from qcfuse_core.model import ModelAdapter
+from qcfuse_core.types import ChunkKey, KVChunk
+
+KINDS = ["prefix", "chunk", "text", "chunk", "chunk", "suffix"]
+LENS = [6, 20, 2, 24, 16, 7]
+
+
+def parts(adapter: ModelAdapter, lens=LENS, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, adapter.shape.vocab_size, (n,), generator=g) for n in lens]
+
+
+def prompt_alone(adapter: ModelAdapter, lens=LENS, kinds=KINDS, seed: int = 0) -> FusedPrompt:
+    """Prefix and chunks cached alone (positions 0..n-1); glue and suffix uncached."""
+    eng = QCFuseEngine(adapter)
+    segs = []
+    for ids, kind in zip(parts(adapter, lens, seed), kinds):
+        if kind in ("prefix", "chunk"):
+            segs.append(Segment(kind, ids, eng.chunk_cache(ids)[0]))
+        else:
+            segs.append(Segment(kind, ids))
+    return FusedPrompt(segs)
+
+
+def prompt_exact(adapter: ModelAdapter, lens=LENS, kinds=KINDS, seed: int = 0) -> tuple[FusedPrompt, KVCache]:
+    """Every cached segment holds its true in-context K/V (from a full prefill); also the
+    full prefill's rotated cache (L, T, Hkv, D)."""
+    ids = parts(adapter, lens, seed)
+    whole = FusedPrompt([Segment("suffix", torch.cat(ids))])
+    T = whole.num_tokens
+    cache = KVCache(adapter, T)
+    out = fused_prefill(adapter, whole, torch.arange(T), kv_out=cache, capture_pre_rope=True)
+    segs, pos = [], 0
+    fp = "0" * 16
+    for x, kind in zip(ids, kinds):
+        n = len(x)
+        if kind in ("prefix", "chunk"):
+            k = out.k_pre[:, pos : pos + n].clone()
+            v = cache.v[:, pos : pos + n].clone()
+            segs.append(Segment(kind, x, KVChunk(ChunkKey.for_tokens(fp, x), x, k, v)))
+        else:
+            segs.append(Segment(kind, x))
+        pos += n
+    return FusedPrompt(segs), cache

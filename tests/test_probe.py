@@ -1,0 +1,82 @@
+"""The query probe against dense references (tiny random models, fp32).
+
+With every context token as an anchor and exact in-context caches, the probe is an ordinary
+prefill restricted to the suffix rows: its logits must match HF's (atol 1e-4, logits ~1-10),
+and the attention mass at a layer must match a dense softmax over the full prefill's keys
+(atol 1e-6, rtol 1e-3 as in the kernel tests: the mass kernel sums in another order).
+"""
+
+import pytest
+import torch
+
+from qcfuse_core.probe import LayerContext, context_keys, gather_context, query_mass, run_probe
+from qcfuse_core.testing import tiny_model
+from tests.qc_fixtures import prompt_exact
+
+KINDS_NO_GLUE = ["prefix", "chunk", "chunk", "chunk", "suffix"]
+LENS_NO_GLUE = [6, 20, 24, 16, 7]
+
+
+def _suffix(prompt):
+    seg, start = prompt.segments[-1], prompt.starts[-1]
+    return seg.token_ids, torch.arange(start, start + len(seg))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_probe_with_all_tokens_equals_full_prefill(arch):
+    m = tiny_model(arch)
+    prompt, _ = prompt_exact(m, LENS_NO_GLUE, KINDS_NO_GLUE)  # glue has no cache, so the probe cannot see it
+    ref, _ = m.hf_forward(prompt.token_ids, last_only=False)  # (T, vocab)
+    ids, pos = _suffix(prompt)
+    L = m.num_layers
+    probe = run_probe(m, ids, pos, gather_context(prompt, L, None), keep=[L - 1])
+    got = m.logits(probe.hidden)
+    err = (got - ref[pos]).abs().max().item()
+    assert err < 1e-4, f"max abs err {err:.3e}"
+    assert probe.context_sizes == [prompt.num_tokens - len(ids)] * L
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_query_mass_matches_dense_softmax(arch):
+    m = tiny_model(arch)
+    prompt, cache = prompt_exact(m)
+    ids, pos = _suffix(prompt)
+    T, S = prompt.num_tokens, len(ids)
+    glue = prompt.mask("text")
+    layer = 1
+    probe = run_probe(m, ids, pos, gather_context(prompt, layer + 1, None), keep=[layer])
+    k_ctx, ctx_pos = context_keys(m, prompt, layer)
+    mass = query_mass(probe.q[layer], k_ctx, probe.k[layer], m.scale)  # (N,)
+    # dense reference: the full prefill's rotated context keys (glue dropped), the probe's query keys
+    keep = ~glue
+    ctx_mask = keep & ~prompt.mask("suffix")
+    keys = torch.cat([cache.k[layer, :T][ctx_mask], probe.k[layer]])  # (T - 2, Hkv, D): exact context ; probed query
+    kf = keys.repeat_interleave(m.shape.num_heads // m.shape.num_kv_heads, dim=1).transpose(0, 1)
+    logits = torch.matmul(probe.q[layer].transpose(0, 1), kf.transpose(1, 2)) * m.scale  # (H, S, T-2)
+    key_pos = torch.arange(T)[keep]
+    logits = logits.masked_fill(~(key_pos[None, :] <= pos[:, None])[None], float("-inf"))
+    dense = logits.softmax(-1).mean(dim=(0, 1))[: ctx_pos.numel()]
+    assert torch.equal(ctx_pos, key_pos[: ctx_pos.numel()])
+    err = (mass - dense).abs().max().item()
+    assert torch.allclose(mass, dense, atol=1e-6, rtol=1e-3), f"max abs err {err:.3e}"
+    assert abs(float(mass.sum()) - float(dense.sum())) < 1e-5
+
+
+def test_probe_with_anchor_subset_runs_and_is_not_full():
+    m = tiny_model("llama")
+    prompt, _ = prompt_exact(m)
+    ids, pos = _suffix(prompt)
+    pick = lambda seg: torch.arange(4).expand(m.num_layers, 4)  # noqa: E731  first 4 tokens only
+    probe = run_probe(m, ids, pos, gather_context(prompt, m.num_layers, pick), keep=[0, 2])
+    assert set(probe.q) == {0, 2} and probe.q[2].shape == (len(ids), m.shape.num_heads, m.shape.head_dim)
+    assert probe.context_sizes == [6 + 3 * 4] * 3  # whole prefix + 4 anchors per chunk
+
+
+def test_probe_rejects_context_after_the_query():
+    m = tiny_model("llama")
+    k = torch.zeros(3, m.shape.num_kv_heads, m.shape.head_dim)
+    ctx = [LayerContext(k, k, torch.tensor([0, 1, 9]))] * m.num_layers
+    with pytest.raises(ValueError, match="precede"):
+        run_probe(m, torch.tensor([1, 2]), torch.tensor([5, 6]), ctx, keep=[0])
+    with pytest.raises(ValueError, match="probe layers"):
+        run_probe(m, torch.tensor([1, 2]), torch.tensor([5, 6]), ctx, keep=[7])

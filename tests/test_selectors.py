@@ -1,0 +1,176 @@
+"""Selection: exact picks on toy tensors, each method's invariants on a tiny random model.
+
+Layout of the toy prompt (tests/qc_fixtures.py):
+    [prefix 0..5][chunk 6..25][glue 26..27][chunk 28..51][chunk 52..67][suffix 68..74]
+"""
+
+import pytest
+import torch
+
+from qcfuse_core import critical_layers
+from qcfuse_core.scoring import adaptive_count, covered_share, top_budget
+from qcfuse_core.selectors import QCFuseOptions, SelectionContext, get_selector
+from qcfuse_core.testing import tiny_model
+from tests.qc_fixtures import prompt_alone
+
+PREFIX = range(0, 6)
+GLUE = [26, 27]
+SUFFIX = list(range(68, 75))
+CHUNK = torch.tensor(list(range(6, 26)) + list(range(28, 68)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    m = tiny_model("llama")
+    return m, prompt_alone(m)
+
+
+def test_top_budget_exact_with_stable_ties():
+    pos = torch.tensor([10, 11, 12, 13, 14, 15])
+    s = torch.tensor([0.1, 0.5, 0.5, 0.2, 0.9, 0.0])
+    assert top_budget(pos, s, 3).tolist() == [11, 12, 14]
+    assert top_budget(pos, s, 2).tolist() == [11, 14]  # tie 11/12 -> the earlier
+    assert top_budget(pos, s, 0).tolist() == []
+    assert top_budget(pos, s, 99).tolist() == pos.tolist()
+
+
+def test_adaptive_count_covers_the_target_within_floor_and_ceiling():
+    s = torch.tensor([1.0, 4.0, 2.0, 3.0])  # sorted 4,3,2,1 -> cumulative 0.4, 0.7, 0.9, 1.0
+    assert adaptive_count(s, 0.7, 0, 4) == 2
+    assert adaptive_count(s, 0.71, 0, 4) == 3
+    assert adaptive_count(s, 0.4, 3, 4) == 3  # floor
+    assert adaptive_count(s, 1.0, 0, 2) == 2  # ceiling
+    assert adaptive_count(torch.zeros(4), 0.5, 1, 4) == 1
+    assert covered_share(s, torch.tensor([False, True, False, True])) == pytest.approx(0.7)
+
+
+def _check_rules(prompt, rows):
+    rows = set(rows.tolist())
+    assert not rows & set(PREFIX), "the prefix is never recomputed"
+    assert set(SUFFIX) <= rows and set(GLUE) <= rows, "suffix and glue are always recomputed"
+
+
+def test_choose_ranks_chunk_tokens_only(setup):
+    m, prompt = setup
+    mass = torch.zeros(prompt.num_tokens)
+    mass[0] = 10.0  # prefix: never
+    mass[27] = 9.0  # glue: always anyway, never counted in the budget
+    mass[torch.tensor([40, 7, 60, 8])] = torch.tensor([5.0, 4.0, 3.0, 3.0])
+    ctx = SelectionContext(m, prompt, 4 / 62)  # budget round(4/62 * 62 context tokens) = 4
+    sel = get_selector("qcfuse").choose(ctx, QCFuseOptions(), mass, {})
+    assert sel.rows.tolist() == [7, 8, 26, 27, 40, 60] + SUFFIX
+    assert sel.details["positions"].tolist() == [7, 8, 40, 60]
+    assert sel.scores.shape == (62,)  # chunks + glue
+
+
+def test_choose_adaptive_budget(setup):
+    m, prompt = setup
+    mass = torch.zeros(prompt.num_tokens)
+    mass[CHUNK] = 0.001
+    mass[torch.tensor([30, 31, 32])] = 1.0
+    ctx = SelectionContext(m, prompt, 0.3)
+    opts = QCFuseOptions(budget="adaptive", target_mass=0.9, floor=0.0, ceiling=0.5)
+    sel = get_selector("qcfuse").choose(ctx, opts, mass, {})
+    assert sel.details["positions"].tolist() == [30, 31, 32]
+    assert sel.details["mass_covered"] > 0.9
+    opts = QCFuseOptions(budget="adaptive", target_mass=0.9, floor=0.1, ceiling=0.5)  # floor: 6 tokens
+    assert get_selector("qcfuse").choose(ctx, opts, mass, {}).details["budget"] == 6
+
+
+def test_qcfuse_selection_invariants_and_details(setup):
+    m, prompt = setup
+    ctx = SelectionContext(m, prompt, 0.25, options={"critical_layers": [1, 2]})
+    sel = get_selector("qcfuse").select(ctx)
+    _check_rules(prompt, sel.rows)
+    assert sel.details["positions"].numel() == ctx.budget == 16
+    assert sel.rows.numel() == 16 + len(GLUE) + len(SUFFIX)
+    d = sel.details
+    assert d["critical_layers"] == [1, 2] and d["anchor_method"] == "keynorm"
+    assert d["anchors_per_layer"] == 3 * 4 + (3 + 3 + 2)  # sinks + ceil(0.125 x 20, 24, 16)
+    assert len(d["probe_layer_ms"]) == 3
+    assert torch.equal(get_selector("qcfuse").select(ctx).rows, sel.rows)  # deterministic
+    chunk = prompt.segments[1].chunk
+    assert chunk.anchors["keynorm"].shape == (3, 4 + 3)  # stored for the store's sidecar
+
+
+def test_qcfuse_with_every_token_as_anchor_equals_the_full_context_probe(setup):
+    m, prompt = setup
+    last = m.num_layers - 1
+    full = get_selector("qclast").select(SelectionContext(m, prompt, 0.3))
+    opts = {"critical_layers": [last], "anchor_share": 1.0, "anchor_method": "keynorm"}
+    for seg in prompt.segments:
+        if seg.chunk is not None:
+            seg.chunk.anchors.clear()
+    every = get_selector("qcfuse").select(SelectionContext(m, prompt, 0.3, options=opts))
+    assert torch.equal(every.rows, full.rows)
+    assert torch.allclose(every.scores, full.scores, atol=1e-6)
+    for seg in prompt.segments:
+        if seg.chunk is not None:
+            seg.chunk.anchors.clear()
+
+
+def test_qcall_uses_every_layer(setup):
+    m, prompt = setup
+    sel = get_selector("qcall").select(SelectionContext(m, prompt, 0.2))
+    _check_rules(prompt, sel.rows)
+    assert sel.details["critical_layers"] == [0, 1, 2]
+
+
+def test_cacheblend_recomputes_two_layers_then_the_top_v_deviation(setup):
+    from qcfuse_core.fusion import fused_prefill
+
+    m, prompt = setup
+    ctx = SelectionContext(m, prompt, 0.2)
+    sel = get_selector("cacheblend").select(ctx)
+    assert sel.full_layers == 2 and sel.on_layer_end is not None
+    seen = {}
+
+    def spy(state):
+        seen[state.layer] = state.rows.numel()
+        return sel.on_layer_end(state)
+
+    out = fused_prefill(m, prompt, sel.rows, full_layers=sel.full_layers, on_layer_end=spy)
+    assert seen[0] == seen[1] == prompt.num_tokens and seen[2] == ctx.budget + len(GLUE) + len(SUFFIX)
+    _check_rules(prompt, out.rows)
+    assert torch.equal(out.rows, sel.rows)
+    # the chosen tokens are exactly the top V deviations at layer 1
+    dev = sel.scores  # over chunk + glue positions
+    ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
+    chunk_only = prompt.mask("chunk")[ctx_pos]
+    expect = top_budget(ctx_pos[chunk_only], dev[chunk_only], ctx.budget)
+    assert torch.equal(sel.details["positions"], expect)
+
+
+def test_epic_random_naive(setup):
+    m, prompt = setup
+    ctx = SelectionContext(m, prompt, 0.15, seed=3)  # budget 9 -> 3 per chunk
+    epic = get_selector("epic").select(ctx)
+    assert epic.rows.tolist() == [6, 7, 8, 26, 27, 28, 29, 30, 52, 53, 54] + SUFFIX
+    r1, r2 = get_selector("random").select(ctx), get_selector("random").select(ctx)
+    assert torch.equal(r1.rows, r2.rows) and r1.rows.numel() == 9 + 2 + 7
+    _check_rules(prompt, r1.rows)
+    assert get_selector("naive").select(ctx).rows.tolist() == GLUE + SUFFIX
+
+
+def test_unknown_names_and_bad_options_raise():
+    with pytest.raises(ValueError, match="cacheblend, epic, full, naive, qcall, qcfuse, qclast, random"):
+        get_selector("magic")
+    with pytest.raises(ValueError, match="fixed, adaptive"):
+        QCFuseOptions(budget="greedy")
+    with pytest.raises(ValueError, match="floor"):
+        QCFuseOptions(floor=0.6, ceiling=0.5)
+
+
+def test_critical_layer_lookup(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path))
+    m = tiny_model("llama")
+    m.name = "Meta-Llama-3.1-8B-Instruct"
+    m.shape = m.shape.__class__(**{**m.shape.__dict__, "num_layers": 32})
+    assert critical_layers.lookup(m)[0] == [14, 13, 16]
+    m.name = "some-unknown-model"
+    layers, source = critical_layers.lookup(m)
+    assert source == "depth heuristic" and layers == [14, 17, 20]
+    critical_layers.save_profile({"layers": [3, 5]}, None, m)
+    assert critical_layers.lookup(m) == ([3, 5], f"profile {tmp_path}/critical_layers/{m.fingerprint()}.json")
+    with pytest.raises(ValueError, match="do not fit"):
+        critical_layers.save_profile({"layers": [40]}, None, m)
