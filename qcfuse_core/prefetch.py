@@ -423,7 +423,8 @@ class Prefetcher:
                         from qcfuse_core.store.codec import decode_layer
 
                         kv = decode_layer(kv, sc, self.dtype)
-                    buf[:, layer, s.start : s.end].copy_(kv, non_blocking=nb)
+                    buf[0, layer, s.start : s.end].copy_(kv[0], non_blocking=nb)  # contiguous: one DMA each
+                    buf[1, layer, s.start : s.end].copy_(kv[1], non_blocking=nb)
                 elif s.kind == "disk":
                     disk_jobs.append((s, off))
                     off += s.end - s.start
