@@ -191,7 +191,12 @@ async def test_astream_closed_early_releases_the_engine(llm, prompts):
     assert await llm.ainvoke(prompts[1], max_new_tokens=2)  # the engine lock was let go
 
 
-def test_identity_and_tokens(llm, prompts):
+def test_identity_and_tokens(example, llm, prompts):
+    _, store, _ = example
+    # one engine per (store, model) per process, whoever asks for it
+    assert QCFuseLLM(store_dir=str(store), method="naive").engine is llm.engine
+    assert QCFuseCacheBuilder(store_dir=str(store)).engine is llm.engine
+    assert QCFuseLLM.from_engine(llm.engine, ratio=0.5).engine is llm.engine
     assert llm._llm_type == "qcfuse"
     assert llm._identifying_params["method"] == "epic" and llm._identifying_params["model"] == "embedded"
     ids = llm.get_token_ids(prompts[0])
