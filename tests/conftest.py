@@ -28,14 +28,14 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _kernel_backend(request):
-    """Tests on the real embedded model use the PyTorch reference kernels (the interpreter is
-    far too slow at real shapes); tiny-model tests keep the detected backend (the Triton
-    interpreter under TRITON_INTERPRET=1), so the engine is exercised through the kernels too."""
+    """Tests marked `kernels` run with the detected kernel backend (Triton's interpreter on
+    CPU under TRITON_INTERPRET=1, compiled Triton on a GPU), except those on the real
+    embedded model, where the interpreter is far too slow. Every other test uses the PyTorch
+    references. Tests may still override with set_backend inside."""
     import qcfuse_kernels as K
 
-    real = {"smol", "smol_engine"} & set(request.fixturenames)
-    if real:
-        K.set_backend("torch")
+    detected = request.node.get_closest_marker("kernels") is not None and not (
+        {"smol", "smol_engine"} & set(request.fixturenames))
+    K.set_backend(None if detected else "torch")
     yield
-    if real:
-        K.set_backend(None)
+    K.set_backend(None)

@@ -23,6 +23,8 @@ from qcfuse_core.model import ModelAdapter, cache_kwarg
 from qcfuse_core.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
+pytestmark = pytest.mark.kernels  # tiny models run through the Triton interpreter
+
 ATOL = 2e-5  # fp32; logits of order 1-10
 ARCHS = list(TINY_CONFIGS)
 

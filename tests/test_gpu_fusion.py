@@ -13,10 +13,10 @@ from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.kernels, pytest.mark.skipif(
     not torch.cuda.is_available() or K.backend() != "triton",
     reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)",
-)
+)]
 
 
 @pytest.mark.parametrize("arch", list(TINY_CONFIGS))

@@ -21,6 +21,8 @@ import torch
 from qcfuse_kernels import ops
 from qcfuse_kernels import reference as ref
 
+pytestmark = pytest.mark.kernels  # the detected backend: interpreter on CPU, Triton on GPU
+
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=1e-5),
     torch.float16: dict(atol=4e-3, rtol=4e-3),
