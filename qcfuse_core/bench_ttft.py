@@ -278,6 +278,8 @@ def run(args) -> list[dict]:
 
     for m in args.methods:  # fail before building anything
         get_selector(m)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.runs < 1 or args.warmup < 0:
         raise ValueError("--runs must be >= 1 and --warmup >= 0")
@@ -409,7 +411,7 @@ def cmd_ttft(args) -> int:
     md = markdown(rows)
     print(md)
     env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-           "torch": torch.__version__, "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "argv": vars(args) | {"func": None}}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -443,6 +445,8 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--remeasure", action="store_true", help="measure rates even if the JSON exists")
     p.add_argument("--no-planner", action="store_true", help="load every chunk (no load/recompute planning)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default); 1 avoids barrier stalls on a busy CPU")
     p.add_argument("--json", default=None, help="write rows + environment to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
     p.set_defaults(func=cmd_ttft)
