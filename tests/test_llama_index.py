@@ -40,7 +40,7 @@ from qcfuse_integrations.llama_index.llm import find_chunks, unframed_pieces  # 
 from qcfuse_integrations.llama_index.postprocessor import set_retrieved_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NEW = 8  # max new tokens everywhere (the example too, so answers can be compared)
+NEW = 6  # max new tokens everywhere (the example too, so answers can be compared)
 Q_FOUNDER = "Who founded the Zephyr Institute?"
 
 
@@ -52,6 +52,18 @@ def _load_example():
 
 
 # ---------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_kernels():
+    """conftest imports triton in interpreter mode (for the kernel tests); running the model
+    through interpreted kernels would take minutes per query. The PyTorch references are the
+    CPU path users get."""
+    import qcfuse_kernels
+
+    qcfuse_kernels.set_backend("torch")
+    yield
+    qcfuse_kernels.set_backend(None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,16 +195,6 @@ def test_metadata_comes_from_the_model(example):
     assert make_llm(example).engine is llm.engine  # one engine per (store, model) per process
 
 
-def test_every_token_recomputed_equals_full(example, index):
-    everything = make_llm(example, method="random", ratio=1.0)
-    full = make_llm(example, method="full")
-    a = index.as_query_engine(llm=everything, similarity_top_k=2).query(Q_FOUNDER)
-    stats = everything.last_stats
-    assert stats["cache_hits"] == 2 and stats["recomputed_tokens"] == stats["context_tokens"]
-    b = index.as_query_engine(llm=full, similarity_top_k=2).query(Q_FOUNDER)
-    assert str(a) == str(b)
-
-
 async def test_aquery_and_async_streaming(example, index):
     llm = make_llm(example)
     qe = index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[postprocessor(example)])
@@ -291,9 +293,16 @@ def test_builder_is_idempotent(example):
     assert all(engine.store.resolve(n.node_id) is not None for n in nodes)  # the new ids are linked
 
 
-def test_store_of_another_model_is_not_reused(example, index):
-    other = make_llm(example, dtype="float32", max_new_tokens=1)  # same weights, another fingerprint
-    assert other.engine.fingerprint != make_llm(example).engine.fingerprint
-    index.as_query_engine(llm=other, similarity_top_k=2).query(Q_FOUNDER)
-    stats = other.last_stats
-    assert stats["chunks"] == 2 and stats["cache_hits"] == 0 and stats["cache_misses"] == 2
+def test_other_model_store_not_reused_and_full_recompute_equals_full(example, index):
+    """float32 is another fingerprint (the store was built in bfloat16), and exact enough for
+    greedy answers to agree between fused prefill with every row recomputed and HF's forward."""
+    everything = make_llm(example, dtype="float32", method="random", ratio=1.0)
+    assert everything.engine.fingerprint != make_llm(example).engine.fingerprint
+    a = index.as_query_engine(llm=everything, similarity_top_k=2).query(Q_FOUNDER)
+    stats = everything.last_stats
+    assert stats["chunks"] == 2 and stats["cache_hits"] == 0 and stats["cache_misses"] == 2  # not reused
+    assert stats["recomputed_tokens"] == stats["context_tokens"]
+    full = make_llm(example, dtype="float32", method="full")
+    b = index.as_query_engine(llm=full, similarity_top_k=2).query(Q_FOUNDER)
+    assert full.last_stats["cache_hits"] == 2  # its own caches, stored by the first query
+    assert str(a) == str(b)
