@@ -94,6 +94,8 @@ def ensure_sidecar(store, adapter: ModelAdapter, key: ChunkKey, depth: int, crit
     chunk = store.get(key)
     if chunk is None:
         raise KeyError(f"chunk {key} is not in the store")
+    if chunk.k.device.type != "cpu":  # a GPU-tier hit: sidecars live on the host; anchor picking mixes devices
+        chunk = KVChunk(chunk.key, chunk.token_ids.cpu(), chunk.k.cpu(), chunk.v.cpu(), dict(chunk.anchors))
     anchors, layer_keys = probe_sidecar(adapter, chunk, depth, critical, config)
     store.put_sidecar(key, anchors=anchors, layer_keys=layer_keys)
     return True
