@@ -39,6 +39,7 @@ class ChunkTextIndex:
         self._db.commit()
         self._lock = threading.Lock()
         self._by_anchor: dict[str, list[tuple[str, str | None]]] | None = None
+        self._version: tuple | None = None  # (rows, max rowid) the table was built from
 
     def add(self, text: str, node_id: str | None = None) -> bool:
         """Register a chunk text (as it will appear in prompts). Returns False if too short to index."""
@@ -59,8 +60,12 @@ class ChunkTextIndex:
         return int(self._db.execute("SELECT COUNT(*) FROM chunk_text").fetchone()[0])
 
     def _anchors(self) -> dict[str, list[tuple[str, str | None]]]:
+        """The anchor table, rebuilt when the SQLite table changed (also by another
+        instance or process sharing the file)."""
         with self._lock:
-            if self._by_anchor is None:
+            version = self._db.execute("SELECT COUNT(*), MAX(rowid) FROM chunk_text").fetchone()
+            if self._by_anchor is None or version != self._version:
+                self._version = version
                 table: dict[str, list[tuple[str, str | None]]] = {}
                 for node_id, text in self._db.execute("SELECT node_id, text FROM chunk_text"):
                     table.setdefault(text[:ANCHOR], []).append((text, node_id))

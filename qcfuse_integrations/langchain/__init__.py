@@ -15,7 +15,7 @@ except ImportError as e:
 
 from qcfuse_integrations.langchain.chunks import format_docs, locate_chunks, with_documents  # noqa: E402
 from qcfuse_integrations.langchain.embeddings import QCFuseEmbeddings  # noqa: E402
-from qcfuse_integrations.langchain.engines import engine_lock, shared_engine  # noqa: E402
+from qcfuse_integrations.engines import engine_lock, shared_engine  # noqa: E402
 from qcfuse_integrations.langchain.llm import QCFuseLLM  # noqa: E402
 from qcfuse_integrations.langchain.transformer import QCFuseCacheBuilder, document_id  # noqa: E402
 

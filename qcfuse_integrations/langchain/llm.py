@@ -34,7 +34,7 @@ from pydantic import Field, PrivateAttr
 from qcfuse_core.engine import QCFuseEngine, TokenStream
 from qcfuse_core.types import FusionResult, Piece
 from qcfuse_integrations.langchain.chunks import locate_chunks
-from qcfuse_integrations.langchain.engines import engine_lock, shared_engine
+from qcfuse_integrations.engines import engine_lock, shared_engine
 
 _GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 CALL_OPTIONS = ("method", "ratio", *_GENERATION_KEYS, "documents", "doc_ids")

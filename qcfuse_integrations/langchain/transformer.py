@@ -24,7 +24,7 @@ from langchain_core.documents import BaseDocumentTransformer, Document
 
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.types import ChunkKey
-from qcfuse_integrations.langchain.engines import engine_lock, shared_engine
+from qcfuse_integrations.engines import engine_lock, shared_engine
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from llama_index.core.utils import get_tqdm_iterable
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.segment import ANCHOR
 from qcfuse_core.types import ChunkKey, NodeId
-from qcfuse_integrations.llama_index.engines import EngineSpec, engine_for, lock_for
+from qcfuse_integrations.engines import engine_lock, shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class QCFuseCacheBuilder(TransformComponent):
     @property
     def engine(self) -> QCFuseEngine:
         if self._engine is None:
-            self._engine = engine_for(EngineSpec(self.store_dir, self.model, self.dtype, self.device))
+            self._engine = shared_engine(self.store_dir, model=self.model, dtype=self.dtype, device=self.device)
         return self._engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
@@ -85,7 +85,7 @@ class QCFuseCacheBuilder(TransformComponent):
             if len(text) < ANCHOR:  # too short for the content index to find; not worth a cache
                 short += 1
                 continue
-            with lock_for(engine):
+            with engine_lock(engine):
                 ids = engine.tokenize(text)
                 key = ChunkKey.for_tokens(engine.fingerprint, ids)
                 if engine.store.contains(key):

@@ -47,7 +47,7 @@ from qcfuse_core.engine import QCFuseEngine, TokenStream
 from qcfuse_core.segment import ANCHOR
 from qcfuse_core.selectors import SELECTORS
 from qcfuse_core.types import FusionResult, Piece
-from qcfuse_integrations.llama_index.engines import EngineSpec, engine_for, lock_for
+from qcfuse_integrations.engines import engine_lock, shared_engine
 from qcfuse_integrations.llama_index.postprocessor import retrieved_nodes
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class QCFuseLLM(CustomLLM):
     def engine(self) -> QCFuseEngine:
         """The process-wide engine for this LLM's store and model (opened on first use)."""
         if self._engine is None:
-            self._engine = engine_for(EngineSpec(self.store_dir, self.model, self.dtype, self.device))
+            self._engine = shared_engine(self.store_dir, model=self.model, dtype=self.dtype, device=self.device)
         return self._engine
 
     @property
@@ -276,7 +276,7 @@ class QCFuseLLM(CustomLLM):
 
     def _decode_iter(self, req: _Request) -> Iterator[str | FusionResult]:
         """Text deltas, then the FusionResult; holds the engine lock throughout."""
-        with lock_for(self.engine):
+        with engine_lock(self.engine):
             stream = self._open(req)
             yield from stream
         assert stream.result is not None
@@ -308,7 +308,7 @@ class QCFuseLLM(CustomLLM):
 
         def worker() -> None:
             try:
-                with lock_for(engine):
+                with engine_lock(engine):
                     stream = self._open(req)
                     for delta in stream:
                         if cancelled.is_set():

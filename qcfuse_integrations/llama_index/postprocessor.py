@@ -34,7 +34,7 @@ from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.types import NodeId
 from qcfuse_integrations.llama_index.builder import render_for_prompt
-from qcfuse_integrations.llama_index.engines import EngineSpec, engine_for
+from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
     @property
     def engine(self) -> QCFuseEngine:
         if self._engine is None:
-            self._engine = engine_for(EngineSpec(self.store_dir, self.model, self.dtype, self.device))
+            self._engine = shared_engine(self.store_dir, model=self.model, dtype=self.dtype, device=self.device)
         return self._engine
 
     def _postprocess_nodes(
