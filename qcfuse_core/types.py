@@ -146,6 +146,7 @@ class FusionResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
     selection: SelectionResult | None = None
     store_stats: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)  # load/recompute decision (planner.Plan.to_dict())
 
     @property
     def recompute_share(self) -> float:
@@ -169,4 +170,5 @@ class FusionResult:
             "finish_reason": self.finish_reason,
             "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
             "store": self.store_stats,
+            **({"plan": self.plan} if self.plan else {}),
         }
