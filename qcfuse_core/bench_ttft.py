@@ -351,6 +351,7 @@ def run(args) -> list[dict]:
                 rs = _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over), args, drop=drop, warm=False)
                 rows.append(_row(base, method, ratio if get_selector(method).uses_ratio else None, rs, full_ms))
         store.close()
+        _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
     for r in rows:
         r["rates"] = {"prefill_ms_per_token": round(rates.prefill_ms_per_token, 5),
                       "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "path": str(rpath)}
@@ -406,16 +407,21 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _write_json(args, rows: list[dict], partial: bool = False) -> None:
+    if not args.json:
+        return
+    env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+           "argv": vars(args) | {"func": None}, "partial": partial}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+
+
 def cmd_ttft(args) -> int:
     rows = run(args)
     md = markdown(rows)
     print(md)
-    env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "argv": vars(args) | {"func": None}}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+    _write_json(args, rows)
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     return 0
