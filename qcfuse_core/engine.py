@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
 from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
+from qcfuse_core.prefetch import Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex
@@ -36,13 +37,15 @@ DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only th
 
 @dataclass(frozen=True)
 class EngineConfig:
-    method: str = "epic"
+    method: str = "qcfuse"
     ratio: float = 0.15
     system_prompt: str = DEFAULT_SYSTEM
     context_header: str = "Documents:\n\n"
     glue: str = "\n\n"
     question_template: str = "\n\nQuestion: {question}\nAnswer in one short sentence."
     seed: int = 0
+    # selector options (selectors.QCFuseOptions: critical_layers, anchor_method, anchor_share, budget, ...)
+    selection_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -77,6 +80,9 @@ class QCFuseEngine:
         self.adapter = adapter
         self.store = store if store is not None else MemoryStore()
         self.texts = text_index if text_index is not None else ChunkTextIndex()
+        self._critical: list[int] | None = None
+        # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
+        self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
         self.config = config or EngineConfig()
         self.fingerprint = adapter.fingerprint()
         self._head, self._tail = _chat_frame(adapter.tokenizer, self.config.system_prompt)
@@ -105,20 +111,75 @@ class QCFuseEngine:
         out = fused_prefill(self.adapter, prompt, torch.arange(len(ids)), kv_out=cache, capture_pre_rope=True)
         return out.k_pre, cache.v[:, : len(ids)].clone()
 
-    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
-        """The cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
+    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None, *, lazy: bool = False) -> tuple[KVChunk, bool]:
+        """The cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it.
+
+        lazy (query time, layer-wise store): a hit returns a `ChunkView` carrying only the
+        probe sidecar; its layers stream in through the prefetcher during fused prefill.
+        """
         if ids.numel() == 0:
             raise ValueError("cannot cache an empty chunk")
         key = ChunkKey.for_tokens(self.fingerprint, ids)
+        if node_id is not None:
+            self.store.link(NodeId(node_id), key)
+        if lazy and self.prefetcher is not None and self.store.contains(key):
+            return self._view(key, ids), True
         chunk = self.store.get(key)
         hit = chunk is not None
         if chunk is None:
             k, v = self.prefill_alone(ids)
             chunk = KVChunk(key, ids.clone(), k, v)
+            self._add_anchors(chunk)
             self.store.put(chunk)
-        if node_id is not None:
-            self.store.link(NodeId(node_id), key)
+            if self.prefetcher is not None:
+                self._put_probe_sidecar(chunk)
         return chunk, hit
+
+    # -- layer-wise loading (stores with sidecars)
+    @property
+    def critical_layers(self) -> list[int]:
+        """The critical layers the probe reads: selection options, else the model's profile."""
+        from qcfuse_core import critical_layers
+
+        opts = self._qcfuse_options()
+        if opts.critical_layers:
+            return list(opts.critical_layers)
+        if self._critical is None:
+            self._critical = critical_layers.lookup(self.adapter)[0]  # once per engine
+        return self._critical
+
+    def _put_probe_sidecar(self, chunk: KVChunk) -> None:
+        """Store what the probe needs of a chunk (anchors + their K/V, critical-layer K) beside it."""
+        from qcfuse_core.prefetch import probe_sidecar
+
+        crit = self.critical_layers
+        anchors, layer_keys = probe_sidecar(self.adapter, chunk, max(crit) + 1, crit, self._qcfuse_options().anchors)
+        self.store.put_sidecar(chunk.key, anchors=anchors, layer_keys=layer_keys)
+
+    def _view(self, key: ChunkKey, ids: torch.Tensor):
+        from qcfuse_core.prefetch import ensure_sidecar
+
+        crit, anchors = self.critical_layers, self._qcfuse_options().anchors
+        depth = max(crit) + 1
+        try:
+            return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
+        except KeyError:  # stored before sidecars existed (or the sidecar was damaged): make it once
+            ensure_sidecar(self.store, self.adapter, key, depth, crit, anchors)
+            return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
+
+    def _add_anchors(self, chunk: KVChunk) -> None:
+        """Ingestion-time anchors for qcfuse (chunk.anchors[method], layers 0..max critical)."""
+        from qcfuse_core.anchors import ensure_anchors
+
+        opts = self._qcfuse_options()
+        if opts.anchor_method == "repeat" and self.adapter.tokenizer is None:
+            return  # repeat anchors need a tokenizer; the selector reports it if asked for
+        ensure_anchors(self.adapter, chunk, max(self.critical_layers) + 1, opts.anchors)
+
+    def _qcfuse_options(self):
+        from qcfuse_core.selectors import QCFuseOptions
+
+        return QCFuseOptions.from_options(self.config.selection_options)
 
     def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
         """Ingestion: compute (if new) and store the cache of `text` as it appears in prompts,
@@ -164,15 +225,18 @@ class QCFuseEngine:
             head, rest = self._head, pieces
         return [Piece("prefix", head)] + [p for p in rest if p.text]
 
-    def fuse_pieces(self, pieces: Sequence[Piece]) -> tuple[FusedPrompt, int, int]:
-        """Tokenize piece by piece and attach caches -> (prompt, chunk hits, chunk misses)."""
+    def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True, lazy: bool = False) -> tuple[FusedPrompt, int, int]:
+        """Tokenize piece by piece and attach caches -> (prompt, chunk hits, chunk misses).
+
+        caches=False only tokenizes (full prefill needs no chunk cache); lazy: see chunk_cache.
+        """
         segments, hits, misses = [], 0, 0
         for p in pieces:
             ids = self.tokenize(p.text)
             if ids.numel() == 0:
                 continue
-            if p.kind in ("prefix", "chunk"):
-                chunk, hit = self.chunk_cache(ids, p.node_id)
+            if p.kind in ("prefix", "chunk") and caches:
+                chunk, hit = self.chunk_cache(ids, p.node_id, lazy=lazy and p.kind == "chunk")
                 if p.kind == "chunk":
                     hits, misses = hits + hit, misses + (not hit)
                 segments.append(Segment(p.kind, ids, chunk, p.node_id, hit))
@@ -224,14 +288,19 @@ class QCFuseEngine:
     def _run(self, make_pieces, method: str, ratio: float, gen: GenerationConfig) -> Iterator[str]:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        # 1. lookup
-        prompt, hits, misses = self.fuse_pieces(make_pieces())
+        # 1. lookup; 2. start streaming the chunks' layers (layer-wise stores)
+        pieces = make_pieces()
+        streaming = self.prefetcher is not None and method != "full"
+        prompt, hits, misses = self.fuse_pieces(pieces, caches=method != "full", lazy=streaming)
         T = prompt.num_tokens
+        if streaming:
+            self.prefetcher.start(prompt)
         timings["lookup_ms"] = _ms(t0)
         # 2. select
         t1 = time.perf_counter()
         selector = get_selector(method)
-        sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed))
+        sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
+                                               options=dict(self.config.selection_options)))
         timings["select_ms"] = _ms(t1)
         # 3. fuse (or full prefill)
         t2 = time.perf_counter()
@@ -242,7 +311,21 @@ class QCFuseEngine:
             recomputed = prompt.context_tokens
         else:
             out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
-                                on_layer_end=sel.on_layer_end, kv_out=cache)
+                                on_layer_end=sel.on_layer_end, kv_out=cache,
+                                source=self.prefetcher if streaming else None)
+            if streaming:
+                report = self.prefetcher.finish()
+                timings["load_wait_ms"] = report.total_wait_ms
+                if report.failed:  # a layer could not be read: never answer from a hole
+                    log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(report.failed))
+                    for seg in report.failed:
+                        self.store.delete(seg.chunk.key)
+                    prompt, hits, misses = self.fuse_pieces(pieces)
+                    misses, hits = misses + len(report.failed), hits - len(report.failed)
+                    sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
+                                                           options=dict(self.config.selection_options)))
+                    out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
+                                        on_layer_end=sel.on_layer_end, kv_out=cache)
             logits = out.logits
             recomputed = _context_rows(prompt, out.rows)
             sel.details.setdefault("layer_ms", out.layer_ms)
