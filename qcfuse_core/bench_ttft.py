@@ -271,7 +271,7 @@ def _median_lists(ls: list[list[float]]) -> list[float]:
 
 
 def run(args) -> list[dict]:
-    from qcfuse_core.planner import Rates, load_rates, rates_path, save_rates
+    from qcfuse_core.planner import Rates, device_name, load_rates, rates_path, save_rates
     from qcfuse_core.prefetch import ensure_sidecar
 
     from qcfuse_core.selectors import get_selector
@@ -297,7 +297,7 @@ def run(args) -> list[dict]:
     nbytes = sum(c.nbytes for c in chunks)
     root = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="qcfuse-ttft-"))
     fp = adapter.fingerprint()
-    rpath = Path(args.rates) if args.rates else rates_path(root, fp, _device_name(device))
+    rpath = Path(args.rates) if args.rates else rates_path(root, fp, device_name(device))
     rates = None if args.remeasure else load_rates(rpath)
     rows: list[dict] = []
     full_cache: dict[str, list[float]] = {}
@@ -328,7 +328,7 @@ def run(args) -> list[dict]:
             old = rates.tier_gbps if rates is not None else {}
             rates = Rates(prefill_ms_per_token=full_ms / T, tier_gbps={**old, tier: gbps},
                           kv_bytes_per_token=kv_bytes_per_token(adapter), calib_tokens=T,
-                          device=_device_name(device), model=fp, measured=_dt.date.today().isoformat())
+                          device=device_name(device), model=fp, measured=_dt.date.today().isoformat())
             save_rates(rates, rpath)
             log.info("rates: %.4f ms/token, %s GB/s (saved to %s)", rates.prefill_ms_per_token,
                      {k: round(v, 2) for k, v in rates.tier_gbps.items()}, rpath)
@@ -386,12 +386,6 @@ def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], full
         "sync_layer_loads": max(r.sync_layer_loads for r in rs),
         "plan": plans[-1] if plans else None,
     }
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{platform.machine()}-{os.cpu_count()}"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -24,6 +24,8 @@ import torch
 from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
 from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
+from qcfuse_core.planner import Rates, device_name, load_rates, rates_path
+from qcfuse_core.planner import plan as plan_chunks
 from qcfuse_core.prefetch import Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
@@ -75,9 +77,10 @@ class TokenStream:
 class QCFuseEngine:
     def __init__(
         self, adapter: ModelAdapter, store: ChunkStore | None = None, config: EngineConfig | None = None,
-        text_index: ChunkTextIndex | None = None,
+        text_index: ChunkTextIndex | None = None, rates: Rates | None = None,
     ) -> None:
         self.adapter = adapter
+        self.rates = rates  # measured load/compute rates: enable the load-or-recompute planner
         self.store = store if store is not None else MemoryStore()
         self.texts = text_index if text_index is not None else ChunkTextIndex()
         self._critical: list[int] | None = None
@@ -293,6 +296,9 @@ class QCFuseEngine:
         streaming = self.prefetcher is not None and method != "full"
         prompt, hits, misses = self.fuse_pieces(pieces, caches=method != "full", lazy=streaming)
         T = prompt.num_tokens
+        plan = self._plan(prompt, method, ratio) if streaming else None
+        if plan is not None and plan.all_recompute:  # loading cannot beat recomputing: full prefill
+            method, streaming = "full", False
         if streaming:
             self.prefetcher.start(prompt)
         timings["lookup_ms"] = _ms(t0)
@@ -318,10 +324,9 @@ class QCFuseEngine:
                 timings["load_wait_ms"] = report.total_wait_ms
                 if report.failed:  # a layer could not be read: never answer from a hole
                     log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(report.failed))
-                    for seg in report.failed:
-                        self.store.delete(seg.chunk.key)
-                    prompt, hits, misses = self.fuse_pieces(pieces)
-                    misses, hits = misses + len(report.failed), hits - len(report.failed)
+                    for i in report.failed:  # segment indices
+                        self.store.delete(prompt.segments[i].chunk.key)
+                    prompt, hits, misses = self.fuse_pieces(pieces)  # the deleted ones count as misses
                     sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
                                                            options=dict(self.config.selection_options)))
                     out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
@@ -361,7 +366,23 @@ class QCFuseEngine:
             context_tokens=prompt.context_tokens, prompt_tokens=T, recomputed_tokens=recomputed,
             cache_hits=hits, cache_misses=misses, chunks=len(prompt.chunk_spans()), finish_reason=finish,
             timings_ms=timings, selection=sel, store_stats=self.store.stats(),
+            plan=plan.to_dict() if plan is not None else {},
         )
+
+    def _plan(self, prompt: FusedPrompt, method: str, ratio: float):
+        """Load-or-recompute per chunk from measured rates (None without rates). Chunks the
+        plan recomputes lose their cache in `prompt` (so they are recomputed whole)."""
+        if self.rates is None:
+            return None
+        segs = [s for s in prompt.segments if s.kind == "chunk" and s.chunk is not None]
+        tiers = [self.prefetcher.tier_of(s.chunk.key) or "host" for s in segs]  # just built: in memory
+        p = plan_chunks(self.rates, [(len(s), t) for s, t in zip(segs, tiers)],
+                        ratio=ratio if get_selector(method).uses_ratio else 0.0,
+                        total_tokens=prompt.num_tokens, fresh_rows=int(prompt.uncached_mask().sum()),
+                        full_layers=2 if method == "cacheblend" else 0, num_layers=self.adapter.num_layers)
+        for i in p.recomputed:
+            segs[i].chunk = None
+        return p
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -404,7 +425,9 @@ def open_engine(
     """An engine over a persistent store folder (default: <cache dir>/store).
 
     Layout of `store_dir`: kv/ (chunk caches), chunk_texts.sqlite (content index), chroma/
-    (the vector store, used by the CLI and integrations). Models are loaded once per process.
+    (the vector store, used by the CLI and integrations), rates-*.json (measured by `qcfuse
+    bench ttft --store DIR`; with them the planner decides load vs recompute per chunk).
+    Models are loaded once per process.
     """
     from qcfuse_core.model import cache_dir
     from qcfuse_core.store import kv_dir, open_store
@@ -416,8 +439,10 @@ def open_engine(
         _ADAPTERS[key] = load_model(model, dtype=dtype, device=device)
     store_kw = {} if memory_bytes is None else {"memory_bytes": memory_bytes}
     store = open_store(kv_dir(root), **store_kw)
-    return QCFuseEngine(_ADAPTERS[key], store=store, config=config,
-                        text_index=ChunkTextIndex(root / "chunk_texts.sqlite"))
+    adapter = _ADAPTERS[key]
+    rates = load_rates(rates_path(root, adapter.fingerprint(), device_name(adapter.device)))
+    return QCFuseEngine(adapter, store=store, config=config,
+                        text_index=ChunkTextIndex(root / "chunk_texts.sqlite"), rates=rates)
 
 
 _ADAPTERS: dict[tuple[str, str, str], ModelAdapter] = {}

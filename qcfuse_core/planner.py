@@ -69,6 +69,19 @@ class Rates:
         return cls(**json.loads(text))
 
 
+def device_name(device) -> str:
+    """The name rates are filed under: the GPU's name, or cpu-<arch>-<cores>."""
+    import os
+    import platform
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.machine()}-{os.cpu_count()}"
+
+
 def rates_path(store_dir: Path | str, fingerprint: str, device: str) -> Path:
     """Where the rates of (model, device) live: next to the store's data."""
     dev = re.sub(r"[^A-Za-z0-9_.-]+", "_", device)
