@@ -10,7 +10,8 @@ mkdir -p "$OUT"
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export QCFUSE_CACHE_DIR="$OUT/cache"
+export QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
+STORE=/tmp/qcfuse-ttft-store  # GBs of chunk data: outside $OUT, which comes back
 { date -u; nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv;
   $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)';
   df -h "$OUT" | tail -1; } 2>&1 | tee "$OUT/env.txt"
@@ -25,9 +26,9 @@ echo "query-aware method: $QC" | tee -a "$OUT/env.txt"
 timeout 390 $PY benchmarks/run_ttft.py ttft --shape llama-3.1-8b --device cuda --dtype bf16 \
     --chunks 10 --chunk-tokens 1024 --query-tokens 32 --tier host disk gpu \
     --methods full "$QC" cacheblend naive --ratios 0.15 0.3 --runs 10 --warmup 2 \
-    --store "$OUT/store" --json "$OUT/ttft_h200.json" --markdown "$OUT/ttft_h200.md" 2>&1 | tee "$OUT/ttft_h200.log"
+    --store "$STORE" --json "$OUT/ttft_h200.json" --markdown "$OUT/ttft_h200.md" 2>&1 | tee "$OUT/ttft_h200.log"
 rc=${PIPESTATUS[0]}
-rm -rf "$OUT/store"/kv-*  # GBs of chunk data; keep the rates JSON
+cp "$STORE"/rates-*.json "$OUT"/ 2>/dev/null; rm -rf "$STORE"
 [ -f "$OUT/ttft_h200.md" ] || $PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import run_ttft; run_ttft.ensure_importable(); from qcfuse_core.bench_ttft import markdown; print(markdown(json.load(open('$OUT/ttft_h200.json'))['rows']))" > "$OUT/ttft_h200.md" 2>/dev/null
 echo "exit $rc"; cat "$OUT/ttft_h200.md" 2>/dev/null
 exit $rc
