@@ -184,10 +184,15 @@ class ChunkView:
 class PrefetchConfig:
     threaded: bool = True  # a loader thread runs ahead; False: each layer loads when asked
     staging_slots: int = 3  # pinned disk staging buffers (CUDA), layers in flight from disk
+    # layers the loader may run ahead of the consumer: enough to hide loads, few enough that the
+    # loader thread does not compete (GIL, copy engines) with the probe and the first layers
+    window: int = 4
 
     def __post_init__(self) -> None:
         if self.staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {self.staging_slots}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
 
 
 @dataclass
@@ -312,6 +317,7 @@ class Prefetcher:
                 self._stage = [torch.empty((2, disk_T, Hkv, D), dtype=self.dtype, pin_memory=True)
                                for _ in range(self.config.staging_slots)]
         self._host_ready = [threading.Event() for _ in range(L)]
+        self._credits = threading.Semaphore(self.config.window)  # loads allowed ahead of layer()
         self._next = 0
         self._error = None
         if self.cuda:
@@ -336,6 +342,7 @@ class Prefetcher:
         if layer != self._next:
             raise ValueError(f"layers must be asked for in order: expected {self._next}, got {layer}")
         self._next += 1
+        self._credits.release()  # the consumer moved on: the loader may start one more layer
         t0 = time.perf_counter()
         if self._thread is not None:
             self._host_ready[layer].wait()
@@ -360,6 +367,7 @@ class Prefetcher:
     def finish(self) -> PrefetchReport:
         """Join the loader; on CUDA turn the events into per-layer waits (synchronizes)."""
         if self._thread is not None:
+            self._credits.release(self.adapter.num_layers)  # never leave the loader blocked
             self._thread.join()
             self._thread = None
             if self._error is not None:
@@ -401,6 +409,7 @@ class Prefetcher:
                 torch.cuda.set_device(self.device)
             with torch.inference_mode():
                 for layer in range(self.adapter.num_layers):
+                    self._credits.acquire()
                     self._load(layer)
         except BaseException as e:  # surfaced to the compute thread by layer() / finish()
             self._error = e

@@ -111,23 +111,28 @@ def run_probe(
         raise ValueError(f"context covers {len(context)} layers; the probe needs {last + 1}")
     dev, dtype = adapter.device, adapter.dtype
     pos = positions.to(torch.int64).cpu()
-    cos_q, sin_q = adapter.rope(pos)  # (S, D)
+    for ctx in context[: last + 1]:  # checked on the host copies: no device sync
+        if bool((ctx.pos >= pos.min()).any()):
+            raise ValueError("every context entry must precede the first query position")
+    # every position this probe touches goes to the device in one copy; cos/sin come from one table
+    sizes = [int(c.pos.numel()) for c in context[: last + 1]]
+    all_pos = torch.cat([pos] + [c.pos.to(torch.int64) for c in context[: last + 1]]).to(dev)
+    pos_dev, *ctx_pos_dev = all_pos.split([pos.numel()] + sizes)
+    cos_t, sin_t = adapter.rope(torch.arange(int(pos.max()) + 1))  # (P, D) for positions 0..max
+    cos_q, sin_q = cos_t[pos_dev], sin_t[pos_dev]  # (S, D)
     h = adapter.embed(ids.to(torch.int64))  # (S, hidden)
     res = ProbeResult({}, {}, h)
     for layer in range(last + 1):
         t0 = time.perf_counter()
-        ctx = context[layer]
-        if bool((ctx.pos >= pos.min()).any()):
-            raise ValueError("every context entry must precede the first query position")
+        ctx, cpos = context[layer], ctx_pos_dev[layer]
         q_pre, k_new, v_new = adapter.qkv(layer, adapter.attn_norm(layer, h))  # (S,H,D), (S,Hkv,D) x2
         q = K.apply_rope(q_pre, cos_q, sin_q)
         kq = K.apply_rope(k_new, cos_q, sin_q)
-        cos_c, sin_c = adapter.rope(ctx.pos)  # (N, D)
-        kc = K.apply_rope(ctx.k_pre.to(dev, dtype), cos_c, sin_c)  # (N, Hkv, D)
+        kc = K.apply_rope(ctx.k_pre.to(dev, dtype), cos_t[cpos], sin_t[cpos])  # (N, Hkv, D)
         keys = torch.cat([kc, kq])  # (N+S, Hkv, D)
         vals = torch.cat([ctx.v.to(dev, dtype), v_new])
-        key_pos = torch.cat([ctx.pos, pos])
-        visible = (key_pos[None, :] <= pos[:, None]).to(dev)  # (S, N+S)
+        key_pos = torch.cat([cpos, pos_dev])
+        visible = key_pos[None, :] <= pos_dev[:, None]  # (S, N+S)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
             attn_mask=visible[None, None], scale=adapter.scale, enable_gqa=True,
@@ -136,7 +141,7 @@ def run_probe(
         if layer in keep:
             res.q[layer], res.k[layer] = q, kq
         res.layer_ms.append((time.perf_counter() - t0) * 1e3)
-        res.context_sizes.append(int(ctx.pos.numel()))
+        res.context_sizes.append(sizes[layer])
     res.hidden = h
     return res
 

@@ -202,11 +202,14 @@ class QueryAwareSelector(Selector):
         """Mean over `layers` of the context mass -> ((T,) fp32 over positions, elapsed ms)."""
         t0 = time.perf_counter()
         adapter = ctx.adapter
-        mass = torch.zeros(ctx.prompt.num_tokens)
+        acc = None
         for layer in layers:
             k_ctx, pos = context_keys(adapter, ctx.prompt, layer)
-            mass[pos] += query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale).cpu()
-        return mass / len(layers), (time.perf_counter() - t0) * 1e3
+            m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale)  # (N,) on the device
+            acc = m if acc is None else acc + m  # same positions at every layer
+        mass = torch.zeros(ctx.prompt.num_tokens)
+        mass[pos] = acc.cpu() / len(layers)  # one device -> host copy
+        return mass, (time.perf_counter() - t0) * 1e3
 
 
 @register

@@ -131,3 +131,35 @@ def test_view_without_sidecar_raises(adapter, parts, tmp_path):
     store.put(parts[3][0])
     with pytest.raises(KeyError, match="ensure_sidecar"):
         Prefetcher(adapter, store).view(parts[3][0].key, parts[2][0], depth=2, critical=CRITICAL)
+
+
+def test_loader_stays_within_its_window(adapter, parts, tmp_path):
+    """The loader thread runs at most `window` layers ahead of the consumer (it must not
+    compete with the probe for the interpreter lock and the copy engines)."""
+    import time
+
+    store = _store(tmp_path, "host")
+    for c in parts[3]:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
+    _, lazy = _prompts(pf, parts)
+    pf.start(lazy)
+    time.sleep(0.3)  # plenty for an unthrottled loader to load all 3 layers
+    assert [o for o in pf.report.order if o.startswith("layer:")] == ["layer:0"]
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+    for l in range(adapter.num_layers):
+        pf.layer(l, like)
+    rep = pf.finish()
+    assert [o for o in rep.order if o.startswith("layer:")] == [f"layer:{l}" for l in range(adapter.num_layers)]
+    with pytest.raises(ValueError, match="window"):
+        PrefetchConfig(window=0)
+
+
+def test_finish_releases_a_loader_left_waiting(adapter, parts, tmp_path):
+    store = _store(tmp_path, "host")
+    for c in parts[3]:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
+    _, lazy = _prompts(pf, parts)
+    pf.start(lazy)
+    pf.finish()  # the consumer gave up before layer 0: must not hang
