@@ -347,7 +347,7 @@ def run(args) -> list[dict]:
             for ratio in ratios:
                 keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
                 warm = [bench.fused(method, ratio, keep) for _ in range(max(args.warmup, 1))]
-                over = statistics.median(w.select_ms for w in warm)
+                over = min(w.select_ms for w in warm)  # steady state: the first run also compiles kernels
                 rs = _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over), args, drop=drop, warm=False)
                 rows.append(_row(base, method, ratio if get_selector(method).uses_ratio else None, rs, full_ms))
         store.close()

@@ -42,18 +42,10 @@ def _rates(gbps: float, overhead_ms: float = 0.0) -> Rates:
                  kv_bytes_per_token=30 * 2 * 3 * 64 * 4, overhead_ms=overhead_ms)
 
 
-def test_planner_recomputes_chunks_that_load_slower_than_they_compute(tiered):
-    full = tiered.answer(Q, DOCS, method="full", max_new_tokens=8)
-    tiered.rates = _rates(1e-9)  # loading a chunk would take "forever"
-    r = tiered.answer(Q, DOCS, method="qcfuse", max_new_tokens=8)
-    assert r.plan["loaded"] == [] and sorted(r.plan["recomputed"]) == [0, 1, 2] and not r.plan["all_recompute"]
-    assert r.method == "qcfuse" and r.recomputed_tokens == r.context_tokens  # only the exact prefix is reused
-    assert r.token_ids == full.token_ids
-
-
 def test_planner_runs_full_prefill_when_fusion_cannot_win(tiered):
     full = tiered.answer(Q, DOCS, method="full", max_new_tokens=8)
-    tiered.rates = _rates(1e-9, overhead_ms=1e9)  # even the all-recompute plan costs more than full
+    tiered.rates = _rates(1e-9)  # loading a chunk would take "forever": recompute them all, and
+    # reusing only the exact prefix does not promise a clear win (planner margin): full prefill
     r = tiered.answer(Q, DOCS, method="qcfuse", max_new_tokens=8)
     assert r.plan["all_recompute"] and r.method == "full"
     assert r.token_ids == full.token_ids
