@@ -66,28 +66,49 @@ def gather_context(prompt: FusedPrompt, num_layers: int, pick: AnchorPick | None
     The prefix is always whole (its cache is exact). Chunks contribute `pick(segment)[l]`
     (local indices) or all their tokens when `pick` is None or returns None. Uncached
     segments (glue text, suffix) contribute nothing.
+
+    Built batched over layers (a segment picks the same number of entries at every layer):
+    one gather per segment and one concatenation, then a per-layer view - a few dozen tensor
+    ops per request instead of a few per segment and layer.
     """
-    out: list[LayerContext] = []
-    picks = [pick(s) if (pick is not None and s.kind == "chunk" and s.chunk is not None) else None
-             for s in prompt.segments]
-    for layer in range(num_layers):
-        ks, vs, ps = [], [], []
-        for s, start, idx in zip(prompt.segments, prompt.starts, picks):
-            if s.chunk is None or s.kind not in ("prefix", "chunk"):
-                continue
-            if idx is None:
-                local = torch.arange(len(s))
+    ks, vs, ps = [], [], []  # per segment: (Lp, n, Hkv, D) x2, (Lp, n)
+    layers = torch.arange(num_layers)
+    for s, start in zip(prompt.segments, prompt.starts):
+        if s.chunk is None or s.kind not in ("prefix", "chunk"):
+            continue
+        idx = pick(s) if (pick is not None and s.kind == "chunk") else None
+        if idx is None:
+            k = _stack_layers(s.chunk.k, num_layers)
+            v = _stack_layers(s.chunk.v, num_layers)
+            local = torch.arange(len(s)).expand(num_layers, -1)
+        else:
+            if idx.shape[0] < num_layers:
+                raise ValueError(f"anchors cover {idx.shape[0]} layers; the probe needs {num_layers}")
+            local = idx[:num_layers].to(torch.int64)  # (Lp, n)
+            view_k = getattr(s.chunk, "anchor_k", None)  # a ChunkView serving anchors from its sidecar
+            if view_k is not None and torch.equal(local, s.chunk.anchor_idx[:num_layers].to(torch.int64)):
+                k, v = view_k[:num_layers], s.chunk.anchor_v[:num_layers]
             else:
-                if layer >= idx.shape[0]:
-                    raise ValueError(f"anchors cover {idx.shape[0]} layers; the probe needs {num_layers}")
-                local = idx[layer].to(torch.int64)
-            ks.append(s.chunk.k[layer][local])
-            vs.append(s.chunk.v[layer][local])
-            ps.append(local + start)
-        if not ks:
-            raise ValueError("the probe needs at least one cached segment (prefix or chunk)")
-        out.append(LayerContext(torch.cat(ks), torch.cat(vs), torch.cat(ps)))
-    return out
+                k = s.chunk.k[:num_layers]
+                v = s.chunk.v[:num_layers]
+                sel = local.to(k.device)
+                k, v = k[layers.to(k.device)[:, None], sel], v[layers.to(v.device)[:, None], sel]
+        ks.append(k)
+        vs.append(v)
+        ps.append(local + start)
+    if not ks:
+        raise ValueError("the probe needs at least one cached segment (prefix or chunk)")
+    dev = ks[0].device
+    k_all = torch.cat([k.to(dev) for k in ks], dim=1)  # (Lp, N, Hkv, D)
+    v_all = torch.cat([v.to(dev) for v in vs], dim=1)
+    p_all = torch.cat(ps, dim=1)  # (Lp, N) host
+    return [LayerContext(k_all[l], v_all[l], p_all[l]) for l in range(num_layers)]
+
+
+def _stack_layers(layers, n: int) -> torch.Tensor:
+    """chunk.k[:n] as one (n, T, Hkv, D) tensor (KVChunk tensors slice; views stack)."""
+    got = layers[:n]
+    return got if isinstance(got, torch.Tensor) else torch.stack([layers[l] for l in range(n)])
 
 
 @torch.inference_mode()
