@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--store", required=True, type=Path, help="store folder (chunk caches, text index, chroma/)")
     ap.add_argument("--corpus", type=Path, default=sample_corpus_dir(), help="folder of .md files")
     ap.add_argument("-q", "--question", action="append", help="question (repeatable); default: two samples")
-    ap.add_argument("--method", default="epic", help="recompute method (qcfuse_core.selectors)")
+    ap.add_argument("--method", default="qcfuse", help="recompute method (qcfuse_core.selectors)")
     ap.add_argument("--ratio", type=float, default=0.15, help="share of context tokens recomputed")
     ap.add_argument("--k", type=int, default=3, help="chunks retrieved per question")
     ap.add_argument("--chunk-chars", type=int, default=400, help="split size in characters")

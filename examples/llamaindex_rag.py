@@ -33,7 +33,7 @@ def corpus_dir() -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="folder for the chunk caches, content index, Chroma and docstore")
-    p.add_argument("--method", default="epic", help="recompute-selection method (default: epic)")
+    p.add_argument("--method", default="qcfuse", help="recompute-selection method (default: qcfuse)")
     p.add_argument("--ratio", type=float, default=0.15, help="share of chunk tokens recomputed (default: 0.15)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--top-k", type=int, default=2, help="retrieved chunks per question")

@@ -26,6 +26,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reference_kernels_by_default():
+    """The PyTorch reference kernels for everything, including module- and session-scoped
+    fixtures that run a real model (they are set up before any function-scoped fixture)."""
+    import qcfuse_kernels as K
+
+    K.set_backend("torch")
+    yield
+    K.set_backend(None)
+
+
 @pytest.fixture(autouse=True)
 def _kernel_backend(request):
     """Tests marked `kernels` run with the detected kernel backend (Triton's interpreter on
@@ -34,8 +45,8 @@ def _kernel_backend(request):
     references. Tests may still override with set_backend inside."""
     import qcfuse_kernels as K
 
-    detected = request.node.get_closest_marker("kernels") is not None and not (
-        {"smol", "smol_engine"} & set(request.fixturenames))
-    K.set_backend(None if detected else "torch")
+    if request.node.get_closest_marker("kernels") is not None and not (
+            {"smol", "smol_engine"} & set(request.fixturenames)):
+        K.set_backend(None)
     yield
-    K.set_backend(None)
+    K.set_backend("torch")

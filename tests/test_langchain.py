@@ -38,15 +38,6 @@ def _load_example():
     return module
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _torch_kernels():
-    """The PyTorch reference kernels: conftest's TRITON_INTERPRET=1 interpreter is far too slow
-    at the embedded model's shapes."""
-    import qcfuse_kernels as K
-
-    K.set_backend("torch")
-    yield
-    K.set_backend(None)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +137,7 @@ def test_generate_batch_invoke_stream(llm, prompts, docs, reference):
     texts = [g[0].text for g in result.generations]
     for g, ids in zip(result.generations, ([d.id for d in docs[0:3]], [d.id for d in docs[5:7]])):
         info = g[0].generation_info
-        assert info["method"] == "epic" and info["cache_hits"] == len(ids) and info["cache_misses"] == 0
+        assert info["method"] == "qcfuse" and info["cache_hits"] == len(ids) and info["cache_misses"] == 0
         assert info["chunk_ids"] == ids
         assert 0 < info["ttft_ms"] <= info["total_ms"]
     assert result.llm_output["fingerprint"] == llm.engine.fingerprint
@@ -198,7 +189,7 @@ def test_identity_and_tokens(example, llm, prompts):
     assert QCFuseCacheBuilder(store_dir=str(store)).engine is llm.engine
     assert QCFuseLLM.from_engine(llm.engine, ratio=0.5).engine is llm.engine
     assert llm._llm_type == "qcfuse"
-    assert llm._identifying_params["method"] == "epic" and llm._identifying_params["model"] == "embedded"
+    assert llm._identifying_params["method"] == "qcfuse" and llm._identifying_params["model"] == "embedded"
     ids = llm.get_token_ids(prompts[0])
     assert ids == llm.engine.tokenizer(prompts[0], add_special_tokens=False).input_ids
     assert llm.get_num_tokens(prompts[0]) == len(ids)

@@ -54,16 +54,6 @@ def _load_example():
 # ---------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _torch_kernels():
-    """conftest imports triton in interpreter mode (for the kernel tests); running the model
-    through interpreted kernels would take minutes per query. The PyTorch references are the
-    CPU path users get."""
-    import qcfuse_kernels
-
-    qcfuse_kernels.set_backend("torch")
-    yield
-    qcfuse_kernels.set_backend(None)
 
 
 @pytest.fixture(scope="module", autouse=True)

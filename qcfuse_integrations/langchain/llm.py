@@ -60,7 +60,7 @@ class QCFuseLLM(BaseLLM):
     model: str | None = Field(default=None, description="Local Hugging Face model folder; None: the embedded model")
     dtype: str | None = Field(default=None, description="bf16 (default), fp16 or fp32")
     device: str = Field(default="cpu", description="torch device of the model")
-    method: str = Field(default="epic", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")
+    method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
     max_new_tokens: int = Field(default=64, ge=1, description="Most tokens generated per prompt")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")

@@ -82,7 +82,7 @@ class QCFuseLLM(CustomLLM):
     store_dir: Optional[str] = Field(default=None, description="Chunk store folder (None: <cache dir>/store).")
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16', 'float32' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
-    method: str = Field(default="epic", description="Recompute-selection method (qcfuse_core.selectors.SELECTORS).")
+    method: str = Field(default="qcfuse", description="Recompute-selection method (qcfuse_core.selectors.SELECTORS).")
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of chunk tokens recomputed.")
     max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated at most (LlamaIndex's num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
