@@ -167,7 +167,8 @@ def cmd_demo(args) -> int:
         print(f"Q{i}: {q}   ({full.context_tokens} context tokens, {len(docs)} chunks)")
         print(f"  full  | TTFT {full.ttft_ms:7.1f} ms | {full.text.strip()}")
         print(f"  fused | TTFT {fused.ttft_ms:7.1f} ms | {fused.text.strip()}")
-        print(f"        | {method} @ {ratio:.2f}: {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
+        label = method if fused.ratio is None else f"{method} @ {fused.ratio:.2f}"
+        print(f"        | {label}: {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
               f"chunk cache {fused.cache_hits} hits / {fused.cache_misses} misses, "
               f"TTFT speedup {full.ttft_ms / fused.ttft_ms:.2f}x\n")
     tf = sum(r[0].ttft_ms for r in rows) / len(rows)
