@@ -29,7 +29,7 @@ from qcfuse_core.planner import plan as plan_chunks
 from qcfuse_core.prefetch import Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
-from qcfuse_core.segment import ChunkTextIndex
+from qcfuse_core.segment import ChunkTextIndex, split_prompt
 from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, SelectionResult
 
 log = logging.getLogger(__name__)
@@ -208,25 +208,9 @@ class QCFuseEngine:
         return pieces
 
     def completion_pieces(self, prompt: str, chunks: Sequence[Piece] = ()) -> list[Piece]:
-        """Wrap a raw completion prompt in the chat frame, splitting out known chunk texts.
-
-        `chunks` are Piece("chunk", text, node_id) found in `prompt` (by the integrations'
-        content matching), in order of appearance; text around them becomes prefix / glue / suffix.
-        """
-        pieces, pos = [], 0
-        for c in chunks:
-            at = prompt.find(c.text, pos)
-            if at < 0:
-                raise ValueError("a chunk's text does not occur in the prompt (in order)")
-            pieces.append(Piece("text", prompt[pos:at]))
-            pieces.append(c)
-            pos = at + len(c.text)
-        pieces.append(Piece("suffix", prompt[pos:] + self._tail))
-        if pieces[0].kind == "text":  # text before the first chunk joins the cached prefix
-            head, rest = self._head + pieces[0].text, pieces[1:]
-        else:
-            head, rest = self._head, pieces
-        return [Piece("prefix", head)] + [p for p in rest if p.text]
+        """Wrap a raw completion prompt in the chat frame, split around its known chunk texts
+        (`chunks`: Piece("chunk", text, node_id) in order of appearance)."""
+        return split_prompt(prompt, chunks, self._head, self._tail)
 
     def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True, lazy: bool = False) -> tuple[FusedPrompt, int, int]:
         """Tokenize piece by piece and attach caches -> (prompt, chunk hits, chunk misses).

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from qcfuse_core.types import Piece
@@ -97,3 +98,27 @@ class ChunkTextIndex:
 
     def close(self) -> None:
         self._db.close()
+
+
+def split_prompt(prompt: str, chunks: Sequence[Piece], head: str = "", tail: str = "") -> list[Piece]:
+    """Split a prompt around its chunks (as `ChunkTextIndex.find` returns them, in order).
+
+        prompt:  [before ..........][chunk A][glue][chunk B][after ..........]
+        pieces:  prefix(head+before) chunk A  text  chunk B  suffix(after+tail)
+
+    The prefix always sits at position 0, so its cache is exact; glue and suffix are
+    computed fresh. `head`/`tail` wrap the prompt (e.g. a chat template's frame). Empty
+    pieces are dropped.
+    """
+    pieces, pos = [], 0
+    for c in chunks:
+        at = prompt.find(c.text, pos)
+        if at < 0:
+            raise ValueError("a chunk's text does not occur in the prompt (in order)")
+        pieces.append(Piece("prefix" if not pieces else "text", (head if not pieces else "") + prompt[pos:at]))
+        pieces.append(c)
+        pos = at + len(c.text)
+    if not pieces:
+        pieces.append(Piece("prefix", head))
+    pieces.append(Piece("suffix", prompt[pos:] + tail))
+    return [p for p in pieces if p.text]

@@ -36,7 +36,8 @@ from qcfuse_integrations.llama_index import (  # noqa: E402
     render_for_prompt,
     retrieved_nodes,
 )
-from qcfuse_integrations.llama_index.llm import find_chunks, unframed_pieces  # noqa: E402
+from qcfuse_core.segment import split_prompt  # noqa: E402
+from qcfuse_integrations.llama_index.llm import find_chunks  # noqa: E402
 from qcfuse_integrations.llama_index.postprocessor import set_retrieved_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,10 +123,10 @@ def test_render_for_prompt_is_the_llm_rendering_stripped():
 def test_unframed_pieces_splits_a_templated_prompt():
     a, b = Piece("chunk", "A" * 40, "a"), Piece("chunk", "B" * 40, "b")
     prompt = "<sys>head " + a.text + "\n\n" + b.text + " question<assistant>"
-    pieces = unframed_pieces(prompt, [a, b])
+    pieces = split_prompt(prompt, [a, b])
     assert [p.kind for p in pieces] == ["prefix", "chunk", "text", "chunk", "suffix"]
     assert "".join(p.text for p in pieces) == prompt
-    assert [p.kind for p in unframed_pieces("just a question", [])] == ["suffix"]
+    assert [p.kind for p in split_prompt("just a question", [])] == ["suffix"]
 
 
 def test_find_chunks_registers_retrieved_texts_the_index_does_not_know():

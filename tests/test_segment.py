@@ -39,3 +39,15 @@ def test_two_instances_on_one_file_see_each_others_texts(tmp_path):
     one.add(A, "a")
     assert [p.node_id for p in two.find(A)] == ["a"]
     assert len(two) == 1
+
+
+def test_split_prompt_layout_with_and_without_a_frame():
+    from qcfuse_core.segment import split_prompt
+    from qcfuse_core.types import Piece
+
+    a, b = Piece("chunk", A, "a"), Piece("chunk", B, "b")
+    got = split_prompt(f"Ctx: {A}\n\n{B} Q?", [a, b], head="<h>", tail="<t>")
+    assert [(p.kind, p.text) for p in got] == [("prefix", "<h>Ctx: "), ("chunk", A), ("text", "\n\n"),
+                                               ("chunk", B), ("suffix", " Q?<t>")]
+    assert [p.kind for p in split_prompt(A + B, [a, b])] == ["chunk", "chunk"]  # nothing around them
+    assert [p.kind for p in split_prompt("just a question", [], head="<h>")] == ["prefix", "suffix"]

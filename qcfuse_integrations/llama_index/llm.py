@@ -44,7 +44,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from qcfuse_core.engine import QCFuseEngine, TokenStream
-from qcfuse_core.segment import ANCHOR
+from qcfuse_core.segment import ANCHOR, split_prompt
 from qcfuse_core.selectors import SELECTORS
 from qcfuse_core.types import FusionResult, Piece
 from qcfuse_integrations.engines import engine_lock, shared_engine
@@ -272,7 +272,7 @@ class QCFuseLLM(CustomLLM):
         req.chunks = find_chunks(engine, req.prompt, req.explicit)
         if not req.chat:
             return engine.stream_complete(req.prompt, req.chunks, **req.gen)
-        return engine.stream_pieces(lambda: unframed_pieces(req.prompt, req.chunks), **req.gen)
+        return engine.stream_pieces(lambda: split_prompt(req.prompt, req.chunks), **req.gen)
 
     def _decode_iter(self, req: _Request) -> Iterator[str | FusionResult]:
         """Text deltas, then the FusionResult; holds the engine lock throughout."""
@@ -354,29 +354,6 @@ def find_chunks(engine: QCFuseEngine, prompt: str, explicit: Mapping[str, str]) 
             log.info("%d retrieved node(s) had no chunk cache; computing and storing them now", len(missing))
             chunks = engine.texts.find(prompt, node_ids=dict(explicit))
     return chunks
-
-
-def unframed_pieces(prompt: str, chunks: Sequence[Piece]) -> list[Piece]:
-    """Split an already-templated prompt around its chunks (no chat frame added).
-
-        prompt:  [prefix ............][chunk A][glue][chunk B][suffix ..........]
-        pieces:  Piece(prefix)        Piece(A) text   Piece(B) Piece(suffix)
-
-    The prefix (everything before the first chunk) is cached like a chunk - it always sits
-    at position 0, so its cache is exact; glue and suffix are computed fresh.
-    """
-    pieces, pos = [], 0
-    for c in chunks:
-        at = prompt.find(c.text, pos)
-        if at < 0:
-            raise ValueError("a chunk's text does not occur in the prompt (in order)")
-        pieces.append(Piece("text", prompt[pos:at]))
-        pieces.append(c)
-        pos = at + len(c.text)
-    pieces.append(Piece("suffix", prompt[pos:]))
-    if pieces[0].kind == "text" and pieces[0].text:
-        pieces[0] = Piece("prefix", pieces[0].text)
-    return [p for p in pieces if p.text]
 
 
 # ---------------------------------------------------------------------- responses
