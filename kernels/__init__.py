@@ -4,7 +4,8 @@ Public operations, each with a plain PyTorch reference in `reference.py`:
 
     sparse_attention(q, k, v, q_pos, scale)                   -> (R, H, D)
     attention_mass(q, k, q_pos, scale)                        -> (T,) fp32
-    rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> (k_rot, v_out)
+    rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> (k_rot, v_out)
+    inverse_rows(rows, T)                                      -> (T,) int32, reusable across layers
 
 `ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
 reference once per process (see `ops.backend()`), with an override for tests. The jitted
@@ -12,13 +13,14 @@ code lives in `triton_sparse_attention.py`, `triton_attention_mass.py` and
 `triton_rerotate.py` (imported lazily: this package imports without triton).
 """
 
-from qcfuse_kernels.ops import attention_mass, backend, rerotate_scatter, set_backend, sparse_attention
+from qcfuse_kernels.ops import attention_mass, backend, inverse_rows, rerotate_scatter, set_backend, sparse_attention
 from qcfuse_kernels.reference import apply_rope, rotate_half
 
 __all__ = [
     "apply_rope",
     "attention_mass",
     "backend",
+    "inverse_rows",
     "rerotate_scatter",
     "rotate_half",
     "set_backend",

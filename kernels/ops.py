@@ -300,7 +300,16 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
     return part.sum(0).div_(R * H)  # (T,)
 
 
-def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_rows(rows: torch.Tensor, T: int) -> torch.Tensor:
+    """(T,) int32 on rows' device: inv[rows[i]] = i, -1 elsewhere. Build it once per row set
+    and pass it to every layer's `rerotate_scatter` (rows do not change across layers)."""
+    inv = torch.full((T,), -1, device=rows.device, dtype=torch.int32)
+    if rows.numel():
+        inv[rows] = torch.arange(rows.numel(), device=rows.device, dtype=torch.int32)
+    return inv
+
+
+def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write fresh rows into a layer's cache and rotate every key to its position, one pass.
 
     k_pre, v (T, Hkv, D) cached pre-RoPE keys / values; rows (R,) unique positions in
@@ -308,6 +317,7 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.
     (T, D), D even (HF rotate_half convention). -> (k_rot, v_out), new (T, Hkv, D) tensors:
         k_rot[j] = rope(k_new_pre[i] if j == rows[i] else k_pre[j], pos=j)
         v_out[j] = v_new[i]      if j == rows[i] else v[j]
+    inv: optional `inverse_rows(rows, T)`, reused across layers to skip rebuilding it.
     """
     _check_tensor("k_pre", k_pre, 3, FLOAT_DTYPES)
     _check_tensor("v", v, 3, FLOAT_DTYPES)
@@ -340,6 +350,12 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.
             raise ValueError(f"rows must lie in [0, {T}), got range [{lo}, {hi}]")
         if torch.unique(rows).numel() != R:
             raise ValueError("rows must be unique")
+    if inv is not None:
+        _check_tensor("inv", inv, 1, (torch.int32,))
+        if inv.shape[0] != T or inv.device != device:
+            raise ValueError(f"inv must be (T,) = ({T},) on {device}, got {tuple(inv.shape)} on {inv.device}")
+        if device.type == "cpu" and not torch.equal(inv, inverse_rows(rows, T)):
+            raise ValueError("inv does not match rows: pass inverse_rows(rows, T)")
     if not _use_kernels(device):
         return ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
 
@@ -349,10 +365,9 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin) -> tuple[torch.
     v_out = torch.empty_like(v)  # (T, Hkv, D)
     if T == 0 or Hkv == 0 or D == 0:
         return k_rot, v_out
-    inv = torch.full((T,), -1, device=device, dtype=torch.int32)  # position -> fresh row or -1
-    if R:
-        inv[rows] = torch.arange(R, device=device, dtype=torch.int32)
-    else:  # never read (inv is all -1); avoids handing the kernel a 0-element pointer
+    if inv is None:
+        inv = inverse_rows(rows, T)  # position -> fresh row or -1
+    if not R:  # never read (inv is all -1); avoids handing the kernel a 0-element pointer
         k_new_pre, v_new = k_pre, v
     half = D // 2
     block_half, block_h = _next_pow2(half), _next_pow2(Hkv)

@@ -211,6 +211,7 @@ def fused_prefill(
     cos_all, sin_all = adapter.rope(all_rows.to(dev))  # (T, D)
     cur_dev = cur.to(dev, non_blocking=True)
     cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]  # (R, D)
+    inv = K.inverse_rows(cur_dev, T)  # (T,) position -> row index or -1, shared by every layer
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
     captured = [] if capture_pre_rope else None
     layer_ms: list[float] = []
@@ -219,7 +220,8 @@ def fused_prefill(
         x = adapter.attn_norm(layer, h)
         q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
         k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
-        k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(), cos_all, sin_all)
+        k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(),
+                                          cos_all, sin_all, inv=inv)
         if captured is not None:
             kp = k_cached.clone()
             kp[cur_dev] = k_new
@@ -242,6 +244,7 @@ def fused_prefill(
             cur = nxt
             cur_dev = cur.to(dev, non_blocking=True)
             cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
+            inv = K.inverse_rows(cur_dev, T)
         layer_ms.append((time.perf_counter() - t0) * 1e3)
     if kv_out is not None:
         kv_out.length = T

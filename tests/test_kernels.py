@@ -408,3 +408,24 @@ def test_gpu_rerotate_scatter(use_backend, dtype):
     empty = torch.zeros(0, dtype=torch.int64, device="cuda")
     k_rot0, v_out0 = ops.rerotate_scatter(args[0], args[1], empty, args[3][:0], args[4][:0], args[5], args[6])
     assert torch.equal(v_out0, args[1])
+
+
+def test_rerotate_scatter_reused_inverse_index_matches_and_is_checked():
+    """Fused prefill builds inverse_rows once per request and passes it to every layer."""
+    g = torch.Generator().manual_seed(7)
+    T, Hkv, D = 37, 2, 16
+    k_pre, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+    rows = torch.tensor([0, 5, 6, 20, 36])
+    k_new, v_new = torch.randn(5, Hkv, D, generator=g), torch.randn(5, Hkv, D, generator=g)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    inv = ops.inverse_rows(rows, T)
+    assert inv.dtype == torch.int32 and inv[rows].tolist() == [0, 1, 2, 3, 4] and int((inv >= 0).sum()) == 5
+    a = ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin)
+    b = ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=inv)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="does not match rows"):
+        ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=ops.inverse_rows(rows[:4], T))
+    with pytest.raises(TypeError, match="inv has dtype"):
+        ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=inv.long())
+    with pytest.raises(ValueError, match=r"inv must be \(T,\)"):
+        ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=inv[:-1])
