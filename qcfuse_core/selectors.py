@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -53,12 +54,14 @@ class SelectionContext:
         return SelectionResult(method=method, rows=torch.nonzero(keep).flatten(), scores=scores, **kw)
 
 
-class Selector:
+class Selector(ABC):
+    """A recompute-set strategy, registered by `name`."""
+
     name = ""
     uses_ratio = True
 
-    def select(self, ctx: SelectionContext) -> SelectionResult:
-        raise NotImplementedError
+    @abstractmethod
+    def select(self, ctx: SelectionContext) -> SelectionResult: ...
 
 
 class FullSelector(Selector):
@@ -257,8 +260,9 @@ class QCFuseSelector(QueryAwareSelector):
 class _FullContextProbe(QueryAwareSelector):
     """Probe against every cached context token (no anchors) through `layers`."""
 
+    @abstractmethod
     def layers(self, adapter) -> list[int]:
-        raise NotImplementedError
+        """The layers probed against the full context cache."""
 
     def select(self, ctx: SelectionContext) -> SelectionResult:
         opts = QCFuseOptions.from_options(ctx.options)
