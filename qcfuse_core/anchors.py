@@ -59,10 +59,12 @@ def top_with_sinks(scores: torch.Tensor, count: int, sinks: int) -> torch.Tensor
     """scores (L', T) -> (L', count) sorted local indices: tokens 0..sinks-1, then the best.
 
     Ties break toward the earlier token (stable sort), so the choice is deterministic.
+    Anchor indices are host metadata (stored with the chunk), so the result is on the CPU.
     """
+    scores = scores.float().cpu()
     Lp, T = scores.shape
     s = min(sinks, T, count)
-    rest = scores[:, s:].float()
+    rest = scores[:, s:]
     order = torch.sort(-rest, dim=1, stable=True).indices[:, : count - s] + s  # (L', count - s)
     head = torch.arange(s).expand(Lp, s)
     return torch.sort(torch.cat([head, order], dim=1), dim=1).values.to(torch.int64)

@@ -220,7 +220,7 @@ class Bench:
         syncs = sum(getattr(s.chunk, "sync_layer_loads", 0) for s in prompt.segments)
         return RunResult(
             ttft_ms=(t3 - t0) * 1e3, select_ms=(t2 - t1) * 1e3,
-            probe_ms=float(sum(sel.details.get("probe_layer_ms", []))), fuse_ms=(t3 - t2) * 1e3,
+            probe_ms=float(sel.details.get("probe_ms", 0.0)), fuse_ms=(t3 - t2) * 1e3,
             wait_ms=rep.total_wait_ms, sidecar_ms=rep.sidecar_ms, compute_ms=rep.compute_ms or None,
             recomputed_tokens=int(ctx[out.rows].sum()), plan=plan_d, sync_layer_loads=syncs,
         )

@@ -422,11 +422,13 @@ class Prefetcher:
         nb = self.cuda
         disk_jobs: list[tuple[_Src, int]] = []  # (source, offset in staging)
         off = 0
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         with self._on_side():
             for s in self._srcs:
                 if s.kind == "tensor":
-                    buf[0, layer, s.start : s.end].copy_(s.obj.k[layer], non_blocking=nb)
-                    buf[1, layer, s.start : s.end].copy_(s.obj.v[layer], non_blocking=nb)
+                    dst += [buf[0, layer, s.start : s.end], buf[1, layer, s.start : s.end]]
+                    src += [s.obj.k[layer], s.obj.v[layer]]
                 elif s.kind in ("gpu", "host"):
                     image = s.obj
                     kv, sc = image.kv(layer), image.scale(layer)  # (2, n, Hkv, D) stored dtype
@@ -434,13 +436,15 @@ class Prefetcher:
                         from qcfuse_core.store.codec import decode_layer
 
                         kv = decode_layer(kv, sc, self.dtype)
-                    buf[0, layer, s.start : s.end].copy_(kv[0], non_blocking=nb)  # contiguous: one DMA each
-                    buf[1, layer, s.start : s.end].copy_(kv[1], non_blocking=nb)
+                    dst += [buf[0, layer, s.start : s.end], buf[1, layer, s.start : s.end]]
+                    src += [kv[0], kv[1]]  # contiguous: one DMA each
                 elif s.kind == "disk":
                     disk_jobs.append((s, off))
                     off += s.end - s.start
                 if s.kind != "none":
                     self.report.bytes_loaded += 2 * (s.end - s.start) * buf.shape[3] * buf.shape[4] * buf.element_size()
+            if dst:  # one call for the layer's copies: the loader thread holds the GIL less
+                torch._foreach_copy_(dst, src, non_blocking=nb)
             if disk_jobs:
                 self._load_disk(layer, disk_jobs)
             if self.cuda:

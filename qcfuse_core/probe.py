@@ -19,12 +19,21 @@ prefill of the prompt restricted to the suffix rows (tests/test_probe.py checks 
 softmax of the probed Q over [all context K at global positions ; the query's own K], the
 mass each context key receives averaged over heads and query rows (`attention_mass`).
 
+On a GPU the probe is launch-bound (32 rows through 17 layers of an 8B model is ~2 ms of
+weight reads but ~250 kernel launches from Python), so its layer loop is captured once per
+shape bucket as a CUDA graph and replayed (`run_probe(graphs=...)`).
+
 Math only: no I/O, no store.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +43,8 @@ import torch.nn.functional as F
 import qcfuse_kernels as K
 from qcfuse_core.fusion import FusedPrompt, Segment
 from qcfuse_core.model import ModelAdapter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,21 +57,41 @@ class LayerContext:
 
 
 @dataclass
+class ProbeContext:
+    """Every probed layer's context stacked: the same N entries per layer (their picks differ)."""
+
+    k_pre: torch.Tensor  # (Lp, N, Hkv, D) pre-RoPE
+    v: torch.Tensor  # (Lp, N, Hkv, D)
+    pos: torch.Tensor  # (Lp, N) int64 on the host
+
+    def __len__(self) -> int:
+        return int(self.k_pre.shape[0])
+
+    def __getitem__(self, layer: int) -> LayerContext:
+        return LayerContext(self.k_pre[layer], self.v[layer], self.pos[layer])
+
+    def head(self, n: int) -> "ProbeContext":
+        return ProbeContext(self.k_pre[:n], self.v[:n], self.pos[:n])
+
+
+@dataclass
 class ProbeResult:
     """Rotated Q and K of the query rows at the kept layers, and the last hidden state."""
 
     q: dict[int, torch.Tensor]  # layer -> (S, H, D) rotated to the query positions
     k: dict[int, torch.Tensor]  # layer -> (S, Hkv, D) rotated
     hidden: torch.Tensor  # (S, hidden) after the last probed layer
-    layer_ms: list[float] = field(default_factory=list)
+    layer_ms: list[float] = field(default_factory=list)  # host time per layer (eager runs only)
     context_sizes: list[int] = field(default_factory=list)  # N per probed layer
+    elapsed_ms: float = 0.0  # host time of the whole probe (a CUDA-graph replay does not wait)
+    graphed: bool = False  # replayed from a captured CUDA graph
 
 
 AnchorPick = Callable[[Segment], torch.Tensor | None]
 """segment -> (L', n) local anchor indices per layer, or None for all of its tokens."""
 
 
-def gather_context(prompt: FusedPrompt, num_layers: int, pick: AnchorPick | None = None) -> list[LayerContext]:
+def gather_context(prompt: FusedPrompt, num_layers: int, pick: AnchorPick | None = None) -> ProbeContext:
     """Per layer 0..num_layers-1: the prefix cache plus each chunk's picked entries.
 
     The prefix is always whole (its cache is exact). Chunks contribute `pick(segment)[l]`
@@ -102,7 +133,7 @@ def gather_context(prompt: FusedPrompt, num_layers: int, pick: AnchorPick | None
     k_all = torch.cat([k.to(dev) for k in ks], dim=1)  # (Lp, N, Hkv, D)
     v_all = torch.cat([v.to(dev) for v in vs], dim=1)
     p_all = torch.cat(ps, dim=1)  # (Lp, N) host
-    return [LayerContext(k_all[l], v_all[l], p_all[l]) for l in range(num_layers)]
+    return ProbeContext(k_all, v_all, p_all)
 
 
 def _stack_layers(layers, n: int) -> torch.Tensor:
@@ -111,60 +142,224 @@ def _stack_layers(layers, n: int) -> torch.Tensor:
     return got if isinstance(got, torch.Tensor) else torch.stack([layers[l] for l in range(n)])
 
 
+PAD_ROWS = 16  # CUDA-graph buckets: query rows rounded up to a multiple of this
+PAD_CONTEXT = 256  # ... and context entries per layer
+HIDDEN = torch.iinfo(torch.int64).max  # position of a padding entry: no query row sees it
+MAX_GRAPHS = 4  # captured probe graphs kept per model (least recently used dropped)
+
+
+def stack_context(context: "ProbeContext | Sequence[LayerContext]", num_layers: int) -> ProbeContext:
+    """The first `num_layers` layers of `context` as one ProbeContext (per-layer lists stacked)."""
+    if len(context) < num_layers:
+        raise ValueError(f"context covers {len(context)} layers; the probe needs {num_layers}")
+    if isinstance(context, ProbeContext):
+        return context.head(num_layers)
+    layers = [context[l] for l in range(num_layers)]
+    if len({int(c.pos.numel()) for c in layers}) != 1:
+        raise ValueError("every probed layer needs the same number of context entries")
+    dev = layers[0].k_pre.device
+    return ProbeContext(torch.stack([c.k_pre.to(dev) for c in layers]), torch.stack([c.v.to(dev) for c in layers]),
+                        torch.stack([c.pos.to(torch.int64).cpu() for c in layers]))
+
+
 @torch.inference_mode()
 def run_probe(
     adapter: ModelAdapter,
     ids: torch.Tensor,
     positions: torch.Tensor,
-    context: Sequence[LayerContext],
+    context: "ProbeContext | Sequence[LayerContext]",
     keep: Sequence[int],
+    *,
+    graphs: bool | None = None,
+    pad: bool = False,
 ) -> ProbeResult:
     """ids, positions (S,) -> ProbeResult with q/k kept at `keep` layers.
 
     Runs layers 0..max(keep); `context[l]` is what layer l attends to besides the query.
+    graphs: replay a captured CUDA graph of the layer loop (default: on for CUDA unless
+    QCFUSE_PROBE_GRAPHS=0). The probe is a few dozen rows per layer, so eagerly it is bound
+    by kernel launches, not by the GPU; a graph replays all layers in one launch. Graphs are
+    captured per bucket (rows rounded up to PAD_ROWS, context entries to PAD_CONTEXT), and
+    the padding is invisible: padded context entries sit at position HIDDEN, padded query
+    rows after the real ones. pad: use the padded layout without a graph (tests).
     """
     if not keep:
         raise ValueError("keep at least one layer")
     last = max(keep)
     if last >= adapter.num_layers or min(keep) < 0:
         raise ValueError(f"probe layers must lie in [0, {adapter.num_layers}), got {sorted(keep)}")
-    if len(context) <= last:
-        raise ValueError(f"context covers {len(context)} layers; the probe needs {last + 1}")
-    dev, dtype = adapter.device, adapter.dtype
+    ctx = stack_context(context, last + 1)
     pos = positions.to(torch.int64).cpu()
-    for ctx in context[: last + 1]:  # checked on the host copies: no device sync
-        if bool((ctx.pos >= pos.min()).any()):
-            raise ValueError("every context entry must precede the first query position")
-    # every position this probe touches goes to the device in one copy; cos/sin come from one table
-    sizes = [int(c.pos.numel()) for c in context[: last + 1]]
-    all_pos = torch.cat([pos] + [c.pos.to(torch.int64) for c in context[: last + 1]]).to(dev)
-    pos_dev, *ctx_pos_dev = all_pos.split([pos.numel()] + sizes)
-    cos_t, sin_t = adapter.rope(torch.arange(int(pos.max()) + 1))  # (P, D) for positions 0..max
-    cos_q, sin_q = cos_t[pos_dev], sin_t[pos_dev]  # (S, D)
-    h = adapter.embed(ids.to(torch.int64))  # (S, hidden)
-    res = ProbeResult({}, {}, h)
-    for layer in range(last + 1):
+    if bool((ctx.pos >= pos.min()).any()):  # checked on the host copy: no device sync
+        raise ValueError("every context entry must precede the first query position")
+    t0 = time.perf_counter()
+    dev, dtype = adapter.device, adapter.dtype
+    Lp, N = ctx.pos.shape
+    S = int(pos.numel())
+    use_graph = _graphs_enabled(adapter) if graphs is None else bool(graphs)
+    if use_graph and dev.type != "cuda":
+        raise ValueError("CUDA graphs need the model on a CUDA device")
+    Sp, Np = (_round_up(S, PAD_ROWS), _round_up(N, PAD_CONTEXT)) if (use_graph or pad) else (S, N)
+    # every position this probe touches goes to the device in one copy; the context keys of
+    # all layers are rotated at once, outside the layer loop
+    q_pos = torch.cat([pos, pos[-1] + 1 + torch.arange(Sp - S)])
+    all_pos = torch.cat([q_pos, ctx.pos.reshape(-1)]).to(dev)
+    cos, sin = adapter.rope(all_pos)
+    q_pos_dev, ctx_pos_dev = all_pos[:Sp], all_pos[Sp:].view(Lp, N)
+    k_rot = K.apply_rope(ctx.k_pre.to(dev, dtype).reshape(Lp * N, *ctx.k_pre.shape[2:]), cos[Sp:], sin[Sp:])
+    k_rot = k_rot.view(Lp, N, *k_rot.shape[1:])
+    v = ctx.v.to(dev, dtype)
+    ids = ids.to(torch.int64).to(dev)
+    if Sp > S:
+        ids = torch.cat([ids, ids.new_zeros(Sp - S)])
+    inputs = _ProbeInputs(ids, cos[:Sp], sin[:Sp], q_pos_dev, k_rot, v, ctx_pos_dev)
+    res = ProbeResult({}, {}, ids, context_sizes=[N] * Lp)
+    if use_graph:
+        try:
+            qs, ks, h = _graph_cache(adapter).run(adapter, inputs, Sp, Np, tuple(sorted(set(keep))), Lp)
+            res.graphed = True
+        except Exception as e:  # noqa: BLE001 - a capture failure must not fail the request
+            _graph_cache(adapter).broken = True
+            log.warning("probe CUDA graph capture failed (%s); running the probe eagerly from now on", e)
+            use_graph = False
+    if not use_graph:
+        if Np > N:
+            inputs = inputs.padded(Np)
+        qs, ks, h = _probe_layers(adapter, inputs, Lp, set(keep), res.layer_ms)
+    res.q = {l: q[:S] for l, q in qs.items()}
+    res.k = {l: k[:S] for l, k in ks.items()}
+    res.hidden = h[:S]
+    res.elapsed_ms = (time.perf_counter() - t0) * 1e3
+    return res
+
+
+def _round_up(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+@dataclass
+class _ProbeInputs:
+    """Device inputs of the probe's layer loop (also a CUDA graph's static buffers)."""
+
+    ids: torch.Tensor  # (S,) int64
+    cos: torch.Tensor  # (S, D) fp32 at the query positions
+    sin: torch.Tensor
+    q_pos: torch.Tensor  # (S,) int64
+    k_rot: torch.Tensor  # (Lp, N, Hkv, D) rotated context keys
+    v: torch.Tensor  # (Lp, N, Hkv, D)
+    k_pos: torch.Tensor  # (Lp, N) int64; HIDDEN marks padding
+
+    def padded(self, n: int) -> "_ProbeInputs":
+        """The same inputs with the context padded to n entries per layer (hidden entries)."""
+        Lp, N = self.k_pos.shape
+        extra = n - N
+        pad_k = self.k_rot.new_zeros(Lp, extra, *self.k_rot.shape[2:])
+        return _ProbeInputs(self.ids, self.cos, self.sin, self.q_pos, torch.cat([self.k_rot, pad_k], 1),
+                            torch.cat([self.v, pad_k], 1), torch.cat([self.k_pos, self.k_pos.new_full((Lp, extra), HIDDEN)], 1))
+
+    @classmethod
+    def empty(cls, adapter: ModelAdapter, S: int, N: int, Lp: int) -> "_ProbeInputs":
+        dev, dtype, sh = adapter.device, adapter.dtype, adapter.shape
+        kv = (Lp, N, sh.num_kv_heads, sh.head_dim)
+        return cls(torch.zeros(S, dtype=torch.int64, device=dev), torch.ones(S, sh.head_dim, device=dev),
+                   torch.zeros(S, sh.head_dim, device=dev), torch.arange(S, device=dev),
+                   torch.zeros(kv, dtype=dtype, device=dev), torch.zeros(kv, dtype=dtype, device=dev),
+                   torch.full((Lp, N), HIDDEN, dtype=torch.int64, device=dev))
+
+    def load(self, src: "_ProbeInputs") -> None:
+        """Copy `src` (fewer or equal rows / entries) into these buffers; the rest is hidden."""
+        S, N = src.ids.shape[0], src.k_pos.shape[1]
+        self.ids[:S].copy_(src.ids)
+        self.cos[:S].copy_(src.cos)
+        self.sin[:S].copy_(src.sin)
+        self.q_pos[:S].copy_(src.q_pos)
+        self.k_rot[:, :N].copy_(src.k_rot)
+        self.v[:, :N].copy_(src.v)
+        self.k_pos[:, :N].copy_(src.k_pos)
+        self.k_pos[:, N:].fill_(HIDDEN)
+
+
+def _probe_layers(adapter: ModelAdapter, x: _ProbeInputs, Lp: int, keep: set[int],
+                  layer_ms: list[float] | None = None) -> tuple[dict, dict, torch.Tensor]:
+    """The layer loop over fixed-shape device tensors (graph-capturable: no host syncs)."""
+    qs, ks = {}, {}
+    h = adapter.embed(x.ids)  # (S, hidden)
+    visible_q = x.q_pos[None, :] <= x.q_pos[:, None]  # (S, S) query rows among themselves
+    for layer in range(Lp):
         t0 = time.perf_counter()
-        ctx, cpos = context[layer], ctx_pos_dev[layer]
         q_pre, k_new, v_new = adapter.qkv(layer, adapter.attn_norm(layer, h))  # (S,H,D), (S,Hkv,D) x2
-        q = K.apply_rope(q_pre, cos_q, sin_q)
-        kq = K.apply_rope(k_new, cos_q, sin_q)
-        kc = K.apply_rope(ctx.k_pre.to(dev, dtype), cos_t[cpos], sin_t[cpos])  # (N, Hkv, D)
-        keys = torch.cat([kc, kq])  # (N+S, Hkv, D)
-        vals = torch.cat([ctx.v.to(dev, dtype), v_new])
-        key_pos = torch.cat([cpos, pos_dev])
-        visible = key_pos[None, :] <= pos_dev[:, None]  # (S, N+S)
+        q = K.apply_rope(q_pre, x.cos, x.sin)
+        kq = K.apply_rope(k_new, x.cos, x.sin)
+        keys = torch.cat([x.k_rot[layer], kq])  # (N+S, Hkv, D)
+        vals = torch.cat([x.v[layer], v_new])
+        visible = torch.cat([x.k_pos[layer][None, :] <= x.q_pos[:, None], visible_q], dim=1)  # (S, N+S)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
             attn_mask=visible[None, None], scale=adapter.scale, enable_gqa=True,
         )[0].transpose(0, 1)  # (S, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
         if layer in keep:
-            res.q[layer], res.k[layer] = q, kq
-        res.layer_ms.append((time.perf_counter() - t0) * 1e3)
-        res.context_sizes.append(sizes[layer])
-    res.hidden = h
-    return res
+            qs[layer], ks[layer] = q, kq
+        if layer_ms is not None:
+            layer_ms.append((time.perf_counter() - t0) * 1e3)
+    return qs, ks, h
+
+
+class _ProbeGraph:
+    """One captured layer loop: static input buffers, the graph, its output tensors."""
+
+    def __init__(self, adapter: ModelAdapter, S: int, N: int, Lp: int, keep: tuple[int, ...]) -> None:
+        self.inputs = _ProbeInputs.empty(adapter, S, N, Lp)
+        dev = adapter.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: kernels compiled, cuBLAS workspaces made
+            _probe_layers(adapter, self.inputs, Lp, set(keep))
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the prefetcher's loader thread keeps issuing copies while we capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = _probe_layers(adapter, self.inputs, Lp, set(keep))
+
+    def run(self, x: _ProbeInputs) -> tuple[dict, dict, torch.Tensor]:
+        self.inputs.load(x)
+        self.graph.replay()
+        qs, ks, h = self.out  # overwritten by the next replay: hand out copies
+        return {l: q.clone() for l, q in qs.items()}, {l: k.clone() for l, k in ks.items()}, h.clone()
+
+
+class _GraphCache:
+    def __init__(self) -> None:
+        self.graphs: OrderedDict[tuple, _ProbeGraph] = OrderedDict()
+        self.lock = threading.Lock()
+        self.broken = False  # a capture failed: this model's probe runs eagerly from then on
+
+    def run(self, adapter: ModelAdapter, x: _ProbeInputs, S: int, N: int, keep: tuple[int, ...], Lp: int):
+        key = (S, N, Lp, keep, adapter.dtype)
+        with self.lock:
+            g = self.graphs.get(key)
+            if g is None:
+                g = _ProbeGraph(adapter, S, N, Lp, keep)
+                self.graphs[key] = g
+                while len(self.graphs) > MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+            self.graphs.move_to_end(key)
+            return g.run(x)
+
+
+_CACHES: "weakref.WeakKeyDictionary[ModelAdapter, _GraphCache]" = weakref.WeakKeyDictionary()
+
+
+def _graph_cache(adapter: ModelAdapter) -> _GraphCache:
+    cache = _CACHES.get(adapter)
+    if cache is None:
+        cache = _CACHES[adapter] = _GraphCache()
+    return cache
+
+
+def _graphs_enabled(adapter: ModelAdapter) -> bool:
+    return (adapter.device.type == "cuda" and os.environ.get("QCFUSE_PROBE_GRAPHS", "1") != "0"
+            and not _graph_cache(adapter).broken)
 
 
 def context_keys(adapter: ModelAdapter, prompt: FusedPrompt, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,14 +368,19 @@ def context_keys(adapter: ModelAdapter, prompt: FusedPrompt, layer: int) -> tupl
     -> k_rot (N, Hkv, D), pos (N,) over prefix and chunk tokens in prompt order (glue text
     has no cache and is left out; it is always recomputed anyway).
     """
-    ks, ps = [], []
-    for s, start in zip(prompt.segments, prompt.starts):
-        if s.chunk is not None and s.kind in ("prefix", "chunk"):
-            ks.append(s.chunk.k[layer])
-            ps.append(torch.arange(start, start + len(s)))
-    pos = torch.cat(ps)
+    return context_keys_at(adapter, prompt, [layer])[0]
+
+
+def context_keys_at(adapter: ModelAdapter, prompt: FusedPrompt, layers: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`context_keys` for several layers: the positions and their cos/sin are built once."""
+    segs = [(s, start) for s, start in zip(prompt.segments, prompt.starts) if s.chunk is not None and s.kind in ("prefix", "chunk")]
+    pos = torch.cat([torch.arange(start, start + len(s)) for s, start in segs])
     cos, sin = adapter.rope(pos)
-    return K.apply_rope(torch.cat(ks).to(adapter.device, adapter.dtype), cos, sin), pos
+    out = []
+    for layer in layers:
+        k = torch.cat([s.chunk.k[layer].to(adapter.device, adapter.dtype) for s, _ in segs])
+        out.append((K.apply_rope(k, cos, sin), pos))
+    return out
 
 
 def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scale: float) -> torch.Tensor:

@@ -24,8 +24,8 @@ from qcfuse_core import critical_layers
 from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.fusion import FusedPrompt, LayerState
 from qcfuse_core.model import ModelAdapter
-from qcfuse_core.probe import ProbeResult, context_keys, gather_context, query_mass, run_probe
-from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, top_budget
+from qcfuse_core.probe import ProbeResult, context_keys_at, gather_context, query_mass, run_probe
+from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, rank, top_budget
 from qcfuse_core.types import SelectionResult
 
 
@@ -174,22 +174,35 @@ class QueryAwareSelector(Selector):
     query_aware = True
 
     def choose(self, ctx: SelectionContext, opts: QCFuseOptions, mass: torch.Tensor, details: dict) -> SelectionResult:
-        """mass (T,) fp32 over prompt positions -> SelectionResult (chunk tokens ranked)."""
+        """mass (T,) fp32 over prompt positions, on any device -> SelectionResult (chunk tokens ranked).
+
+        A fixed budget is ranked where the mass lives (on a GPU: no host sort of ~10K scores
+        while the GPU idles); the chosen positions and the scores come back in one copy.
+        """
         prompt = ctx.prompt
-        cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,)
-        cand_scores = mass[cand]
+        cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
         if opts.budget == "fixed":
             n = ctx.budget
+            cand_d = cand.to(mass.device, non_blocking=True)
+            cand_scores = mass[cand_d]
+            order = rank(cand_scores)[: max(0, min(int(n), cand.numel()))]
+            shares = torch.stack([cand_scores[order].clamp_min(0).sum(), cand_scores.clamp_min(0).sum()])
+            chosen = torch.sort(cand_d[order]).values
+            chosen, mass, shares = chosen.cpu(), mass.cpu(), shares.cpu()
+            covered = float(shares[0] / shares[1]) if float(shares[1]) > 0 else 0.0
         else:
+            mass = mass.cpu()
+            cand_scores = mass[cand]
             ab = AdaptiveBudget(opts.target_mass, opts.floor, opts.ceiling)
             ctx_n = prompt.context_tokens
             n = adaptive_count(cand_scores, ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
-        chosen = top_budget(cand, cand_scores, n)
-        chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
-        chosen_mask[torch.searchsorted(cand, chosen)] = True
+            chosen = top_budget(cand, cand_scores, n)
+            chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
+            chosen_mask[torch.searchsorted(cand, chosen)] = True
+            covered = covered_share(cand_scores, chosen_mask)
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
-            mass_covered=covered_share(cand_scores, chosen_mask),
+            mass_covered=covered,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)
@@ -202,16 +215,16 @@ class QueryAwareSelector(Selector):
 
     @staticmethod
     def score(ctx: SelectionContext, probe: ProbeResult, layers) -> tuple[torch.Tensor, float]:
-        """Mean over `layers` of the context mass -> ((T,) fp32 over positions, elapsed ms)."""
+        """Mean over `layers` of the context mass -> ((T,) fp32 over positions on the model's
+        device, elapsed ms)."""
         t0 = time.perf_counter()
         adapter = ctx.adapter
         acc = None
-        for layer in layers:
-            k_ctx, pos = context_keys(adapter, ctx.prompt, layer)
+        for layer, (k_ctx, pos) in zip(layers, context_keys_at(adapter, ctx.prompt, layers)):
             m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale)  # (N,) on the device
             acc = m if acc is None else acc + m  # same positions at every layer
-        mass = torch.zeros(ctx.prompt.num_tokens)
-        mass[pos] = acc.cpu() / len(layers)  # one device -> host copy
+        mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
+        mass[pos.to(acc.device, non_blocking=True)] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
 
 
@@ -252,7 +265,8 @@ class QCFuseSelector(QueryAwareSelector):
             critical_layers=layers, layers_source=source, anchor_method=acfg.method, anchor_share=acfg.share,
             anchors_per_layer=int(sum(a.shape[1] for a in anchors.values())), anchors_computed=fresh,
             anchor_positions_layer0=anchor_pos, anchor_ms=anchor_ms, probe_layer_ms=probe.layer_ms,
-            probe_context=probe.context_sizes, score_ms=score_ms,
+            probe_ms=probe.elapsed_ms, probe_graphed=probe.graphed, probe_context=probe.context_sizes,
+            score_ms=score_ms,
         )
         return self.choose(ctx, opts, mass, details)
 
@@ -271,7 +285,8 @@ class _FullContextProbe(QueryAwareSelector):
         ids, pos = self.suffix(ctx)
         probe = run_probe(ctx.adapter, ids, pos, context, keep=layers)
         mass, score_ms = self.score(ctx, probe, layers)
-        details = dict(critical_layers=layers, probe_layer_ms=probe.layer_ms, score_ms=score_ms)
+        details = dict(critical_layers=layers, probe_layer_ms=probe.layer_ms, probe_ms=probe.elapsed_ms,
+                       probe_graphed=probe.graphed, score_ms=score_ms)
         return self.choose(ctx, opts, mass, details)
 
 

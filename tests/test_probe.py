@@ -80,3 +80,47 @@ def test_probe_rejects_context_after_the_query():
         run_probe(m, torch.tensor([1, 2]), torch.tensor([5, 6]), ctx, keep=[0])
     with pytest.raises(ValueError, match="probe layers"):
         run_probe(m, torch.tensor([1, 2]), torch.tensor([5, 6]), ctx, keep=[7])
+
+
+def _anchor_probe_inputs(m, seed=0):
+    prompt, _ = prompt_exact(m, seed=seed)
+    ids, pos = _suffix(prompt)
+    pick = lambda seg: torch.stack([torch.randperm(len(seg), generator=torch.Generator().manual_seed(l))[:5].sort().values  # noqa: E731
+                                    for l in range(m.num_layers)])
+    return ids, pos, gather_context(prompt, m.num_layers, pick)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padded_layout_equals_unpadded(arch):
+    """The CUDA-graph bucket layout (rows to 16, context to 256, padding at a hidden position)
+    gives the same q/k/hidden as the exact shapes: fp32, atol 1e-5."""
+    m = tiny_model(arch)
+    ids, pos, ctx = _anchor_probe_inputs(m)
+    assert len(ids) % 16 and ctx.pos.shape[1] % 256  # really padded
+    a = run_probe(m, ids, pos, ctx, keep=[0, 2])
+    b = run_probe(m, ids, pos, ctx, keep=[0, 2], pad=True)
+    assert b.q[2].shape == a.q[2].shape and b.hidden.shape == a.hidden.shape
+    for l in (0, 2):
+        assert torch.allclose(a.q[l], b.q[l], atol=1e-5) and torch.allclose(a.k[l], b.k[l], atol=1e-5)
+    assert torch.allclose(a.hidden, b.hidden, atol=1e-5)
+    assert not a.graphed and a.elapsed_ms > 0 and len(a.layer_ms) == 3
+
+
+def test_per_layer_context_lists_stack_and_must_agree_in_size():
+    m = tiny_model("llama")
+    ids, pos, ctx = _anchor_probe_inputs(m)
+    as_list = [ctx[l] for l in range(len(ctx))]
+    a, b = run_probe(m, ids, pos, ctx, keep=[1]), run_probe(m, ids, pos, as_list, keep=[1])
+    assert torch.equal(a.q[1], b.q[1])
+    ragged = [as_list[0], LayerContext(as_list[1].k_pre[:-1], as_list[1].v[:-1], as_list[1].pos[:-1])]
+    with pytest.raises(ValueError, match="same number"):
+        run_probe(m, ids, pos, ragged, keep=[1])
+    with pytest.raises(ValueError, match="context covers"):
+        run_probe(m, ids, pos, as_list[:1], keep=[1])
+
+
+def test_graphs_need_cuda():
+    m = tiny_model("llama")
+    ids, pos, ctx = _anchor_probe_inputs(m)
+    with pytest.raises(ValueError, match="CUDA"):
+        run_probe(m, ids, pos, ctx, keep=[1], graphs=True)

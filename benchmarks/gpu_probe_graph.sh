@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Probe CUDA graphs on the GPU machine: tests, the selection profile, then the TTFT table.
+#     bash benchmarks/gpu_probe_graph.sh        # writes under $OUT (default ./probe-out)
+set -uo pipefail
+OUT=${OUT:-$PWD/probe-out}
+mkdir -p "$OUT"
+SHIM=$(mktemp -d); ln -s "$PWD/kernels" "$SHIM/qcfuse_kernels"
+export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
+{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv;
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/env.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_probe_graph.py tests/test_probe.py -rs 2>&1 | tail -n 5 | tee "$OUT/tests.log"
+timeout 60 python3 benchmarks/run_ttft.py check-cuda 2>&1 | tail -n 5 | tee "$OUT/check_cuda.log"
+timeout 150 python3 benchmarks/profile_select.py --out "$OUT/prof" --methods qcfuse epic cacheblend 2>&1 | grep -v -i warn | tail -n 40
+rm -f "$OUT/prof/trace.json"
+timeout 330 python3 benchmarks/run_ttft.py ttft --shape llama-3.1-8b --device cuda --dtype bf16 \
+    --chunks 10 --chunk-tokens 1024 --query-tokens 32 --tier host disk \
+    --methods full qcfuse cacheblend naive epic --ratios 0.15 0.3 --runs 10 --warmup 3 \
+    --store /tmp/qcfuse-ttft-store --json "$OUT/ttft_h200.json" --markdown "$OUT/ttft_h200.md" 2>&1 | grep -v -i warn | tail -n 25
+rm -rf /tmp/qcfuse-ttft-store
