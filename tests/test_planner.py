@@ -9,7 +9,7 @@ RATES = Rates(prefill_ms_per_token=1.0, tier_gbps={"host": 1000.0, "disk": 2.0},
 
 
 def test_fast_tier_loads_everything():
-    p = plan(RATES, [(100, "host")] * 4, ratio=0.1, total_tokens=410, fresh_rows=10)
+    p = plan(RATES, [(100, "host")] * 4, ratio=0.1, total_tokens=410, fresh_rows=10, overlap=1.0)
     assert p.loaded == [0, 1, 2, 3] and p.recomputed == [] and not p.all_recompute
     assert p.est_load_ms == pytest.approx(0.4)
     assert p.est_compute_ms == pytest.approx(10 + 40)  # fresh rows + 10% of 400
@@ -19,11 +19,35 @@ def test_fast_tier_loads_everything():
 def test_slow_chunks_move_to_recompute_slowest_first():
     # disk chunk: load 50 ms or recompute 90 more rows (90 ms); four disk chunks loaded: 200 ms
     chunks = [(100, "host"), (100, "disk"), (100, "disk"), (100, "disk"), (100, "disk")]
-    p = plan(RATES, chunks, ratio=0.1, total_tokens=510, fresh_rows=10)
-    # all loaded: max(200.1, 60) -> one disk chunk recomputed: max(150.1, 150) -> two: max(100.1, 240) stop
+    p = plan(RATES, chunks, ratio=0.1, total_tokens=510, fresh_rows=10, overlap=1.0)
+    # perfect overlap; all loaded: max(200.1, 60) -> one disk chunk recomputed: max(150.1, 150) -> two: max(100.1, 240) stop
     assert p.recomputed == [1] and p.loaded == [0, 2, 3, 4]
     assert p.est_fused_ms == pytest.approx(150.1)
     assert p.est_fused_ms < p.est_full_ms
+
+
+def test_partial_overlap_charges_the_hidden_part():
+    # the default half overlap: max(load, compute) + 0.5 x min(load, compute)
+    p = plan(RATES, [(100, "host")] * 4, ratio=0.1, total_tokens=410, fresh_rows=10)
+    assert p.est_fused_ms == pytest.approx(50 + 0.5 * 0.4)
+    chunks = [(100, "host"), (100, "disk"), (100, "disk"), (100, "disk"), (100, "disk")]
+    p = plan(RATES, chunks, ratio=0.1, total_tokens=510, fresh_rows=10)
+    # all loaded: 200.1 + 30 = 230.1; one recomputed: 150.1 + 75 = 225.1; two: 240 + 50.05 stop
+    assert p.recomputed == [1] and p.est_fused_ms == pytest.approx(225.1)
+    with pytest.raises(ValueError, match="overlap"):
+        plan(RATES, chunks, ratio=0.1, total_tokens=510, fresh_rows=10, overlap=1.5)
+
+
+def test_h200_disk_tier_balanced_plan_is_refused():
+    """The H200 disk case (2026-11-30, llama-3.1-8b shape, 10 x 1024 + 48 tokens): loading 3
+    chunks and recomputing 7 was estimated at 0.70x full prefill under perfect overlap and
+    ran at 1.10x; with half overlap the planner runs an ordinary prefill instead."""
+    h200 = Rates(prefill_ms_per_token=0.0322, tier_gbps={"disk": 1.8}, kv_bytes_per_token=131072)
+    args = dict(ratio=0.0, total_tokens=10 * 1024 + 48, fresh_rows=48, num_layers=32, overhead_ms=0.6)
+    optimistic = plan(h200, [(1024, "disk")] * 10, overlap=1.0, **args)
+    assert optimistic.loaded == [7, 8, 9] and not optimistic.all_recompute
+    assert optimistic.est_fused_ms < 0.75 * optimistic.est_full_ms
+    assert plan(h200, [(1024, "disk")] * 10, **args).all_recompute
 
 
 def test_missing_cache_is_recomputed():
