@@ -82,15 +82,15 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
                   gold_tokens=G, build_ms=build_ms)
     # 2. full prefill: the reference
     t1 = time.perf_counter()
-    logits, kv = adapter.hf_forward(prompt_g.token_ids, last_only=False)  # (T+G, vocab)
+    logits, kv = adapter.hf_forward(prompt_g.token_ids, keep=G + 1)  # (G+1, vocab): positions T-1 .. T+G-1
     full_ms = (time.perf_counter() - t1) * 1e3
-    full_first = logits[T - 1]
+    full_first = logits[0]
     cache = KVCache(adapter, T + G + max_new)
     fill_from_hf(cache, kv)
     cache.length = T
     full_answer = _greedy(engine, cache, full_first, max_new)
     records = [dict(common, method="full", ratio=None, kl_first_token=0.0,
-                    gold_nll=M.nll(logits[T - 1 : T - 1 + G], gold), recompute_share=1.0, ttft_ms=full_ms,
+                    gold_nll=M.nll(logits[:G], gold), recompute_share=1.0, ttft_ms=full_ms,
                     **_text_scores(full_answer, ex, full_answer))]
     del logits, kv
     # 3. every other method
@@ -107,7 +107,7 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
             rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
             cache = KVCache(adapter, T + G + max_new)
             out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
-                                kv_out=cache, all_logits=True)
+                                kv_out=cache, logits_last=G + 1)
             ttft = (time.perf_counter() - t2) * 1e3
             tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1
             cache.length = T

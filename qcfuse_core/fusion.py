@@ -172,13 +172,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor
         )  # (1, H, T, D)
         return out[0].transpose(0, 1)
     if K.backend() == "torch":  # no kernels: SDPA with a row mask beats the fp32 dense oracle ~5-10x on CPU
-        visible = torch.arange(T, device=k.device)[None, :] <= rows[:, None]  # (R, T)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=visible[None, None], scale=scale, enable_gqa=True,
-        )  # (1, H, R, D)
-        return out[0].transpose(0, 1)
+        return torch.cat([_masked_sdpa(q[s : s + ROW_BLOCK], k, v, rows[s : s + ROW_BLOCK], scale)
+                          for s in range(0, rows.shape[0], ROW_BLOCK)])
     return K.sparse_attention(q.contiguous(), k, v, rows, scale)
+
+
+ROW_BLOCK = 256  # torch path: rows per SDPA call; each block reads keys only up to its last row
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (R, H, D) at sorted positions `rows` over keys 0..rows[-1] -> (R, H, D).
+
+    Keys after the block's last row are masked for every row of the block, so they are cut
+    before SDPA (sorted rows spread over a prompt: about half the work of one masked call).
+    """
+    n = int(rows[-1]) + 1 if rows.device.type == "cpu" else k.shape[0]  # no device sync for the cut
+    k, v = k[:n], v[:n]
+    visible = torch.arange(n, device=k.device)[None, :] <= rows[:, None]  # (R, n)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=visible[None, None], scale=scale, enable_gqa=True,
+    )  # (1, H, R, D)
+    return out[0].transpose(0, 1)
 
 
 @torch.inference_mode()
@@ -191,10 +206,13 @@ def fused_prefill(
     on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None,
     kv_out: KVCache | None = None,
     all_logits: bool = False,
+    logits_last: int = 1,
     capture_pre_rope: bool = False,
     source: LayerSource | None = None,
 ) -> PrefillOutput:
     """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
+
+    Logits come back for every final row (`all_logits`) or the last `logits_last` rows.
 
     `rows` must contain every uncached position (glue text, suffix), including the last.
     `on_layer_end` may return a new row set (a subset of the current one) for later layers.
@@ -248,7 +266,9 @@ def fused_prefill(
         layer_ms.append((time.perf_counter() - t0) * 1e3)
     if kv_out is not None:
         kv_out.length = T
-    logits = adapter.logits(h if all_logits else h[-1:])
+    if logits_last < 1:
+        raise ValueError(f"logits_last must be >= 1, got {logits_last}")
+    logits = adapter.logits(h if all_logits else h[-logits_last:])
     return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None)
 
 

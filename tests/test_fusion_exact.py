@@ -206,3 +206,37 @@ def test_unsupported_architecture_names_supported_ones():
     cfg = tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)
     with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
         ModelAdapter(tf.GPT2LMHeadModel(cfg))
+
+
+def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
+    """The torch path splits rows into blocks that read keys only up to their last row; any
+    block size gives the dense reference's output (fp32, atol 1e-6)."""
+    from qcfuse_kernels.reference import sparse_attention_ref
+
+    from qcfuse_core import fusion
+
+    g = torch.Generator().manual_seed(3)
+    T, H, Hkv, D = 700, 4, 2, 16
+    rows = torch.sort(torch.randperm(T, generator=g)[:300]).values
+    rows[-1] = T - 1
+    q, k, v = (torch.randn(n, h, D, generator=g) for n, h in ((300, H), (T, Hkv), (T, Hkv)))
+    want = sparse_attention_ref(q, k, v, rows, 0.25)
+    monkeypatch.setattr(K, "backend", lambda: "torch")
+    for block in (1, 7, 64, 256, 1024):
+        monkeypatch.setattr(fusion, "ROW_BLOCK", block)
+        got = fusion.attend(q, k, v, rows, 0.25)
+        assert torch.allclose(got, want, atol=1e-6), f"block {block}: {(got - want).abs().max():.2e}"
+
+
+def test_logits_of_the_last_rows_only():
+    m = tiny_model("llama")
+    ids = torch.randint(0, m.shape.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    ref, _ = m.hf_forward(ids, last_only=False)
+    last, _ = m.hf_forward(ids, keep=5)
+    assert last.shape[0] == 5 and torch.allclose(last, ref[-5:], atol=1e-5)
+    out = fused_prefill(m, FusedPrompt([Segment("suffix", ids)]), torch.arange(30), logits_last=5)
+    assert out.logits.shape[0] == 5 and torch.allclose(out.logits, ref[-5:], atol=1e-4)
+    with pytest.raises(ValueError, match="logits_last"):
+        fused_prefill(m, FusedPrompt([Segment("suffix", ids)]), torch.arange(30), logits_last=0)
+    with pytest.raises(ValueError, match="keep"):
+        m.hf_forward(ids, keep=0)
