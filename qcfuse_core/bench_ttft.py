@@ -354,7 +354,7 @@ def run(args) -> list[dict]:
         _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
     for r in rows:
         r["rates"] = {"prefill_ms_per_token": round(rates.prefill_ms_per_token, 5),
-                      "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "path": str(rpath)}
+                      "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "file": rpath.name}
     return rows
 
 
@@ -401,12 +401,22 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _portable_args(args) -> dict:
+    """The command's arguments with file and folder paths reduced to their names (results are
+    committed; where a scratch folder lived on the machine that ran them does not matter)."""
+    out = vars(args) | {"func": None}
+    for key in ("store", "json", "markdown", "rates"):
+        if out.get(key):
+            out[key] = Path(out[key]).name
+    return out
+
+
 def _write_json(args, rows: list[dict], partial: bool = False) -> None:
     if not args.json:
         return
     env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "argv": vars(args) | {"func": None}, "partial": partial}
+           "argv": _portable_args(args), "partial": partial}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
 
