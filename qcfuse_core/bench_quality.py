@@ -66,59 +66,81 @@ def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
 
 
 def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dict, max_new: int,
-                gold_tokens: int = 64) -> list[dict]:
-    """All methods on one example -> per (method, ratio) records."""
+                gold_tokens: int = 64, *, variants: list[tuple[str, str, float | None, dict]] | None = None,
+                target: str = "gold") -> list[dict]:
+    """All methods on one example -> per (method, ratio) records.
+
+    variants: explicit (label, method, ratio, options) runs instead of methods x ratios
+    (records carry the label as `variant`). target: what `gold_nll` teacher-forces after the
+    prompt - the first gold alias ("gold") or full prefill's own greedy answer ("full": a
+    fidelity score for the whole answer, not just its first token; costs one more forward).
+    """
+    if target not in ("gold", "full"):
+        raise ValueError(f"target must be 'gold' or 'full', got {target!r}")
     adapter = engine.adapter
     engine.store = MemoryStore()  # chunk caches of this example only (an fp32 6K-token context is ~300 MB)
     t0 = time.perf_counter()
     prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
     build_ms = (time.perf_counter() - t0) * 1e3
     T = prompt.num_tokens
-    gold = engine.tokenize(ex.answers[0])[:gold_tokens]
+    full_answer = None
+    if target == "full":  # full prefill's greedy answer first: it is the teacher-forced target
+        logits0, kv0 = adapter.hf_forward(prompt.token_ids)
+        cache = KVCache(adapter, T + max_new)
+        fill_from_hf(cache, kv0)
+        cache.length = T
+        full_answer = _greedy(engine, cache, logits0[-1], max_new)
+        del logits0, kv0, cache
+        gold = engine.tokenize(full_answer)[:gold_tokens] if full_answer else engine.tokenize(ex.answers[0])[:1]
+    else:
+        gold = engine.tokenize(ex.answers[0])[:gold_tokens]
     G = int(gold.numel())
     prompt_g = FusedPrompt(prompt.segments + [Segment("suffix", gold)])
     gold_pos = torch.arange(T, T + G)
     common = dict(id=ex.id, prompt_tokens=T, context_tokens=prompt.context_tokens, chunks=len(prompt.chunk_spans()),
-                  gold_tokens=G, build_ms=build_ms)
+                  gold_tokens=G, build_ms=build_ms, target=target)
     # 2. full prefill: the reference
     t1 = time.perf_counter()
     logits, kv = adapter.hf_forward(prompt_g.token_ids, keep=G + 1)  # (G+1, vocab): positions T-1 .. T+G-1
     full_ms = (time.perf_counter() - t1) * 1e3
     full_first = logits[0]
-    cache = KVCache(adapter, T + G + max_new)
-    fill_from_hf(cache, kv)
-    cache.length = T
-    full_answer = _greedy(engine, cache, full_first, max_new)
+    if full_answer is None:
+        cache = KVCache(adapter, T + G + max_new)
+        fill_from_hf(cache, kv)
+        cache.length = T
+        full_answer = _greedy(engine, cache, full_first, max_new)
     records = [dict(common, method="full", ratio=None, kl_first_token=0.0,
                     gold_nll=M.nll(logits[:G], gold), recompute_share=1.0, ttft_ms=full_ms,
                     **_text_scores(full_answer, ex, full_answer))]
     del logits, kv
-    # 3. every other method
-    for method in methods:
-        if method == "full":
-            continue
+    # 3. every other method (or variant)
+    if variants is None:
+        variants = [(m, m, r, options) for m in methods if m != "full"
+                    for r in (ratios if get_selector(m).uses_ratio else [None])]
+    for label, method, ratio, opts in variants:
         selector = get_selector(method)
-        for ratio in (ratios if selector.uses_ratio else [None]):
-            t2 = time.perf_counter()
-            query_aware = getattr(selector, "query_aware", False)
-            ctx = SelectionContext(adapter, prompt if query_aware else prompt_g, ratio or 0.0, options=options)
-            sel = selector.select(ctx)
-            select_ms = (time.perf_counter() - t2) * 1e3
-            rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
-            cache = KVCache(adapter, T + G + max_new)
-            out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
-                                kv_out=cache, logits_last=G + 1)
-            ttft = (time.perf_counter() - t2) * 1e3
-            tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1
-            cache.length = T
-            answer = _greedy(engine, cache, tail[0], max_new)
-            ctx_rows = int(prompt.mask("chunk", "text")[out.rows[out.rows < T]].sum())
-            rec = dict(common, method=method, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
-                       gold_nll=M.nll(tail[:G], gold), recompute_share=ctx_rows / max(1, prompt.context_tokens),
-                       ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
-            if "mass_covered" in sel.details:
-                rec["mass_covered"] = sel.details["mass_covered"]
-            records.append(rec)
+        t2 = time.perf_counter()
+        query_aware = getattr(selector, "query_aware", False)
+        ctx = SelectionContext(adapter, prompt if query_aware else prompt_g, ratio or 0.0, options=opts)
+        sel = selector.select(ctx)
+        select_ms = (time.perf_counter() - t2) * 1e3
+        rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
+        cache = KVCache(adapter, T + G + max_new)
+        out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
+                            kv_out=cache, logits_last=G + 1)
+        ttft = (time.perf_counter() - t2) * 1e3
+        tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1
+        cache.length = T
+        answer = _greedy(engine, cache, tail[0], max_new)
+        ctx_rows = int(prompt.mask("chunk", "text")[out.rows[out.rows < T]].sum())
+        rec = dict(common, method=method, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
+                   gold_nll=M.nll(tail[:G], gold), recompute_share=ctx_rows / max(1, prompt.context_tokens),
+                   ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
+        if label != method:
+            rec["variant"] = label
+        if "mass_covered" in sel.details:
+            rec["mass_covered"] = sel.details["mass_covered"]
+        records.append(rec)
     return records
 
 

@@ -143,8 +143,11 @@ class QCFuseOptions:
     target_mass: float = 0.8
     floor: float = 0.05
     ceiling: float = 0.5
+    spread: int = 0  # rank by 0.5 x mass + 0.5 x the max mass within +-spread positions (0: off)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.spread, int) or self.spread < 0:
+            raise ValueError(f"spread must be a non-negative int, got {self.spread!r}")
         if self.budget not in BUDGET_MODES:
             raise ValueError(f"unknown budget mode {self.budget!r}; valid: {', '.join(BUDGET_MODES)}")
         AnchorConfig(self.anchor_method, self.anchor_share, self.sinks)  # validates
@@ -181,28 +184,29 @@ class QueryAwareSelector(Selector):
         """
         prompt = ctx.prompt
         cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
+        rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
         if opts.budget == "fixed":
             n = ctx.budget
             cand_d = cand.to(mass.device, non_blocking=True)
-            cand_scores = mass[cand_d]
-            order = rank(cand_scores)[: max(0, min(int(n), cand.numel()))]
-            shares = torch.stack([cand_scores[order].clamp_min(0).sum(), cand_scores.clamp_min(0).sum()])
+            order = rank(rank_by[cand_d])[: max(0, min(int(n), cand.numel()))]
+            cand_mass = mass[cand_d]
+            shares = torch.stack([cand_mass[order].clamp_min(0).sum(), cand_mass.clamp_min(0).sum()])
             chosen = torch.sort(cand_d[order]).values
             chosen, mass, shares = chosen.cpu(), mass.cpu(), shares.cpu()
             covered = float(shares[0] / shares[1]) if float(shares[1]) > 0 else 0.0
         else:
-            mass = mass.cpu()
-            cand_scores = mass[cand]
+            mass, rank_by = mass.cpu(), rank_by.cpu()
+            cand_scores = rank_by[cand]
             ab = AdaptiveBudget(opts.target_mass, opts.floor, opts.ceiling)
             ctx_n = prompt.context_tokens
             n = adaptive_count(cand_scores, ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
             chosen = top_budget(cand, cand_scores, n)
             chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
             chosen_mask[torch.searchsorted(cand, chosen)] = True
-            covered = covered_share(cand_scores, chosen_mask)
+            covered = covered_share(mass[cand], chosen_mask)  # of the mass, also when ranked by spread
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
-            mass_covered=covered,
+            mass_covered=covered, spread=opts.spread,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)
@@ -226,6 +230,19 @@ class QueryAwareSelector(Selector):
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
         mass[pos.to(acc.device, non_blocking=True)] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
+
+
+def spread_scores(mass: torch.Tensor, spread: int) -> torch.Tensor:
+    """(T,) -> 0.5 x mass + 0.5 x (max of mass within +-spread positions); mass when spread == 0.
+
+    A token next to a strongly attended one gets half of its neighbour's score, so spans
+    around what the question points at (an entity and the fact beside it) are recomputed
+    together; the attended token itself still ranks first.
+    """
+    if spread == 0:
+        return mass
+    pooled = torch.nn.functional.max_pool1d(mass[None, None].float(), 2 * spread + 1, stride=1, padding=spread)[0, 0]
+    return 0.5 * mass + 0.5 * pooled
 
 
 @register

@@ -80,3 +80,39 @@ def test_aggregate_compares_methods_on_common_questions(tmp_path):
     out = plot_quality(rows, tmp_path / "q.png")
     assert out.stat().st_size > 1000
     json.dumps(rows)
+
+
+def _toy_example():
+    from qcfuse_core.datasets import Example
+
+    return Example(id="toy", question="Who founded the Zephyr Institute?",
+                   passages=("The Zephyr Institute studies ocean currents. It was founded in 1931 by the marine "
+                             "biologist Ada Ferreira on the island of Cape Wrayth.",
+                             "The Lantern Festival began in 1952 in the port of Cape Wrayth, where lanterns "
+                             "are lit every autumn."),
+                   answers=("Ada Ferreira",))
+
+
+@pytest.mark.parametrize("target", ["gold", "full"])
+def test_run_example_records_and_variants(smol_engine, target):
+    """One example end to end on the embedded model: a record per method/variant with the
+    row keys; `full` run through the fused path (every row recomputed) reproduces full
+    prefill's scores; with target="full" the teacher-forced target is full's own answer."""
+    from qcfuse_core.bench_quality import run_example
+
+    variants = [("qcfuse", "qcfuse", 0.3, {}), ("qcfuse-spread2", "qcfuse", 0.3, {"spread": 2}),
+                ("naive", "naive", None, {}), ("full-fused", "full", None, {})]
+    recs = run_example(smol_engine, _toy_example(), None, None, {}, max_new=8, variants=variants, target=target)
+    assert [r.get("variant", r["method"]) for r in recs] == ["full", "qcfuse", "qcfuse-spread2", "naive", "full-fused"]
+    for r in recs:
+        assert set(ROW_KEYS) - {"dataset", "n"} <= set(r)  # every metric the table aggregates
+        assert r["target"] == target
+    full, fused_full = recs[0], recs[-1]
+    assert fused_full["kl_first_token"] < 1e-6 and fused_full["agree_exact"] == 1.0
+    assert fused_full["gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-4)
+    assert recs[3]["kl_first_token"] > 1e-4  # naive concatenation differs from full prefill
+    assert 0.25 < recs[1]["recompute_share"] < 0.45
+    if target == "full":
+        assert full["gold_tokens"] == len(smol_engine.tokenize(full["answer"]))
+    with pytest.raises(ValueError, match="target"):
+        run_example(smol_engine, _toy_example(), ["full"], [], {}, max_new=4, target="answer")

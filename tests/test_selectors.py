@@ -9,7 +9,7 @@ import torch
 
 from qcfuse_core import critical_layers
 from qcfuse_core.scoring import adaptive_count, covered_share, top_budget
-from qcfuse_core.selectors import QCFuseOptions, SelectionContext, get_selector
+from qcfuse_core.selectors import QCFuseOptions, QueryAwareSelector, SelectionContext, get_selector
 from qcfuse_core.testing import tiny_model
 from tests.qc_fixtures import prompt_alone
 
@@ -174,3 +174,37 @@ def test_critical_layer_lookup(monkeypatch, tmp_path):
     assert critical_layers.lookup(m) == ([3, 5], f"profile {tmp_path}/critical_layers/{m.fingerprint()}.json")
     with pytest.raises(ValueError, match="do not fit"):
         critical_layers.save_profile({"layers": [40]}, None, m)
+
+
+def test_spread_scores_pin_values_and_keep_the_peak_first():
+    from qcfuse_core.selectors import spread_scores
+
+    mass = torch.tensor([0.0, 0.0, 0.8, 0.0, 0.1, 0.0, 0.0, 0.0])
+    assert torch.equal(spread_scores(mass, 0), mass)
+    got = spread_scores(mass, 1)
+    want = torch.tensor([0.0, 0.4, 0.8, 0.4, 0.1, 0.05, 0.0, 0.0])
+    assert torch.allclose(got, want)
+    assert int(torch.argmax(got)) == 2  # the attended token itself ranks first
+    with pytest.raises(ValueError, match="spread"):
+        QCFuseOptions(spread=-1)
+
+
+def test_spread_selects_the_neighbours_of_attended_tokens():
+    """Fixed budget on a toy mass: with spread 1 the peak's neighbours displace a lone
+    weaker token; mass_covered still reports the real mass share."""
+    m = tiny_model("llama")
+    prompt = prompt_alone(m)
+    T = prompt.num_tokens
+    chunk = torch.nonzero(prompt.mask("chunk")).flatten()
+    mass = torch.zeros(T)
+    peak, lone = int(chunk[10]), int(chunk[40])
+    mass[peak], mass[lone] = 0.6, 0.2
+    sel = QueryAwareSelector.choose
+    ctx = SelectionContext(m, prompt, 3 / prompt.context_tokens)
+    assert ctx.budget == 3
+    plain = sel(get_selector("qcfuse"), ctx, QCFuseOptions(), mass.clone(), {})
+    spread = sel(get_selector("qcfuse"), ctx, QCFuseOptions(spread=1), mass.clone(), {})
+    assert plain.details["positions"].tolist() == sorted([int(chunk[0]), peak, lone])  # zeros: earliest first
+    assert spread.details["positions"].tolist() == [peak - 1, peak, peak + 1]
+    assert spread.details["mass_covered"] == pytest.approx(0.6 / 0.8)
+    assert plain.details["mass_covered"] == pytest.approx(1.0)
