@@ -56,12 +56,40 @@ def _build(family: str, cfg: dict, dtype: torch.dtype, device: str, seed: int) -
     return model.to(dtype).eval()
 
 
-def tiny_model(arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0) -> ModelAdapter:
-    """A 3-layer random model of `arch` (one of TINY_CONFIGS), no tokenizer."""
+def tiny_model(arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
+               tokenizer: bool = False) -> ModelAdapter:
+    """A 3-layer random model of `arch` (one of TINY_CONFIGS); with `tokenizer`, a byte-level
+    one over its 256-token vocabulary, so the text-level engine API runs on it."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny arch {arch!r}; valid: {', '.join(TINY_CONFIGS)}")
     family = arch.split("-")[0].replace("llama3", "llama")
-    return ModelAdapter(_build(family, TINY_CONFIGS[arch], dtype, "cpu", seed), name=f"tiny-{arch}")
+    return ModelAdapter(_build(family, TINY_CONFIGS[arch], dtype, "cpu", seed),
+                        tokenizer=byte_tokenizer() if tokenizer else None, name=f"tiny-{arch}")
+
+
+def _byte_chars() -> dict[int, str]:
+    """byte -> a printable character (the usual byte-level BPE alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def byte_tokenizer():
+    """A fast HF tokenizer whose ids are UTF-8 bytes (0-255); byte 0 is EOS. No chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = _byte_chars()
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[0])
 
 
 def shaped_model(shape: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> ModelAdapter:

@@ -1,0 +1,59 @@
+"""The engine end to end on each device: text in, tokens out, through the tiered store.
+
+A tiny random Llama with a byte-level tokenizer runs the text-level API (RAG pieces, chunk
+ingestion, anchors, sidecars, the prefetcher, the probe - a CUDA graph on a GPU -, fusion,
+decoding). Streaming the chunks' layers from the store must give the same tokens and rows
+as fusing in-memory caches, and recomputing every row must give full prefill's tokens. The
+CUDA case skips without a GPU; the CPU case runs the same code everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.store import kv_dir, open_store
+from qcfuse_core.testing import tiny_model
+
+DOCS = [
+    "The Zephyr Institute is a marine research station in Port Halden, founded in 1987 by Ada Ferreira.",
+    "Cape Wrayth lighthouse stands on the northern tip of Veloria; its stone tower is thirty-two metres tall.",
+    "Halden Rovers is the football club of Port Halden. It was founded in 1911 and plays at Quayside Park.",
+]
+Q = "How tall is the Cape Wrayth lighthouse?"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def engines(request, tmp_path):
+    m = tiny_model("llama", tokenizer=True)
+    m.model.to(request.param)
+    cuda = request.param == "cuda"
+    tiered = QCFuseEngine(m, store=open_store(kv_dir(tmp_path), memory_bytes=64 << 20, use_cuda=cuda))
+    for i, d in enumerate(DOCS):
+        tiered.build_chunk(d, node_id=f"n{i}")
+    yield QCFuseEngine(m), tiered
+    tiered.store.close()
+
+
+@pytest.mark.parametrize("method", ["qcfuse", "cacheblend", "epic", "naive"])
+def test_streamed_store_answers_like_in_memory(engines, method):
+    mem, tiered = engines
+    a = mem.answer(Q, DOCS, method=method, ratio=0.3, max_new_tokens=8, stop=[])
+    b = tiered.answer(Q, DOCS, method=method, ratio=0.3, max_new_tokens=8, stop=[])
+    assert b.cache_hits == 3 and b.cache_misses == 0
+    assert b.token_ids == a.token_ids and len(a.token_ids) > 0
+    assert b.selection.rows.tolist() == a.selection.rows.tolist()
+    if method == "qcfuse":
+        graphed = mem.adapter.device.type == "cuda"
+        assert a.selection.details["probe_graphed"] is graphed and b.selection.details["probe_graphed"] is graphed
+
+
+def test_every_row_recomputed_answers_like_full_prefill(engines):
+    mem, tiered = engines
+    full = mem.answer(Q, DOCS, method="full", max_new_tokens=8, stop=[])
+    for eng in (mem, tiered):
+        r = eng.answer(Q, DOCS, method="qcfuse", ratio=1.0, max_new_tokens=8, stop=[])
+        assert r.recomputed_tokens == r.context_tokens
+        assert r.token_ids == full.token_ids
