@@ -9,7 +9,9 @@ after each method's fused prompt (`run_example(target="full")`) and reports, per
 first-token KL, the excess NLL of full's answer over full prefill's own (nats per token: 0
 means the fused cache predicts full's whole answer as full prefill does), and exact /
 ROUGE-L agreement of the greedy answers. Variants: qcfuse with spread 0 (default), 2 and 4,
-cacheblend and epic, all at --ratio. Records append to --jsonl (done ids skipped).
+cacheblend and epic, all at --ratio (`--set spread`), or qcfuse with other anchor shares,
+anchor methods and critical layers (`--set explore`). Records append to --jsonl (done ids
+skipped).
 """
 
 from __future__ import annotations
@@ -32,10 +34,18 @@ from qcfuse_core.engine import QCFuseEngine  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
 
 
-def variants(ratio: float) -> list[tuple[str, str, float, dict]]:
-    return [("qcfuse", "qcfuse", ratio, {}), ("qcfuse-spread2", "qcfuse", ratio, {"spread": 2}),
-            ("qcfuse-spread4", "qcfuse", ratio, {"spread": 4}), ("cacheblend", "cacheblend", ratio, {}),
-            ("epic", "epic", ratio, {})]
+SETS = {
+    # neighbours of attended tokens, against the baselines
+    "spread": lambda r: [("qcfuse", "qcfuse", r, {}), ("qcfuse-spread2", "qcfuse", r, {"spread": 2}),
+                         ("qcfuse-spread4", "qcfuse", r, {"spread": 4}), ("cacheblend", "cacheblend", r, {}),
+                         ("epic", "epic", r, {})],
+    # what issue 4 names: anchor method and share, critical layers
+    "explore": lambda r: [("qcfuse", "qcfuse", r, {}), ("anchors-0.25", "qcfuse", r, {"anchor_share": 0.25}),
+                          ("anchors-repeat", "qcfuse", r, {"anchor_method": "repeat"}),
+                          ("layers-5.8.11.13.15", "qcfuse", r, {"critical_layers": (5, 8, 11, 13, 15)}),
+                          ("layer-8", "qcfuse", r, {"critical_layers": (8,)}),
+                          ("layers-15.20.23", "qcfuse", r, {"critical_layers": (15, 20, 23)})],
+}
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -43,7 +53,7 @@ def summarize(records: list[dict]) -> list[dict]:
     for r in records:
         by_id[r["id"]][r.get("variant", r["method"])] = r
     rows = []
-    labels = [l for l in ("qcfuse", "qcfuse-spread2", "qcfuse-spread4", "cacheblend", "epic")]
+    labels = list(dict.fromkeys(k for d in by_id.values() for k in d if k != "full"))
     ids = [i for i, d in by_id.items() if "full" in d and all(l in d for l in labels)]
     for label in labels:
         rs = [by_id[i][label] for i in ids]
@@ -64,6 +74,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jsonl", required=True)
+    ap.add_argument("--set", default="spread", choices=sorted(SETS), help="which variants to run")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     engine = QCFuseEngine(load_model(dtype="fp32"))
@@ -74,7 +85,7 @@ def main() -> int:
         if ex.id in done:
             continue
         t0 = time.perf_counter()
-        recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=variants(a.ratio), target="full")
+        recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=SETS[a.set](a.ratio), target="full")
         with out.open("a") as f:
             for r in recs:
                 f.write(json.dumps(dict(r, dataset=name)) + "\n")
