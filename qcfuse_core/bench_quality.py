@@ -155,9 +155,12 @@ def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | Non
     if jsonl is not None and jsonl.is_file():
         done = {(r["dataset"], r["id"]) for r in map(json.loads, jsonl.read_text().splitlines()) if r}
     out = []
-    for ex in load_dataset(dataset, limit=limit, offset=offset):
-        if (name, ex.id) in done:
-            continue
+    todo = [ex for ex in load_dataset(dataset, limit=limit, offset=offset) if (name, ex.id) not in done]
+    if len(todo) < (limit or 0):
+        log.info("%s: %d questions already in %s, %d to run", name, (limit or 0) - len(todo), jsonl, len(todo))
+    from tqdm import tqdm
+
+    for ex in tqdm(todo, desc=name, unit="question", disable=None):  # a bar on a terminal, quiet in logs
         t0 = time.perf_counter()
         recs = [dict(r, dataset=name) for r in run_example(engine, ex, methods, ratios, options or {}, max_new)]
         log.info("%s %s: %d records in %.1f s", name, ex.id, len(recs), time.perf_counter() - t0)
