@@ -155,9 +155,11 @@ def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | Non
     if jsonl is not None and jsonl.is_file():
         done = {(r["dataset"], r["id"]) for r in map(json.loads, jsonl.read_text().splitlines()) if r}
     out = []
-    todo = [ex for ex in load_dataset(dataset, limit=limit, offset=offset) if (name, ex.id) not in done]
-    if len(todo) < (limit or 0):
-        log.info("%s: %d questions already in %s, %d to run", name, (limit or 0) - len(todo), jsonl, len(todo))
+    picked = load_dataset(dataset, limit=limit, offset=offset)
+    todo = [ex for ex in picked if (name, ex.id) not in done]
+    if len(todo) < len(picked):
+        log.info("%s: %d of %d questions already in %s; %d to run", name, len(picked) - len(todo), len(picked),
+                 jsonl, len(todo))
     from tqdm import tqdm
 
     for ex in tqdm(todo, desc=name, unit="question", disable=None):  # a bar on a terminal, quiet in logs
