@@ -116,3 +116,19 @@ def test_run_example_records_and_variants(smol_engine, target):
         assert full["gold_tokens"] == len(smol_engine.tokenize(full["answer"]))
     with pytest.raises(ValueError, match="target"):
         run_example(smol_engine, _toy_example(), ["full"], [], {}, max_new=4, target="answer")
+
+
+def test_run_appends_records_and_skips_done_questions(smol_engine, tmp_path):
+    from qcfuse_core.bench_quality import run
+
+    ex = _toy_example()
+    data = tmp_path / "toy_s.json"
+    data.write_text(json.dumps([{"question": q, "answers": list(ex.answers), "ctxs": [{"title": "", "text": p} for p in ex.passages]}
+                                for q in (ex.question, "When did the Lantern Festival begin?")]))
+    jsonl = tmp_path / "toy.records.jsonl"
+    first = run(smol_engine, str(data), ["full", "naive"], [], limit=None, max_new=4, jsonl=jsonl)
+    assert len(first) == 4 and len(jsonl.read_text().splitlines()) == 4
+    again = run(smol_engine, str(data), ["full", "naive"], [], limit=None, max_new=4, jsonl=jsonl)
+    assert again == [] and len(jsonl.read_text().splitlines()) == 4
+    rows = aggregate([json.loads(l) for l in jsonl.read_text().splitlines()])
+    assert {(r["method"], r["n"]) for r in rows} == {("full", 2), ("naive", 2)}
