@@ -35,6 +35,8 @@ from qcfuse_core.model import load_model  # noqa: E402
 
 
 SETS = {
+    # the benchmark's methods only (an evaluation, fine on a reporting set)
+    "baselines": lambda r: [("qcfuse", "qcfuse", r, {}), ("cacheblend", "cacheblend", r, {}), ("epic", "epic", r, {})],
     # neighbours of attended tokens, against the baselines
     "spread": lambda r: [("qcfuse", "qcfuse", r, {}), ("qcfuse-spread2", "qcfuse", r, {"spread": 2}),
                          ("qcfuse-spread4", "qcfuse", r, {"spread": 4}), ("cacheblend", "cacheblend", r, {}),
