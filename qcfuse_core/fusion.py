@@ -205,14 +205,13 @@ def fused_prefill(
     full_layers: int = 0,
     on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None,
     kv_out: KVCache | None = None,
-    all_logits: bool = False,
-    logits_last: int = 1,
+    logits_last: int | None = 1,
     capture_pre_rope: bool = False,
     source: LayerSource | None = None,
 ) -> PrefillOutput:
     """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
 
-    Logits come back for every final row (`all_logits`) or the last `logits_last` rows.
+    Logits come back for the last `logits_last` final rows (None: every final row).
 
     `rows` must contain every uncached position (glue text, suffix), including the last.
     `on_layer_end` may return a new row set (a subset of the current one) for later layers.
@@ -266,9 +265,9 @@ def fused_prefill(
         layer_ms.append((time.perf_counter() - t0) * 1e3)
     if kv_out is not None:
         kv_out.length = T
-    if logits_last < 1:
-        raise ValueError(f"logits_last must be >= 1, got {logits_last}")
-    logits = adapter.logits(h if all_logits else h[-logits_last:])
+    if logits_last is not None and logits_last < 1:
+        raise ValueError(f"logits_last must be >= 1 or None, got {logits_last}")
+    logits = adapter.logits(h if logits_last is None else h[-logits_last:])
     return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None)
 
 

@@ -258,17 +258,16 @@ class ModelAdapter:
 
     # -- whole-model forward (the oracle and the `full` baseline)
     @torch.inference_mode()
-    def hf_forward(self, ids: torch.Tensor, last_only: bool = True, keep: int | None = None,
-                   ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def hf_forward(self, ids: torch.Tensor, keep: int | None = 1) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """HF transformers' own forward of a prompt.
 
-        ids (T,) -> logits (1, T, or the last `keep` rows, vocab) fp32, and per layer (k, v)
-        each (T, Hkv, D) with k **post**-RoPE (as HF caches it).
+        ids (T,) -> logits of the last `keep` rows (None: all T rows) (keep|T, vocab) fp32, and
+        per layer (k, v) each (T, Hkv, D) with k **post**-RoPE (as HF caches it).
         """
         self.check_length(int(ids.shape[0]))
         if keep is not None and keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        kwargs = {"logits_to_keep": keep} if keep is not None else ({"logits_to_keep": 1} if last_only else {})
+            raise ValueError(f"keep must be >= 1 or None, got {keep}")
+        kwargs = {} if keep is None else {"logits_to_keep": keep}
         out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
         cache = _output_cache(out)
         kv = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]

@@ -59,8 +59,8 @@ def _report(a: torch.Tensor, b: torch.Tensor) -> str:
 def test_full_recompute_equals_hf(arch):
     m = tiny_model(arch)
     prompt = _prompt_alone(m, _segments_lens(m.shape.vocab_size, LENS), KINDS)
-    ref, _ = m.hf_forward(prompt.token_ids, last_only=False)
-    out = fused_prefill(m, prompt, torch.arange(prompt.num_tokens), all_logits=True)
+    ref, _ = m.hf_forward(prompt.token_ids, keep=None)
+    out = fused_prefill(m, prompt, torch.arange(prompt.num_tokens), logits_last=None)
     assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), _report(out.logits, ref)
 
 
@@ -176,8 +176,8 @@ def test_embedded_model_full_recompute_equals_hf(smol):
     ])
     prompt, _, misses = eng.fuse_pieces(pieces)
     assert misses == 2
-    ref, _ = smol.hf_forward(prompt.token_ids, last_only=False)
-    out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), all_logits=True)
+    ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
+    out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)
     assert torch.allclose(out.logits, ref, atol=1e-3, rtol=1e-5), _report(out.logits, ref)
     # recompute everything except the (exact) prefix: same logits at the last row
     rows = torch.nonzero(~prompt.mask("prefix")).flatten()
@@ -231,7 +231,7 @@ def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
 def test_logits_of_the_last_rows_only():
     m = tiny_model("llama")
     ids = torch.randint(0, m.shape.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
-    ref, _ = m.hf_forward(ids, last_only=False)
+    ref, _ = m.hf_forward(ids, keep=None)
     last, _ = m.hf_forward(ids, keep=5)
     assert last.shape[0] == 5 and torch.allclose(last, ref[-5:], atol=1e-5)
     out = fused_prefill(m, FusedPrompt([Segment("suffix", ids)]), torch.arange(30), logits_last=5)

@@ -84,9 +84,9 @@ def test_fused_prefill_through_prefetcher(adapter, parts, tmp_path):
     pf = Prefetcher(adapter, store)
     ref, lazy = _prompts(pf, parts, recompute=(2,))
     sel = get_selector("epic").select(SelectionContext(adapter, ref, 0.3))
-    want = fused_prefill(adapter, ref, sel.rows, all_logits=True)
+    want = fused_prefill(adapter, ref, sel.rows, logits_last=None)
     pf.start(lazy)
-    got = fused_prefill(adapter, lazy, sel.rows, all_logits=True, source=pf)
+    got = fused_prefill(adapter, lazy, sel.rows, logits_last=None, source=pf)
     pf.finish()
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
 
@@ -133,17 +133,23 @@ def test_view_without_sidecar_raises(adapter, parts, tmp_path):
         Prefetcher(adapter, store).view(parts[3][0].key, parts[2][0], depth=2, critical=CRITICAL)
 
 
-def test_loader_stays_within_its_window(adapter, parts, tmp_path):
-    """The loader thread runs at most `window` layers ahead of the consumer (it must not
-    compete with the probe for the interpreter lock and the copy engines)."""
-    import time
-
+def _started_with_window_1(adapter, parts, tmp_path) -> Prefetcher:
+    """A threaded prefetcher over host-tier chunks, one layer ahead at most, started."""
     store = _store(tmp_path, "host")
     for c in parts[3]:
         store.put(c)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
     _, lazy = _prompts(pf, parts)
     pf.start(lazy)
+    return pf
+
+
+def test_loader_stays_within_its_window(adapter, parts, tmp_path):
+    """The loader thread runs at most `window` layers ahead of the consumer (it must not
+    compete with the probe for the interpreter lock and the copy engines)."""
+    import time
+
+    pf = _started_with_window_1(adapter, parts, tmp_path)
     time.sleep(0.3)  # plenty for an unthrottled loader to load all 3 layers
     assert [o for o in pf.report.order if o.startswith("layer:")] == ["layer:0"]
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
@@ -156,10 +162,5 @@ def test_loader_stays_within_its_window(adapter, parts, tmp_path):
 
 
 def test_finish_releases_a_loader_left_waiting(adapter, parts, tmp_path):
-    store = _store(tmp_path, "host")
-    for c in parts[3]:
-        store.put(c)
-    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
-    _, lazy = _prompts(pf, parts)
-    pf.start(lazy)
+    pf = _started_with_window_1(adapter, parts, tmp_path)
     pf.finish()  # the consumer gave up before layer 0: must not hang

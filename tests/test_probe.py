@@ -26,7 +26,7 @@ def _suffix(prompt):
 def test_probe_with_all_tokens_equals_full_prefill(arch):
     m = tiny_model(arch)
     prompt, _ = prompt_exact(m, LENS_NO_GLUE, KINDS_NO_GLUE)  # glue has no cache, so the probe cannot see it
-    ref, _ = m.hf_forward(prompt.token_ids, last_only=False)  # (T, vocab)
+    ref, _ = m.hf_forward(prompt.token_ids, keep=None)  # (T, vocab)
     ids, pos = _suffix(prompt)
     L = m.num_layers
     probe = run_probe(m, ids, pos, gather_context(prompt, L, None), keep=[L - 1])
