@@ -25,7 +25,7 @@ from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.fusion import FusedPrompt, LayerState
 from qcfuse_core.model import ModelAdapter
 from qcfuse_core.probe import ProbeResult, context_keys_at, gather_context, query_mass, run_probe
-from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, top_budget
+from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, rank, top_budget
 from qcfuse_core.types import SelectionResult
 
 
@@ -179,23 +179,31 @@ class QueryAwareSelector(Selector):
     def choose(self, ctx: SelectionContext, opts: QCFuseOptions, mass: torch.Tensor, details: dict) -> SelectionResult:
         """mass (T,) fp32 over prompt positions, on any device -> SelectionResult (chunk tokens ranked).
 
-        Ranked where the mass lives (on a GPU: no host sort of ~10K scores while the GPU
-        idles); the chosen positions and the scores then come back to the host.
+        A fixed budget is ranked where the mass lives (on a GPU: no host sort of ~10K scores
+        while the GPU idles); the chosen positions and the scores come back in one copy.
         """
         prompt = ctx.prompt
-        cand = torch.nonzero(prompt.mask("chunk")).flatten().to(mass.device, non_blocking=True)  # (M,)
-        cand_scores = spread_scores(mass, opts.spread)[cand]  # the mass itself unless spread > 0
+        cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
+        rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
         if opts.budget == "fixed":
             n = ctx.budget
+            cand_d = cand.to(mass.device, non_blocking=True)
+            order = rank(rank_by[cand_d])[: max(0, min(int(n), cand.numel()))]
+            cand_mass = mass[cand_d]
+            shares = torch.stack([cand_mass[order].clamp_min(0).sum(), cand_mass.clamp_min(0).sum()])
+            chosen = torch.sort(cand_d[order]).values
+            chosen, mass, shares = chosen.cpu(), mass.cpu(), shares.cpu()
+            covered = float(shares[0] / shares[1]) if float(shares[1]) > 0 else 0.0
         else:
+            mass, rank_by = mass.cpu(), rank_by.cpu()
+            cand_scores = rank_by[cand]
             ab = AdaptiveBudget(opts.target_mass, opts.floor, opts.ceiling)
             ctx_n = prompt.context_tokens
-            n = adaptive_count(cand_scores.cpu(), ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
-        chosen = top_budget(cand, cand_scores, n)
-        chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
-        chosen_mask[torch.searchsorted(cand, chosen)] = True
-        covered = covered_share(mass[cand], chosen_mask)  # of the mass, also when ranked by spread
-        chosen, mass = chosen.cpu(), mass.cpu()
+            n = adaptive_count(cand_scores, ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
+            chosen = top_budget(cand, cand_scores, n)
+            chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
+            chosen_mask[torch.searchsorted(cand, chosen)] = True
+            covered = covered_share(mass[cand], chosen_mask)  # of the mass, also when ranked by spread
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
             mass_covered=covered, spread=opts.spread,
