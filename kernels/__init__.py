@@ -6,15 +6,28 @@ Public operations, each with a plain PyTorch reference in `reference.py`:
     attention_mass(q, k, q_pos, scale)                        -> (T,) fp32
     rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> (k_rot, v_out)
     inverse_rows(rows, T)                                      -> (T,) int32, reusable across layers
+    apply_rope(x, cos, sin)                                    -> x rotated (T, Hx, D)
+    rms_norm(x, weight, eps)                                   -> HF RMSNorm of x (..., N)
+    silu_mul(gate, up)                                         -> silu(gate) * up
 
 `ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
 reference once per process (see `ops.backend()`), with an override for tests. The jitted
 code lives in `triton_sparse_attention.py`, `triton_attention_mass.py` and
-`triton_rerotate.py` (imported lazily: this package imports without triton).
+`triton_rerotate.py`, `triton_pointwise.py` (imported lazily: this package imports without triton).
 """
 
-from qcfuse_kernels.ops import attention_mass, backend, inverse_rows, rerotate_scatter, set_backend, sparse_attention
-from qcfuse_kernels.reference import apply_rope, rotate_half
+from qcfuse_kernels.ops import (
+    apply_rope,
+    attention_mass,
+    backend,
+    inverse_rows,
+    rerotate_scatter,
+    rms_norm,
+    set_backend,
+    silu_mul,
+    sparse_attention,
+)
+from qcfuse_kernels.reference import rotate_half
 
 __all__ = [
     "apply_rope",
@@ -22,7 +35,9 @@ __all__ = [
     "backend",
     "inverse_rows",
     "rerotate_scatter",
+    "rms_norm",
     "rotate_half",
     "set_backend",
+    "silu_mul",
     "sparse_attention",
 ]

@@ -309,7 +309,7 @@ def inverse_rows(rows: torch.Tensor, T: int) -> torch.Tensor:
     return inv
 
 
-def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write fresh rows into a layer's cache and rotate every key to its position, one pass.
 
     k_pre, v (T, Hkv, D) cached pre-RoPE keys / values; rows (R,) unique positions in
@@ -318,6 +318,8 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> tu
         k_rot[j] = rope(k_new_pre[i] if j == rows[i] else k_pre[j], pos=j)
         v_out[j] = v_new[i]      if j == rows[i] else v[j]
     inv: optional `inverse_rows(rows, T)`, reused across layers to skip rebuilding it.
+    out: optional (k_dst, v_dst), contiguous (T, Hkv, D) of k_pre's / v's dtype and device, to
+    write into (a decode cache's layer) instead of new tensors; they are returned.
     """
     _check_tensor("k_pre", k_pre, 3, FLOAT_DTYPES)
     _check_tensor("v", v, 3, FLOAT_DTYPES)
@@ -356,13 +358,26 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> tu
             raise ValueError(f"inv must be (T,) = ({T},) on {device}, got {tuple(inv.shape)} on {inv.device}")
         if device.type == "cpu" and not torch.equal(inv, inverse_rows(rows, T)):
             raise ValueError("inv does not match rows: pass inverse_rows(rows, T)")
+    if out is not None:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("out must be a (k_dst, v_dst) pair")
+        for name, dst, like in (("out k", out[0], k_pre), ("out v", out[1], v)):
+            _check_tensor(name, dst, 3, FLOAT_DTYPES)
+            if dst.shape != like.shape or dst.dtype != like.dtype or dst.device != device:
+                raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {device}, got "
+                                 f"{tuple(dst.shape)} {dst.dtype} on {dst.device}")
     if not _use_kernels(device):
-        return ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
+        k_rot, v_out = ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
+        if out is None:
+            return k_rot, v_out
+        out[0].copy_(k_rot)
+        out[1].copy_(v_out)
+        return out[0], out[1]
 
     from qcfuse_kernels.triton_rerotate import rerotate_scatter_kernel
 
-    k_rot = torch.empty_like(k_pre)  # (T, Hkv, D)
-    v_out = torch.empty_like(v)  # (T, Hkv, D)
+    k_rot = torch.empty_like(k_pre) if out is None else out[0]  # (T, Hkv, D)
+    v_out = torch.empty_like(v) if out is None else out[1]  # (T, Hkv, D)
     if T == 0 or Hkv == 0 or D == 0:
         return k_rot, v_out
     if inv is None:
@@ -385,3 +400,86 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> tu
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# ---------------------------------------------------------------- pointwise layer steps
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, Hx, D) rotated to the positions of cos/sin (T, D) (HF rotate_half convention),
+    computed in fp32, returned in x's dtype as a new tensor. One pass on a kernel backend."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    x, cos, sin = _rows_of(x), _rows_of(cos), _rows_of(sin)
+    _check_tensor("x", x, 3, FLOAT_DTYPES)
+    _check_tensor("cos", cos, 2, FLOAT_DTYPES)
+    _check_tensor("sin", sin, 2, FLOAT_DTYPES)
+    T, Hx, D = x.shape
+    if cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be (T, D) = {(T, D)}")
+    if D % 2:
+        raise ValueError(f"head dim must be even for rotate_half RoPE, got {D}")
+    device = _check_same_device(x=x, cos=cos, sin=sin)
+    if not _use_kernels(device) or x.numel() == 0:
+        return ref.apply_rope(x, cos, sin)
+    from qcfuse_kernels.triton_pointwise import rope_kernel
+
+    y = torch.empty_like(x)
+    half = D // 2
+    block_half, block_h = _next_pow2(half), _next_pow2(Hx)
+    block_t = max(1, min(64, 4096 // (block_h * block_half)))
+    if backend() == "interpret":
+        block_t = min(block_t, 8)
+    rope_kernel[(_cdiv(T, block_t),)](
+        x, cos, sin, y, T, NUM_HEADS=Hx, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        BLOCK_T=block_t, num_warps=4,
+    )
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., N) with weight (N,), HF's rounding order (`reference.rms_norm_ref`).
+
+    One pass on a kernel backend when x and weight share a dtype; otherwise the reference
+    (which then follows torch's type promotion, like HF)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("x and weight must be torch.Tensors")
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be (N,) for x {tuple(x.shape)} normalised over its last dim")
+    eps = _check_scale(eps)
+    device = _check_same_device(x=x, weight=weight)
+    if (not _use_kernels(device) or x.dtype != weight.dtype or x.dtype not in FLOAT_DTYPES
+            or x.numel() == 0):
+        return ref.rms_norm_ref(x, weight, eps)
+    from qcfuse_kernels.triton_pointwise import rms_norm_kernel
+
+    N = x.shape[-1]
+    x2 = _rows_of(x).view(-1, N)
+    y = torch.empty_like(x2)
+    block = _next_pow2(N)
+    rms_norm_kernel[(x2.shape[0],)](x2, _rows_of(weight), y, N, eps, BLOCK_N=block,
+                                     num_warps=max(1, min(16, block // 256)))
+    return y.view(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (same shape and dtype), rounded like torch (`reference.silu_mul_ref`)."""
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        raise TypeError("gate and up must be torch.Tensors")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+    device = _check_same_device(gate=gate, up=up)
+    if not _use_kernels(device) or gate.dtype not in FLOAT_DTYPES or gate.numel() == 0:
+        return ref.silu_mul_ref(gate, up)
+    from qcfuse_kernels.triton_pointwise import silu_mul_kernel
+
+    g, u = _rows_of(gate), _rows_of(up)
+    y = torch.empty_like(g)
+    block = 1024 if backend() == "triton" else 256
+    silu_mul_kernel[(_cdiv(g.numel(), block),)](g, u, y, g.numel(), BLOCK=block, num_warps=4)
+    return y

@@ -32,6 +32,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim exactly as HF's Llama/Mistral/Qwen RMSNorm computes it:
+    fp32 statistics, normalised values rounded to x's dtype, then scaled by `weight`."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the gated MLP's activation (HF: act_fn(gate_proj(x)) * up_proj(x))."""
+    return torch.nn.functional.silu(gate) * up
+
+
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     # (T, Hkv, D) -> (T, Hkv * n_rep, D), head h reading KV head h // n_rep
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)

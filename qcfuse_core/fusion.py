@@ -237,8 +237,9 @@ def fused_prefill(
         x = adapter.attn_norm(layer, h)
         q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
         k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
+        dst = (kv_out.k[layer, :T], kv_out.v[layer, :T]) if kv_out is not None else None  # written in place
         k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(),
-                                          cos_all, sin_all, inv=inv)
+                                          cos_all, sin_all, inv=inv, out=dst)
         if captured is not None:
             kp = k_cached.clone()
             kp[cur_dev] = k_new
@@ -246,9 +247,6 @@ def fused_prefill(
         q = K.apply_rope(q_pre, cos_cur, sin_cur)
         attn = attend(q, k_rot, v_all, cur_dev, adapter.scale)  # (R, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
-        if kv_out is not None:
-            kv_out.k[layer, :T] = k_rot
-            kv_out.v[layer, :T] = v_all
         nxt = None
         if on_layer_end is not None:
             nxt = on_layer_end(LayerState(layer, cur, k_new, v_new, k_cached, v_cached))

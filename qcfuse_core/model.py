@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+import qcfuse_kernels as K
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
@@ -196,6 +198,14 @@ class ModelAdapter:
             window = window if getattr(cfg, "use_sliding_window", False) else None
         self.sliding_window: int | None = window
         self._fingerprint: str | None = None
+        # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
+        # as single-pass kernels on a kernel backend (the reference computes exactly what HF
+        # does); anything else goes through the HF modules.
+        norms = [m for lyr in self.layers for m in (lyr.input_layernorm, lyr.post_attention_layernorm)]
+        norms.append(model.model.norm)
+        self.fused_norm = all(_is_plain_rms_norm(m) for m in norms)
+        self.fused_mlp = getattr(cfg, "hidden_act", None) in ("silu", "swish") and all(
+            all(hasattr(lyr.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) for lyr in self.layers)
 
     # -- properties
     @property
@@ -229,8 +239,11 @@ class ModelAdapter:
         cos, sin = self.model.model.rotary_emb(probe, pos)
         return cos[0], sin[0]
 
+    def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return K.rms_norm(x, module.weight, module.variance_epsilon) if self.fused_norm else module(x)
+
     def attn_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        return self.layers[layer].input_layernorm(h)
+        return self._norm(self.layers[layer].input_layernorm, h)
 
     def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (R, hidden) normed -> q (R, H, D), k (R, Hkv, D) pre-RoPE (post q/k norm), v (R, Hkv, D)."""
@@ -241,8 +254,8 @@ class ModelAdapter:
         k = attn.k_proj(x).view(R, -1, D)
         v = attn.v_proj(x).view(R, -1, D)
         if self.has_qk_norm:
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
+            q = self._norm(attn.q_norm, q) if _is_plain_rms_norm(attn.q_norm) else attn.q_norm(q)
+            k = self._norm(attn.k_norm, k) if _is_plain_rms_norm(attn.k_norm) else attn.k_norm(k)
         return q, k, v
 
     def attn_out(self, layer: int, h: torch.Tensor, attn_rows: torch.Tensor) -> torch.Tensor:
@@ -250,11 +263,16 @@ class ModelAdapter:
         return h + self.layers[layer].self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
 
     def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h (R, hidden) -> h + mlp(post_attention_layernorm(h))."""
         lyr = self.layers[layer]
-        return h + lyr.mlp(lyr.post_attention_layernorm(h))
+        x = self._norm(lyr.post_attention_layernorm, h)
+        if not self.fused_mlp:
+            return h + lyr.mlp(x)
+        m = lyr.mlp
+        return h + m.down_proj(K.silu_mul(m.gate_proj(x), m.up_proj(x)))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(h)).float()
+        return self.model.lm_head(self._norm(self.model.model.norm, h)).float()
 
     # -- whole-model forward (the oracle and the `full` baseline)
     @torch.inference_mode()
@@ -296,6 +314,14 @@ class ModelAdapter:
                 h.update(str(getattr(self.tokenizer, "chat_template", "")).encode())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
+
+
+def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
+    """HF's Llama-style RMSNorm: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))` (what
+    `qcfuse_kernels.rms_norm` computes), recognised by class name and attributes."""
+    return (type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

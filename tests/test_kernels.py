@@ -429,3 +429,22 @@ def test_rerotate_scatter_reused_inverse_index_matches_and_is_checked():
         ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=inv.long())
     with pytest.raises(ValueError, match=r"inv must be \(T,\)"):
         ops.rerotate_scatter(k_pre, v, rows, k_new, v_new, cos, sin, inv=inv[:-1])
+
+
+@pytest.mark.parametrize("use_backend", ["torch"] + (["interpret"] if _triton_mode() == "interpreted" else []), indirect=True)
+def test_rerotate_scatter_writes_into_out(use_backend):
+    """Fused prefill hands a decode cache's layer as `out`: same values, written in place."""
+    T, Hkv, D = 29, 2, 16
+    rows = torch.tensor([0, 3, 4, 17, 28])
+    args = make_rerotate(T, Hkv, D, rows, torch.float32)
+    k_exp, v_exp = ops.rerotate_scatter(*args)
+    cache = torch.full((2, 40, Hkv, D), 7.0)  # (k|v, capacity, Hkv, D)
+    k_dst, v_dst = cache[0, :T], cache[1, :T]
+    k_rot, v_out = ops.rerotate_scatter(*args, out=(k_dst, v_dst))
+    assert k_rot.data_ptr() == k_dst.data_ptr() and v_out.data_ptr() == v_dst.data_ptr()
+    assert torch.equal(cache[0, :T], k_exp) and torch.equal(cache[1, :T], v_exp)
+    assert bool((cache[:, T:] == 7.0).all())  # nothing past T touched
+    with pytest.raises(ValueError, match="out k must be"):
+        ops.rerotate_scatter(*args, out=(cache[0, : T - 1], v_dst))
+    with pytest.raises(TypeError, match="pair"):
+        ops.rerotate_scatter(*args, out=k_dst)
