@@ -77,6 +77,35 @@ def test_layers_equal_default_source(adapter, parts, tmp_path, tier, threaded):
         assert tier != "disk" or store.disk.stats.bytes_read > 0
 
 
+@pytest.mark.parametrize("storage", ["auto", "fp8"])
+def test_host_images_plain_and_fp8_mixed_with_tensors(adapter, parts, tmp_path, storage):
+    """Plain host images go through the request's copy plan, fp8 ones are decoded per layer;
+    a prompt mixing them with in-memory chunks reads what the store decodes, and every
+    loaded byte is counted."""
+    store = open_store(tmp_path / storage, memory_bytes=64 << 20, gpu_bytes=0, use_cuda=False, storage_dtype=storage)
+    for c in parts[3][:2]:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True))
+    prefix, pchunk, chunk_ids, chunks, glue, suffix = parts
+    segs = [Segment("prefix", prefix, pchunk)]
+    segs += [Segment("chunk", ids, pf.view(c.key, ids)) for ids, c in zip(chunk_ids[:2], chunks[:2])]
+    segs += [Segment("chunk", chunk_ids[2], chunks[2]), Segment("suffix", suffix)]
+    decoded = [pchunk] + [store.get(c.key) for c in chunks[:2]] + [chunks[2]]
+    ref = FusedPrompt([Segment(s.kind, s.token_ids, d) for s, d in zip(segs, decoded)] + [segs[-1]])
+    pf.start(FusedPrompt(segs))
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+    for l in range(adapter.num_layers):
+        k, v = pf.layer(l, like)
+        rk, rv = ref.layer(l, like)
+        assert torch.equal(k, rk) and torch.equal(v, rv), (storage, l)
+    rep = pf.finish()
+    assert rep.sources == {"tensor": 2, "host": 2, "none": 1}
+    cached = sum(len(s) for s in segs[:-1])
+    assert rep.bytes_loaded == adapter.num_layers * cached * 2 * adapter.shape.num_kv_heads * adapter.shape.head_dim * adapter.dtype.itemsize
+    if storage == "fp8":
+        assert not torch.equal(decoded[1].k, chunks[0].k)  # really quantised: the test reads the decode
+
+
 def test_fused_prefill_through_prefetcher(adapter, parts, tmp_path):
     store = _store(tmp_path, "disk")
     for c in parts[3]:

@@ -209,6 +209,13 @@ class EntryImage:
         lay = self.layout
         return self._view(lay.layer_spans[layer], lay.dtype).view(lay.layer_shape)
 
+    def layers_kv(self) -> torch.Tensor:  # (L, 2, T, Hkv, D) stored dtype, one view of every layer
+        lay = self.layout
+        first, lb = lay.layer_spans[0][0], lay.layer_bytes
+        if any(sp != (first + l * lb, first + (l + 1) * lb) for l, sp in enumerate(lay.layer_spans)):
+            raise ValueError("layers are not laid out back to back")  # never, by plan_layout
+        return self._view((first, first + lay.num_layers * lb), lay.dtype).view(lay.num_layers, *lay.layer_shape)
+
     def scale(self, layer: int) -> torch.Tensor | None:  # (2, Hkv) float32
         lay = self.layout
         if lay.scale_span is None:
