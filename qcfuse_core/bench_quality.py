@@ -207,3 +207,63 @@ def format_table(rows: list[dict]) -> str:
                                                  f"{v:.0f}" if k == "ttft_ms" else str(v)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+SUMMARY_KEYS = ("kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The table rows -> what the quality targets read (a dict, JSON-ready):
+
+    per_set[dataset][method@ratio]: kl_gap_closed = 1 - KL(method) / KL(naive) (the share of
+        the naive-to-full first-token KL gap closed; full's own KL is 0) and contains_vs_full
+        (method's contains minus full's);
+    averaged[method@ratio]: SUMMARY_KEYS averaged over the datasets that have the row (each
+        dataset weighs the same, whatever its n), with the dataset count.
+    """
+    by_ds: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_ds[r["dataset"]][_label(r)] = r
+    per_set: dict[str, dict] = {}
+    for ds, rs in by_ds.items():
+        naive, full = rs.get("naive"), rs.get("full")
+        out = {}
+        for label, r in rs.items():
+            if label in ("full", "naive"):
+                continue
+            d = {}
+            if naive and naive.get("kl_first_token") and r.get("kl_first_token") is not None:
+                d["kl_gap_closed"] = round(1.0 - r["kl_first_token"] / naive["kl_first_token"], 4)
+            if full and full.get("contains") is not None and r.get("contains") is not None:
+                d["contains_vs_full"] = round(r["contains"] - full["contains"], 4)
+            out[label] = d
+        per_set[ds] = out
+    averaged: dict[str, dict] = {}
+    labels = sorted({lab for rs in by_ds.values() for lab in rs})
+    for label in labels:
+        have = [rs[label] for rs in by_ds.values() if label in rs]
+        avg: dict = {"datasets": len(have)}
+        for k in SUMMARY_KEYS:
+            vals = [r[k] for r in have if r.get(k) is not None]
+            avg[k] = round(sum(vals) / len(vals), 4) if vals else None
+        averaged[label] = avg
+    return {"per_set": per_set, "averaged": averaged}
+
+
+def _label(row: dict) -> str:
+    return row["method"] if row.get("ratio") is None else f"{row['method']}@{row['ratio']:g}"
+
+
+def format_summary(summary: dict) -> str:
+    lines = ["| dataset | method | KL gap closed | contains vs full |", "|---|---|---|---|"]
+    for ds, out in summary["per_set"].items():
+        for label, d in out.items():
+            gap, dc = d.get("kl_gap_closed"), d.get("contains_vs_full")
+            lines.append(f"| {ds} | {label} | {'-' if gap is None else f'{100 * gap:.1f}%'} | "
+                         f"{'-' if dc is None else f'{dc:+.3f}'} |")
+    lines += ["", "| averaged over datasets | n sets | " + " | ".join(SUMMARY_KEYS) + " |",
+              "|---|---|" + "---|" * len(SUMMARY_KEYS)]
+    for label, avg in summary["averaged"].items():
+        cells = ["-" if avg[k] is None else f"{avg[k]:.4f}" for k in SUMMARY_KEYS]
+        lines.append(f"| {label} | {avg['datasets']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

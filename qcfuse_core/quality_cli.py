@@ -4,6 +4,10 @@
     qcfuse bench quality --dataset PATH [PATH...] --methods M... --ratios R... [--limit N]
                          --json OUT [--jsonl RECORDS] [--plot OUT.png] [--aggregate-only]
 
+`bench quality` writes the table to OUT, its summary (share of the naive-to-full KL gap
+closed, contains against full, scores averaged over the datasets) next to it as
+OUT's stem + `.summary.json`, and prints both.
+
 `add_commands(subparsers)` registers both on the main parser (qcfuse_core/cli.py).
 """
 
@@ -116,6 +120,10 @@ def cmd_bench_quality(args) -> int:
     rows = bq.aggregate(records)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(bq.format_table(rows))
+    summary = bq.summarize(rows)
+    out.with_name(out.stem + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print()
+    print(bq.format_summary(summary))
     if args.plot:
         from qcfuse_core.plot import plot_quality
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qcfuse_core import metrics as M
-from qcfuse_core.bench_quality import ROW_KEYS, aggregate
+from qcfuse_core.bench_quality import ROW_KEYS, aggregate, format_summary, summarize
 from qcfuse_core.datasets import detect_format, load_dataset
 from qcfuse_core.plot import plot_quality
 
@@ -82,6 +82,30 @@ def test_aggregate_compares_methods_on_common_questions(tmp_path):
     json.dumps(rows)
 
 
+def test_summary_reads_the_targets_off_the_rows():
+    """KL gap closed vs naive and contains vs full per set; scores averaged with every set weighing the same."""
+    def row(ds, method, ratio, kl, contains, n=10, **kw):
+        return dict({k: 0.5 for k in ROW_KEYS[4:]}, dataset=ds, method=method, ratio=ratio, n=n,
+                    kl_first_token=kl, contains=contains, **kw)
+
+    rows = [row("a", "full", None, 0.0, 0.30), row("a", "naive", None, 0.40, 0.10), row("a", "qcfuse", 0.3, 0.04, 0.28),
+            row("b", "full", None, 0.0, 0.00, n=90), row("b", "naive", None, 0.20, 0.00),
+            row("b", "qcfuse", 0.3, 0.03, 0.02, n=90, gold_nll=1.0)]
+    s = summarize(rows)
+    assert s["per_set"]["a"]["qcfuse@0.3"] == {"kl_gap_closed": 0.9, "contains_vs_full": -0.02}
+    assert s["per_set"]["b"]["qcfuse@0.3"] == {"kl_gap_closed": 0.85, "contains_vs_full": 0.02}
+    assert "full" not in s["per_set"]["a"] and "naive" not in s["per_set"]["b"]
+    avg = s["averaged"]["qcfuse@0.3"]
+    assert avg["datasets"] == 2 and avg["kl_first_token"] == 0.035 and avg["gold_nll"] == 0.75  # not n-weighted
+    assert s["averaged"]["full"]["contains"] == 0.15
+    text = format_summary(s)
+    assert "| a | qcfuse@0.3 | 90.0% | -0.020 |" in text and "| b | qcfuse@0.3 | 85.0% | +0.020 |" in text
+    json.dumps(s)
+    # no naive row: no gap; no full row: no contains delta
+    only = summarize([row("c", "qcfuse", 0.15, 0.1, 0.2)])
+    assert only["per_set"]["c"]["qcfuse@0.15"] == {}
+
+
 def _toy_example():
     from qcfuse_core.datasets import Example
 
@@ -132,3 +156,30 @@ def test_run_appends_records_and_skips_done_questions(smol_engine, tmp_path):
     assert again == [] and len(jsonl.read_text().splitlines()) == 4
     rows = aggregate([json.loads(l) for l in jsonl.read_text().splitlines()])
     assert {(r["method"], r["n"]) for r in rows} == {("full", 2), ("naive", 2)}
+
+
+def test_cli_aggregate_only_writes_table_summary_and_plot(tmp_path, capsys):
+    """`qcfuse bench quality --aggregate-only` rebuilds the table, its summary and the plot from records."""
+    from qcfuse_core.cli import main
+
+    base = {k: 0.0 for k in ROW_KEYS[4:]}
+    recs = []
+    for i in ("1", "2"):
+        recs += [dict(base, dataset="d", id=i, method="full", ratio=None, contains=1.0),
+                 dict(base, dataset="d", id=i, method="naive", ratio=None, kl_first_token=0.5),
+                 dict(base, dataset="d", id=i, method="qcfuse", ratio=0.3, kl_first_token=0.05,
+                      contains=1.0 if i == "1" else 0.0)]
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "q.json"
+    assert main(["bench", "quality", "--dataset", "unused", "--aggregate-only", "--jsonl", str(jsonl),
+                 "--json", str(out), "--plot", str(tmp_path / "q.png")]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["method"], r["n"]) for r in rows] == [("full", 2), ("naive", 2), ("qcfuse", 2)]
+    summary = json.loads((tmp_path / "q.summary.json").read_text())
+    assert summary["per_set"]["d"]["qcfuse@0.3"] == {"kl_gap_closed": 0.9, "contains_vs_full": -0.5}
+    assert (tmp_path / "q.png").stat().st_size > 1000
+    assert "| d | qcfuse@0.3 | 90.0% | -0.500 |" in capsys.readouterr().out
+    assert main(["bench", "quality", "--dataset", "x", "--aggregate-only", "--jsonl", str(tmp_path / "none.jsonl"),
+                 "--json", str(out)]) != 0
+    assert "no per-example records" in capsys.readouterr().err
