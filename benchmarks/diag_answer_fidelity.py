@@ -10,7 +10,8 @@ first-token KL, the excess NLL of full's answer over full prefill's own (nats pe
 means the fused cache predicts full's whole answer as full prefill does), and exact /
 ROUGE-L agreement of the greedy answers. Variants: qcfuse with spread 0 (default), 2 and 4,
 cacheblend and epic, all at --ratio (`--set spread`), or qcfuse with other anchor shares,
-anchor methods and critical layers (`--set explore`). Records append to --jsonl (done ids
+anchor methods and critical layers (`--set explore`), or qcfuse with the budget split over
+chunks by their share of the mass (`--set alloc`). Records append to --jsonl (done ids
 skipped).
 """
 
@@ -41,6 +42,8 @@ SETS = {
     "spread": lambda r: [("qcfuse", "qcfuse", r, {}), ("qcfuse-spread2", "qcfuse", r, {"spread": 2}),
                          ("qcfuse-spread4", "qcfuse", r, {"spread": 4}), ("cacheblend", "cacheblend", r, {}),
                          ("epic", "epic", r, {})],
+    # the budget split over chunks by their mass share, against the paper's global top-k
+    "alloc": lambda r: [("qcfuse", "qcfuse", r, {}), ("qcfuse-chunk-alloc", "qcfuse", r, {"allocation": "chunk"})],
     # what issue 4 names: anchor method and share, critical layers
     "explore": lambda r: [("qcfuse", "qcfuse", r, {}), ("anchors-0.25", "qcfuse", r, {"anchor_share": 0.25}),
                           ("anchors-repeat", "qcfuse", r, {"anchor_method": "repeat"}),

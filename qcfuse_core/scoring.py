@@ -67,3 +67,32 @@ def covered_share(scores: torch.Tensor, chosen_mask: torch.Tensor) -> float:
     """Share of the candidates' total score held by the chosen ones (0 when all scores are 0)."""
     total = float(scores.float().clamp_min(0).sum())
     return float(scores.float().clamp_min(0)[chosen_mask].sum()) / total if total > 0 else 0.0
+
+
+ALLOCATIONS = ("global", "chunk")
+
+
+def chunk_quotas(masses: list[float], lengths: list[int], budget: int) -> list[int]:
+    """Split `budget` tokens over chunks in proportion to each chunk's total score (its share
+    of the probed mass), at most a chunk's length each; what a full chunk cannot take goes to
+    the others by the same rule. Largest remainders round, earlier chunk first among ties.
+    Sum == min(budget, sum(lengths)). All-zero masses split by length."""
+    if len(masses) != len(lengths):
+        raise ValueError("one mass per chunk length")
+    quotas = [0] * len(lengths)
+    left = max(0, min(int(budget), sum(lengths)))
+    open_ = [i for i, n in enumerate(lengths) if n > 0]
+    while left > 0 and open_:
+        w = [max(0.0, float(masses[i])) for i in open_]
+        if sum(w) <= 0:
+            w = [float(lengths[i] - quotas[i]) for i in open_]
+        total = sum(w)
+        want = [left * x / total for x in w]
+        give = [int(x) for x in want]
+        for j in sorted(range(len(open_)), key=lambda j: (-(want[j] - give[j]), j))[: left - sum(give)]:
+            give[j] += 1
+        for j, i in enumerate(open_):
+            quotas[i] += min(give[j], lengths[i] - quotas[i])
+        left = max(0, min(int(budget), sum(lengths))) - sum(quotas)
+        open_ = [i for i in open_ if quotas[i] < lengths[i]]
+    return quotas

@@ -25,7 +25,9 @@ from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.fusion import FusedPrompt, LayerState
 from qcfuse_core.model import ModelAdapter
 from qcfuse_core.probe import ProbeResult, context_keys_at, gather_context, query_mass, run_probe
-from qcfuse_core.scoring import BUDGET_MODES, AdaptiveBudget, adaptive_count, covered_share, rank, top_budget
+from qcfuse_core.scoring import (
+    ALLOCATIONS, BUDGET_MODES, AdaptiveBudget, adaptive_count, chunk_quotas, covered_share, rank, top_budget,
+)
 from qcfuse_core.types import SelectionResult
 
 
@@ -144,10 +146,15 @@ class QCFuseOptions:
     floor: float = 0.05
     ceiling: float = 0.5
     spread: int = 0  # rank by 0.5 x mass + 0.5 x the max mass within +-spread positions (0: off)
+    allocation: str = "global"  # global top-k (the paper) | chunk: budget split by chunk mass, top-k inside
 
     def __post_init__(self) -> None:
         if not isinstance(self.spread, int) or self.spread < 0:
             raise ValueError(f"spread must be a non-negative int, got {self.spread!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {self.allocation!r}; valid: {', '.join(ALLOCATIONS)}")
+        if self.allocation != "global" and self.budget != "fixed":
+            raise ValueError("allocation 'chunk' splits a fixed budget; use it with budget='fixed'")
         if self.budget not in BUDGET_MODES:
             raise ValueError(f"unknown budget mode {self.budget!r}; valid: {', '.join(BUDGET_MODES)}")
         AnchorConfig(self.anchor_method, self.anchor_share, self.sinks)  # validates
@@ -185,7 +192,18 @@ class QueryAwareSelector(Selector):
         prompt = ctx.prompt
         cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
         rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
-        if opts.budget == "fixed":
+        if opts.allocation == "chunk":  # an ablation: each chunk gets budget x its share of the mass
+            n = ctx.budget
+            mass, rank_by = mass.cpu(), rank_by.cpu()
+            spans = prompt.chunk_spans()
+            quotas = chunk_quotas([float(mass[s:e].clamp_min(0).sum()) for s, e in spans],
+                                  [e - s for s, e in spans], n)
+            picked = [top_budget(torch.arange(s, e), rank_by[s:e], q) for (s, e), q in zip(spans, quotas)]
+            chosen = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
+            chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
+            chosen_mask[torch.searchsorted(cand, chosen)] = True
+            covered = covered_share(mass[cand], chosen_mask)
+        elif opts.budget == "fixed":
             n = ctx.budget
             cand_d = cand.to(mass.device, non_blocking=True)
             order = rank(rank_by[cand_d])[: max(0, min(int(n), cand.numel()))]
@@ -206,7 +224,7 @@ class QueryAwareSelector(Selector):
             covered = covered_share(mass[cand], chosen_mask)  # of the mass, also when ranked by spread
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
-            mass_covered=covered, spread=opts.spread,
+            mass_covered=covered, spread=opts.spread, allocation=opts.allocation,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)

@@ -208,3 +208,47 @@ def test_spread_selects_the_neighbours_of_attended_tokens():
     assert spread.details["positions"].tolist() == [peak - 1, peak, peak + 1]
     assert spread.details["mass_covered"] == pytest.approx(0.6 / 0.8)
     assert plain.details["mass_covered"] == pytest.approx(1.0)
+
+
+def test_chunk_quotas_pin_values():
+    from qcfuse_core.scoring import chunk_quotas
+
+    assert chunk_quotas([0.5, 0.3, 0.2], [10, 10, 10], 10) == [5, 3, 2]
+    assert chunk_quotas([0.9, 0.1], [4, 10], 10) == [4, 6]  # a full chunk's excess goes to the others
+    assert chunk_quotas([1.0, 1.0, 1.0], [5, 5, 5], 4) == [2, 1, 1]  # largest remainder, earlier first
+    assert chunk_quotas([0.0, 0.0], [3, 9], 6) == [2, 4]  # no mass: by length (1.5 / 4.5, tie to the first)
+    assert chunk_quotas([0.2, 0.8], [3, 3], 100) == [3, 3]  # capped at the chunks' tokens
+    assert chunk_quotas([], [], 5) == [] and chunk_quotas([1.0], [7], 0) == [0]
+    with pytest.raises(ValueError, match="one mass per chunk"):
+        chunk_quotas([1.0], [1, 2], 1)
+
+
+def test_chunk_allocation_spreads_the_budget_over_chunks():
+    """allocation='chunk': each chunk gets budget x its share of the mass, its own top tokens
+    inside; the default global top-k takes the best tokens wherever they are."""
+    m = tiny_model("llama")
+    prompt = prompt_alone(m)
+    spans = prompt.chunk_spans()
+    assert len(spans) >= 2
+    T = prompt.num_tokens
+    mass = torch.zeros(T)
+    (s0, e0), (s1, e1) = spans[0], spans[1]
+    mass[s0:e0] = 0.001  # the first chunk: weak everywhere, 25% of the mass in total
+    mass[s0 + 2] = 0.002
+    mass[s1:e1] = torch.linspace(0.01, 0.02, e1 - s1)
+    mass[s0:e0] *= 0.25 * float(mass[s1:e1].sum()) / 0.75 / float(mass[s0:e0].sum())
+    ctx = SelectionContext(m, prompt, 8 / prompt.context_tokens)
+    assert ctx.budget == 8
+    sel = QueryAwareSelector.choose
+    glob = sel(get_selector("qcfuse"), ctx, QCFuseOptions(), mass.clone(), {})
+    chunk = sel(get_selector("qcfuse"), ctx, QCFuseOptions(allocation="chunk"), mass.clone(), {})
+    assert all(s1 <= p < e1 for p in glob.details["positions"].tolist())  # global: all from the strong chunk
+    got = chunk.details["positions"].tolist()
+    assert len(got) == 8 and s0 + 2 in got  # the weak chunk's best token
+    assert sum(s0 <= p < e0 for p in got) == 2 and sum(s1 <= p < e1 for p in got) == 6  # 25% / 75% of 8
+    assert got[-6:] == list(range(e1 - 6, e1))  # the strong chunk's own top tokens
+    assert chunk.details["allocation"] == "chunk" and chunk.details["budget"] == 8
+    with pytest.raises(ValueError, match="allocation"):
+        QCFuseOptions(allocation="nope")
+    with pytest.raises(ValueError, match="fixed budget"):
+        QCFuseOptions(allocation="chunk", budget="adaptive")
