@@ -4,10 +4,7 @@
 #     bash benchmarks/gpu_other_shapes.sh      # writes under $OUT (default ./shapes-out)
 set -uo pipefail
 OUT=${OUT:-$PWD/shapes-out}
-mkdir -p "$OUT"
-SHIM=$(mktemp -d); ln -s "$PWD/kernels" "$SHIM/qcfuse_kernels"
-export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
-{ date -u; nvidia-smi --query-gpu=name --format=csv,noheader; } 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 for shape in qwen3-8b mistral-7b; do
   timeout 280 python3 benchmarks/run_ttft.py ttft --shape $shape --device cuda --dtype bf16 \
       --chunks 10 --chunk-tokens 1024 --query-tokens 32 --tier host \

@@ -3,11 +3,7 @@
 #     bash benchmarks/gpu_probe_graph.sh        # writes under $OUT (default ./probe-out)
 set -uo pipefail
 OUT=${OUT:-$PWD/probe-out}
-mkdir -p "$OUT"
-SHIM=$(mktemp -d); ln -s "$PWD/kernels" "$SHIM/qcfuse_kernels"
-export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
-{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv;
-  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_probe_graph.py tests/test_probe.py tests/test_engine_device.py \
     tests/test_gpu_fusion.py tests/test_planner.py > "$OUT/tests.log" 2>&1; echo "pytest rc=$?" >> "$OUT/tests.log"
 grep -E "passed|failed|error|rc=" "$OUT/tests.log" | tail -n 3

@@ -9,11 +9,7 @@ OUT=${OUT:-$PWD/gpu-out}
 RUNS=${1:-10}
 shift || true
 TIERS=${*:-host disk}
-mkdir -p "$OUT"
-SHIM=$(mktemp -d); ln -s "$PWD/kernels" "$SHIM/qcfuse_kernels"
-export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
-{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv;
-  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 if [ -n "${ALL_GPU_TESTS:-}" ]; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -rs -m "gpu or kernels" tests/test_kernels.py tests/test_kernels_pointwise.py \
       tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py tests/test_store_gpu.py tests/test_store_processes.py tests/test_cli.py \

@@ -4,11 +4,7 @@
 #     bash benchmarks/gpu_where_time.sh        # writes under $OUT (default ./where-out)
 set -uo pipefail
 OUT=${OUT:-$PWD/where-out}
-mkdir -p "$OUT"
-SHIM=$(mktemp -d); ln -s "$PWD/kernels" "$SHIM/qcfuse_kernels"
-export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 QCFUSE_CACHE_DIR=/tmp/qcfuse-cache
-{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv;
-  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 for r in 1568 3104; do
   timeout 150 python3 benchmarks/attn_micro.py --rows $r --json "$OUT/attn_$r.json" 2>&1 | grep -v -i warn | grep -v '^ ' | tail -n 8
 done

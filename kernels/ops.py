@@ -384,12 +384,7 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=N
         inv = inverse_rows(rows, T)  # position -> fresh row or -1
     if not R:  # never read (inv is all -1); avoids handing the kernel a 0-element pointer
         k_new_pre, v_new = k_pre, v
-    half = D // 2
-    block_half, block_h = _next_pow2(half), _next_pow2(Hkv)
-    # ~4K elements per (BT, BH, BC) tile: enough bytes in flight per program, few registers
-    block_t = max(1, min(64, 4096 // (block_h * block_half)))
-    if backend() == "interpret":
-        block_t = min(block_t, 8)
+    half, block_half, block_h, block_t = _rope_tiles(Hkv, D)
     rerotate_scatter_kernel[(_cdiv(T, block_t),)](
         k_pre, v, k_new_pre, v_new, inv, cos, sin, k_rot, v_out, T,
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BLOCK_T=block_t,
@@ -400,6 +395,18 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=N
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _rope_tiles(heads: int, D: int) -> tuple[int, int, int, int]:
+    """Tiles of the RoPE kernels (rerotate_scatter, rope): a program takes (BLOCK_T tokens,
+    BLOCK_H heads, BLOCK_HALF columns of one half) -> (half, block_half, block_h, block_t)."""
+    half = D // 2
+    block_half, block_h = _next_pow2(half), _next_pow2(heads)
+    # ~4K elements per tile: enough bytes in flight per program, few registers
+    block_t = max(1, min(64, 4096 // (block_h * block_half)))
+    if backend() == "interpret":
+        block_t = min(block_t, 8)
+    return half, block_half, block_h, block_t
 
 
 # ---------------------------------------------------------------- pointwise layer steps
@@ -430,11 +437,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     from qcfuse_kernels.triton_pointwise import rope_kernel
 
     y = torch.empty_like(x)
-    half = D // 2
-    block_half, block_h = _next_pow2(half), _next_pow2(Hx)
-    block_t = max(1, min(64, 4096 // (block_h * block_half)))
-    if backend() == "interpret":
-        block_t = min(block_t, 8)
+    half, block_half, block_h, block_t = _rope_tiles(Hx, D)
     rope_kernel[(_cdiv(T, block_t),)](
         x, cos, sin, y, T, NUM_HEADS=Hx, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
         BLOCK_T=block_t, num_warps=4,

@@ -203,6 +203,8 @@ class ModelAdapter:
         # does); anything else goes through the HF modules.
         norms = [m for lyr in self.layers for m in (lyr.input_layernorm, lyr.post_attention_layernorm)]
         norms.append(model.model.norm)
+        if self.has_qk_norm:
+            norms += [m for lyr in self.layers for m in (lyr.self_attn.q_norm, lyr.self_attn.k_norm)]
         self.fused_norm = all(_is_plain_rms_norm(m) for m in norms)
         self.fused_mlp = getattr(cfg, "hidden_act", None) in ("silu", "swish") and all(
             all(hasattr(lyr.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) for lyr in self.layers)
@@ -254,8 +256,8 @@ class ModelAdapter:
         k = attn.k_proj(x).view(R, -1, D)
         v = attn.v_proj(x).view(R, -1, D)
         if self.has_qk_norm:
-            q = self._norm(attn.q_norm, q) if _is_plain_rms_norm(attn.q_norm) else attn.q_norm(q)
-            k = self._norm(attn.k_norm, k) if _is_plain_rms_norm(attn.k_norm) else attn.k_norm(k)
+            q = self._norm(attn.q_norm, q)
+            k = self._norm(attn.k_norm, k)
         return q, k, v
 
     def attn_out(self, layer: int, h: torch.Tensor, attn_rows: torch.Tensor) -> torch.Tensor:

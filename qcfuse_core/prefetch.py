@@ -227,7 +227,6 @@ class _Src:
     start: int
     end: int
     obj: Any = None  # KVChunk, EntryImage, or ChunkKey
-    planned: bool = False  # copied through the request's per-layer copy plan
 
 
 class Prefetcher:
@@ -334,7 +333,7 @@ class Prefetcher:
                     self._buf[:, :, s.start : s.end].zero_()
         self.report.load_ms = [0.0] * L
         self.report.wait_ms = [0.0] * L
-        self._plan = self._copy_plan()
+        self._plan, self._per_layer = self._copy_plan()
         row_bytes = 2 * Hkv * D * self._buf.element_size()
         self._layer_bytes = sum(s.end - s.start for s in self._srcs if s.kind != "none") * row_bytes
         if self.config.threaded:
@@ -402,13 +401,15 @@ class Prefetcher:
             return _Src("disk", start, end, c.key)
         raise KeyError(f"chunk {c.key} is in no tier; the planner should have recomputed it")
 
-    def _copy_plan(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def _copy_plan(self) -> tuple[list[tuple[list[torch.Tensor], list[torch.Tensor]]], list[_Src]]:
         """Per layer, the (destinations, sources) of every plain in-memory source (a chunk
         tensor, or a gpu / host image not stored in fp8), built with a few view ops per chunk
         for all layers at once: the loader thread then issues a layer with one call instead of
-        ~a dozen view ops per chunk, and holds the GIL less while the request's selection runs."""
+        ~a dozen view ops per chunk, and holds the GIL less while the request's selection runs.
+        Also returns the sources `_load` still handles layer by layer (fp8 images, disk)."""
         L = self.adapter.num_layers
         plan: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(L)]
+        per_layer: list[_Src] = []
         for s in self._srcs:
             if s.kind == "tensor":
                 ks, vs = s.obj.k.unbind(0), s.obj.v.unbind(0)
@@ -416,13 +417,14 @@ class Prefetcher:
                 kv = s.obj.layers_kv()  # (L, 2, n, Hkv, D)
                 ks, vs = kv.select(1, 0).unbind(0), kv.select(1, 1).unbind(0)
             else:
+                if s.kind != "none":
+                    per_layer.append(s)
                 continue
-            s.planned = True
             dk, dv = self._buf[0, :, s.start : s.end].unbind(0), self._buf[1, :, s.start : s.end].unbind(0)
             for layer in range(L):
                 plan[layer][0].extend((dk[layer], dv[layer]))
                 plan[layer][1].extend((ks[layer], vs[layer]))
-        return plan
+        return plan, per_layer
 
     def _on_side(self):
         if not self.cuda:
@@ -448,12 +450,12 @@ class Prefetcher:
         nb = self.cuda
         disk_jobs: list[tuple[_Src, int]] = []  # (source, offset in staging)
         off = 0
-        dst, src = (list(x) for x in self._plan[layer])  # the plain in-memory sources
+        dst, src = self._plan[layer]  # the plain in-memory sources
+        if self._per_layer:  # fp8 images add their decoded layer below: extend copies
+            dst, src = list(dst), list(src)
         with self._on_side():
             self.report.bytes_loaded += self._layer_bytes
-            for s in self._srcs:
-                if s.planned or s.kind == "none":
-                    continue
+            for s in self._per_layer:
                 if s.kind in ("gpu", "host"):  # fp8 images: decoded per layer
                     image = s.obj
                     kv, sc = image.kv(layer), image.scale(layer)  # (2, n, Hkv, D) stored dtype

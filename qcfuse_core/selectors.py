@@ -200,9 +200,7 @@ class QueryAwareSelector(Selector):
                                   [e - s for s, e in spans], n)
             picked = [top_budget(torch.arange(s, e), rank_by[s:e], q) for (s, e), q in zip(spans, quotas)]
             chosen = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
-            chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
-            chosen_mask[torch.searchsorted(cand, chosen)] = True
-            covered = covered_share(mass[cand], chosen_mask)
+            covered = _covered(mass, cand, chosen)
         elif opts.budget == "fixed":
             n = ctx.budget
             cand_d = cand.to(mass.device, non_blocking=True)
@@ -219,9 +217,7 @@ class QueryAwareSelector(Selector):
             ctx_n = prompt.context_tokens
             n = adaptive_count(cand_scores, ab.target, int(round(ab.floor * ctx_n)), int(round(ab.ceiling * ctx_n)))
             chosen = top_budget(cand, cand_scores, n)
-            chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
-            chosen_mask[torch.searchsorted(cand, chosen)] = True
-            covered = covered_share(mass[cand], chosen_mask)  # of the mass, also when ranked by spread
+            covered = _covered(mass, cand, chosen)  # of the mass, also when ranked by spread
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
             mass_covered=covered, spread=opts.spread, allocation=opts.allocation,
@@ -248,6 +244,13 @@ class QueryAwareSelector(Selector):
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
         mass[pos.to(acc.device, non_blocking=True)] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
+
+
+def _covered(mass: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor) -> float:
+    """Share of the candidates' mass (host tensors) held by `chosen`, a sorted subset of `cand`."""
+    chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
+    chosen_mask[torch.searchsorted(cand, chosen)] = True
+    return covered_share(mass[cand], chosen_mask)
 
 
 def spread_scores(mass: torch.Tensor, spread: int) -> torch.Tensor:
