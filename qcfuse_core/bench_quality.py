@@ -17,12 +17,21 @@ select + prefill of the gold-extended prompt (a few tokens longer than the real 
 
 Per-example records stream to a JSONL file (nothing is lost if the run stops); `aggregate`
 turns them into the table rows: one per dataset, method and ratio.
+
+Full prefill is the costliest step (about half of a long question on a CPU) and does not
+depend on the method, so `run(reference=DIR)` keeps what the scores need of it - first-token
+logits, gold NLL, greedy answer - in one file per question, keyed by the model fingerprint
+and the exact token ids; a rerun of other methods (a changed selector) reads it instead of
+prefilling again. A run of `full` alone needs no chunk caches and skips building them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -67,20 +76,27 @@ def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
 
 def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dict, max_new: int,
                 gold_tokens: int = 64, *, variants: list[tuple[str, str, float | None, dict]] | None = None,
-                target: str = "gold") -> list[dict]:
+                target: str = "gold", reference: Path | None = None) -> list[dict]:
     """All methods on one example -> per (method, ratio) records.
 
     variants: explicit (label, method, ratio, options) runs instead of methods x ratios
     (records carry the label as `variant`). target: what `gold_nll` teacher-forces after the
     prompt - the first gold alias ("gold") or full prefill's own greedy answer ("full": a
     fidelity score for the whole answer, not just its first token; costs one more forward).
+    reference: a file holding full prefill's outputs for this question (read when its key -
+    model fingerprint, prompt + gold token ids, max_new - matches, else computed and written).
     """
     if target not in ("gold", "full"):
         raise ValueError(f"target must be 'gold' or 'full', got {target!r}")
+    if reference is not None and target != "gold":
+        raise ValueError("a stored full-prefill reference holds the gold target only (target='gold')")
     adapter = engine.adapter
     engine.store = MemoryStore()  # chunk caches of this example only (an fp32 6K-token context is ~300 MB)
-    t0 = time.perf_counter()
-    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
+    if variants is None:
+        variants = [(m, m, r, options) for m in methods if m != "full"
+                    for r in (ratios if get_selector(m).uses_ratio else [None])]
+    t0 = time.perf_counter()  # full prefill alone needs no chunk caches
+    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=bool(variants))
     build_ms = (time.perf_counter() - t0) * 1e3
     T = prompt.num_tokens
     full_answer = None
@@ -99,24 +115,29 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     gold_pos = torch.arange(T, T + G)
     common = dict(id=ex.id, prompt_tokens=T, context_tokens=prompt.context_tokens, chunks=len(prompt.chunk_spans()),
                   gold_tokens=G, build_ms=build_ms, target=target)
-    # 2. full prefill: the reference
-    t1 = time.perf_counter()
-    logits, kv = adapter.hf_forward(prompt_g.token_ids, keep=G + 1)  # (G+1, vocab): positions T-1 .. T+G-1
-    full_ms = (time.perf_counter() - t1) * 1e3
-    full_first = logits[0]
-    if full_answer is None:
-        cache = KVCache(adapter, T + G + max_new)
-        fill_from_hf(cache, kv)
-        cache.length = T
-        full_answer = _greedy(engine, cache, full_first, max_new)
-    records = [dict(common, method="full", ratio=None, kl_first_token=0.0,
-                    gold_nll=M.nll(logits[:G], gold), recompute_share=1.0, ttft_ms=full_ms,
-                    **_text_scores(full_answer, ex, full_answer))]
-    del logits, kv
+    # 2. full prefill: the reference (read from `reference` when an earlier run stored it)
+    key = _reference_key(engine, prompt_g, max_new) if reference is not None else None
+    ref = _load_reference(reference, key) if reference is not None else None
+    if ref is None:
+        t1 = time.perf_counter()
+        logits, kv = adapter.hf_forward(prompt_g.token_ids, keep=G + 1)  # (G+1, vocab): positions T-1 .. T+G-1
+        full_ms = (time.perf_counter() - t1) * 1e3
+        if full_answer is None:
+            cache = KVCache(adapter, T + G + max_new)
+            fill_from_hf(cache, kv)
+            cache.length = T
+            full_answer = _greedy(engine, cache, logits[0], max_new)
+        ref = dict(key=key, first_logits=logits[0].clone(), gold_nll=M.nll(logits[:G], gold), answer=full_answer,
+                   ms=full_ms)
+        del logits, kv
+        if reference is not None:
+            _save_reference(reference, ref)
+    else:
+        common["full_from_reference"] = True
+    full_first, full_answer = ref["first_logits"], ref["answer"]
+    records = [dict(common, method="full", ratio=None, kl_first_token=0.0, gold_nll=ref["gold_nll"],
+                    recompute_share=1.0, ttft_ms=ref["ms"], **_text_scores(full_answer, ex, full_answer))]
     # 3. every other method (or variant)
-    if variants is None:
-        variants = [(m, m, r, options) for m in methods if m != "full"
-                    for r in (ratios if get_selector(m).uses_ratio else [None])]
     for label, method, ratio, opts in variants:
         selector = get_selector(method)
         t2 = time.perf_counter()
@@ -144,9 +165,43 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     return records
 
 
+def _reference_key(engine: QCFuseEngine, prompt: FusedPrompt, max_new: int) -> str:
+    h = hashlib.sha256(f"{engine.adapter.fingerprint()}|{max_new}|".encode())
+    h.update(prompt.token_ids.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _load_reference(path: Path, key: str) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        ref = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file is recomputed, not trusted
+        log.warning("unreadable full-prefill reference %s (%s); recomputing", path, e)
+        return None
+    if ref.get("key") != key:
+        log.info("full-prefill reference %s is for another prompt or model; recomputing", path)
+        return None
+    return ref
+
+
+def _save_reference(path: Path, ref: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(ref, tmp)
+    os.replace(tmp, path)  # never a half-written file under the real name
+
+
+def reference_path(root: Path, dataset: str, ex_id: str) -> Path:
+    """Where run() keeps one question's full-prefill reference under `root`."""
+    return Path(root) / dataset / (re.sub(r"[^A-Za-z0-9_.-]", "_", str(ex_id)) + ".pt")
+
+
 def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | None, offset: int = 0,
-        options: dict | None = None, max_new: int = 32, jsonl: Path | None = None) -> list[dict]:
-    """Run the benchmark on one dataset file; records stream to `jsonl` (appended; done ids skipped)."""
+        options: dict | None = None, max_new: int = 32, jsonl: Path | None = None,
+        reference: Path | None = None) -> list[dict]:
+    """Run the benchmark on one dataset file; records stream to `jsonl` (appended; done ids
+    skipped). reference: a folder of full-prefill references (see the module doc)."""
     unknown = [m for m in methods if m not in SELECTORS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; valid: {', '.join(sorted(SELECTORS))}")
@@ -164,7 +219,9 @@ def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | Non
 
     for ex in tqdm(todo, desc=name, unit="question", disable=None):  # a bar on a terminal, quiet in logs
         t0 = time.perf_counter()
-        recs = [dict(r, dataset=name) for r in run_example(engine, ex, methods, ratios, options or {}, max_new)]
+        ref = reference_path(reference, name, ex.id) if reference is not None else None
+        recs = [dict(r, dataset=name) for r in run_example(engine, ex, methods, ratios, options or {}, max_new,
+                                                           reference=ref)]
         log.info("%s %s: %d records in %.1f s", name, ex.id, len(recs), time.perf_counter() - t0)
         if jsonl is not None:
             with jsonl.open("a") as f:

@@ -3,6 +3,7 @@
     qcfuse profile-layers --dataset PATH [--model DIR] [--limit N] [--ratio R] [--out FILE]
     qcfuse bench quality --dataset PATH [PATH...] --methods M... --ratios R... [--limit N]
                          --json OUT [--jsonl RECORDS] [--plot OUT.png] [--aggregate-only]
+                         [--reference DIR]
 
 `bench quality` writes the table to OUT, its summary (share of the naive-to-full KL gap
 closed, contains against full, scores averaged over the datasets) next to it as
@@ -60,6 +61,9 @@ def add_commands(sub) -> None:
     q.add_argument("--json", required=True, help="table rows (list of objects)")
     q.add_argument("--jsonl", default=None, help="per-example records, appended (default: JSON path + .records.jsonl)")
     q.add_argument("--plot", default=None)
+    q.add_argument("--reference", default=None, metavar="DIR",
+                   help="keep full prefill's outputs per question here and reuse them on reruns "
+                        "(a rerun of other methods then skips full prefill)")
     q.add_argument("--aggregate-only", action="store_true", help="only rebuild --json/--plot from --jsonl")
     _model_args(q)
     _selection_args(q)
@@ -113,7 +117,8 @@ def cmd_bench_quality(args) -> int:
         methods = args.methods or list(bq.DEFAULT_METHODS)
         for ds in args.dataset:
             bq.run(engine, ds, methods, args.ratios, limit=args.limit, offset=args.offset,
-                   options=_options(args), max_new=args.max_new_tokens, jsonl=jsonl)
+                   options=_options(args), max_new=args.max_new_tokens, jsonl=jsonl,
+                   reference=Path(args.reference) if args.reference else None)
     if not jsonl.is_file():
         raise FileNotFoundError(f"no per-example records at {jsonl}")
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]

@@ -183,3 +183,53 @@ def test_cli_aggregate_only_writes_table_summary_and_plot(tmp_path, capsys):
     assert main(["bench", "quality", "--dataset", "x", "--aggregate-only", "--jsonl", str(tmp_path / "none.jsonl"),
                  "--json", str(out)]) != 0
     assert "no per-example records" in capsys.readouterr().err
+
+
+def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monkeypatch):
+    """run(reference=DIR) stores full prefill's outputs per question; a rerun of other methods
+    reads them (HF's forward is not called again) and scores exactly as the first run did;
+    a changed prompt invalidates the stored file; `full` alone builds no chunk caches."""
+    from qcfuse_core import bench_quality as bq
+
+    ex = _toy_example()
+    data = tmp_path / "toy_s.json"
+    data.write_text(json.dumps([{"question": ex.question, "answers": list(ex.answers),
+                                 "ctxs": [{"title": "", "text": p} for p in ex.passages]}]))
+    ref_dir = tmp_path / "ref"
+    built = []
+    real_fuse = smol_engine.fuse_pieces
+    monkeypatch.setattr(smol_engine, "fuse_pieces", lambda pieces, **kw: built.append(kw) or real_fuse(pieces, **kw))
+    first = bq.run(smol_engine, str(data), ["full"], [], limit=None, max_new=6, jsonl=tmp_path / "a.jsonl",
+                   reference=ref_dir)
+    assert built == [{"caches": False}]  # full alone tokenizes only: no chunk cache is built
+    path = bq.reference_path(ref_dir, "toy_s", first[0]["id"])
+    assert path.is_file() and sorted(p.name for p in ref_dir.rglob("*")) == sorted(["toy_s", path.name])  # no temp file
+
+    def no_forward(*a, **k):
+        raise AssertionError("full prefill ran again")
+
+    monkeypatch.setattr(smol_engine.adapter, "hf_forward", no_forward)
+    again = bq.run(smol_engine, str(data), ["full", "qcfuse", "naive"], [0.3], limit=None, max_new=6,
+                   jsonl=tmp_path / "b.jsonl", reference=ref_dir)
+    assert [r["method"] for r in again] == ["full", "qcfuse", "naive"] and again[0]["full_from_reference"]
+    for k in ("answer", "gold_nll", "agree_exact", "contains", "ttft_ms"):
+        assert again[0][k] == first[0][k]
+    assert again[1]["kl_first_token"] > 0 and again[2]["kl_first_token"] > again[1]["kl_first_token"]
+    # the same question with fewer new tokens is another reference: full prefill must run again
+    with pytest.raises(AssertionError, match="ran again"):
+        bq.run_example(smol_engine, ex, ["full"], [], {}, max_new=5, reference=path)
+    monkeypatch.undo()
+    # a damaged file is recomputed and replaced
+    path.write_bytes(b"not a torch file")
+    redo = bq.run_example(smol_engine, ex, ["full"], [], {}, max_new=6, reference=path)
+    assert redo[0]["answer"] == first[0]["answer"] and "full_from_reference" not in redo[0]
+    assert bq._load_reference(path, bq._reference_key(smol_engine, _prompt_g(smol_engine, ex), 6)) is not None
+    with pytest.raises(ValueError, match="gold"):
+        bq.run_example(smol_engine, ex, ["full"], [], {}, max_new=6, reference=path, target="full")
+
+
+def _prompt_g(engine, ex):
+    from qcfuse_core.fusion import FusedPrompt, Segment
+
+    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=False)
+    return FusedPrompt(prompt.segments + [Segment("suffix", engine.tokenize(ex.answers[0])[:64])])
