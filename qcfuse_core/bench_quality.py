@@ -252,6 +252,36 @@ def aggregate(records: list[dict]) -> list[dict]:
     return rows
 
 
+def merge_rerun(old: list[dict], new: list[dict], methods: set[str], rename: dict[str, str]) -> tuple[list[dict], list[str]]:
+    """Records of a partial rerun merged into earlier ones -> (merged, problems).
+
+    Old records of `methods` are replaced by the new ones (kept under `rename[method]` when
+    given); other old records stay. The rerun's `full` records must reproduce the old ones
+    (same greedy answer, gold NLL within 1e-4): each mismatch is a problem, since the kept
+    methods were scored against the old full prefill.
+    """
+    old_full = {(r["dataset"], r["id"]): r for r in old if r["method"] == "full"}
+    problems = []
+    for r in new:
+        if r["method"] != "full":
+            continue
+        o = old_full.get((r["dataset"], r["id"]))
+        if o is None:
+            problems.append(f"{r['dataset']} {r['id']}: no old full-prefill record")
+        elif o["answer"] != r["answer"] or abs(o["gold_nll"] - r["gold_nll"]) > 1e-4:
+            problems.append(f"{r['dataset']} {r['id']}: full prefill differs "
+                            f"({o['answer']!r} vs {r['answer']!r}, gold NLL {o['gold_nll']:.5f} vs {r['gold_nll']:.5f})")
+    merged = []
+    for r in old:
+        if r["method"] in methods:
+            if r["method"] in rename:
+                merged.append(dict(r, method=rename[r["method"]]))
+        else:
+            merged.append(r)
+    merged += [r for r in new if r["method"] in methods]
+    return merged, problems
+
+
 def format_table(rows: list[dict]) -> str:
     head = ["dataset", "method", "ratio", "n", "kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l",
             "contains", "f1", "em", "rouge_l", "recompute_share", "ttft_ms"]

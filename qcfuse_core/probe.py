@@ -383,16 +383,21 @@ def context_keys_at(adapter: ModelAdapter, prompt: FusedPrompt, layers: Sequence
     return out
 
 
-def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scale: float) -> torch.Tensor:
+def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scale: float, last: int = 0) -> torch.Tensor:
     """Mass each context key receives from the query rows, averaged over heads and rows.
 
     q (S, H, D) and k_query (S, Hkv, D) rotated at the query positions; k_ctx (N, Hkv, D)
     rotated at positions that all precede the query -> (N,) fp32. Keys are laid out
     [context ; query] so index order is causal order; query row i sees all N context keys
-    and query keys 0..i. Uses `qcfuse_kernels.attention_mass` (Triton on a GPU).
+    and query keys 0..i. last > 0 averages over the last `last` query rows only (each still
+    sees every query key before it); 0, or last >= S, over all of them. Uses
+    `qcfuse_kernels.attention_mass` (Triton on a GPU).
     """
     N, S = k_ctx.shape[0], q.shape[0]
+    if last < 0:
+        raise ValueError(f"last must be >= 0, got {last}")
+    R = S if last == 0 else min(last, S)
     keys = torch.cat([k_ctx, k_query.to(k_ctx.dtype)]).contiguous()  # (N+S, Hkv, D)
-    q_pos = torch.arange(N, N + S, device=keys.device)
-    mass = K.attention_mass(q.to(keys.dtype).contiguous(), keys, q_pos, scale)  # (N+S,)
+    q_pos = torch.arange(N + S - R, N + S, device=keys.device)
+    mass = K.attention_mass(q[S - R :].to(keys.dtype).contiguous(), keys, q_pos, scale)  # (N+S,)
     return mass[:N]

@@ -55,11 +55,22 @@ def test_query_mass_matches_dense_softmax(arch):
     logits = torch.matmul(probe.q[layer].transpose(0, 1), kf.transpose(1, 2)) * m.scale  # (H, S, T-2)
     key_pos = torch.arange(T)[keep]
     logits = logits.masked_fill(~(key_pos[None, :] <= pos[:, None])[None], float("-inf"))
-    dense = logits.softmax(-1).mean(dim=(0, 1))[: ctx_pos.numel()]
+    probs = logits.softmax(-1)  # (H, S, keys)
+    dense = probs.mean(dim=(0, 1))[: ctx_pos.numel()]
     assert torch.equal(ctx_pos, key_pos[: ctx_pos.numel()])
     err = (mass - dense).abs().max().item()
     assert torch.allclose(mass, dense, atol=1e-6, rtol=1e-3), f"max abs err {err:.3e}"
     assert abs(float(mass.sum()) - float(dense.sum())) < 1e-5
+    # the last R query rows only (each still sees every query key before it)
+    for R in (1, 3):
+        got = query_mass(probe.q[layer], k_ctx, probe.k[layer], m.scale, last=R)
+        want = probs[:, S - R :].mean(dim=(0, 1))[: ctx_pos.numel()]
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-3), f"last={R}: {(got - want).abs().max():.3e}"
+        assert not torch.allclose(got, mass, atol=1e-4)  # a different average, not the same one
+    for every in (0, S, S + 5):  # 0 or more rows than the query has: all of them
+        assert torch.equal(query_mass(probe.q[layer], k_ctx, probe.k[layer], m.scale, last=every), mass)
+    with pytest.raises(ValueError, match="last"):
+        query_mass(probe.q[layer], k_ctx, probe.k[layer], m.scale, last=-1)
 
 
 def test_probe_with_anchor_subset_runs_and_is_not_full():

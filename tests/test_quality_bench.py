@@ -233,3 +233,26 @@ def _prompt_g(engine, ex):
 
     prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=False)
     return FusedPrompt(prompt.segments + [Segment("suffix", engine.tokenize(ex.answers[0])[:64])])
+
+
+def test_merge_rerun_replaces_methods_and_checks_full_prefill():
+    from qcfuse_core.bench_quality import merge_rerun
+
+    def rec(i, method, ratio=None, **kw):
+        return dict(dict(dataset="d", id=i, method=method, ratio=ratio, answer="a", gold_nll=1.0), **kw)
+
+    old = [rec("1", "full"), rec("1", "naive"), rec("1", "qcfuse", 0.3, kl_first_token=0.2),
+           rec("2", "full"), rec("2", "naive"), rec("2", "qcfuse", 0.3, kl_first_token=0.3)]
+    new = [rec("1", "full", gold_nll=1.00003), rec("1", "qcfuse", 0.3, kl_first_token=0.1)]
+    merged, problems = merge_rerun(old, new, {"qcfuse"}, {"qcfuse": "qcfuse_old"})
+    assert problems == []
+    got = sorted((r["id"], r["method"], r.get("kl_first_token")) for r in merged)
+    assert got == [("1", "full", None), ("1", "naive", None), ("1", "qcfuse", 0.1), ("1", "qcfuse_old", 0.2),
+                   ("2", "full", None), ("2", "naive", None), ("2", "qcfuse_old", 0.3)]
+    assert next(r for r in merged if r["id"] == "1" and r["method"] == "full")["gold_nll"] == 1.0  # the old one kept
+    rows = aggregate(merged)  # question 2 has no new qcfuse yet: the table compares on question 1
+    assert {(r["method"], r["n"]) for r in rows} == {("full", 1), ("naive", 1), ("qcfuse", 1), ("qcfuse_old", 1)}
+    # without a rename the old rows go; a full prefill that does not reproduce is reported
+    merged, problems = merge_rerun(old, [rec("2", "full", answer="b"), rec("3", "full")], {"qcfuse"}, {})
+    assert all(r["method"] != "qcfuse" for r in merged)
+    assert len(problems) == 2 and "2: full prefill differs" in problems[0] and "3: no old" in problems[1]

@@ -109,6 +109,34 @@ def test_qcfuse_with_every_token_as_anchor_equals_the_full_context_probe(setup):
             seg.chunk.anchors.clear()
 
 
+def test_query_rows_scores_the_last_suffix_rows(setup):
+    """query_rows=R ranks by the mass of the suffix's last R rows (pinned against the probe +
+    query_mass by hand); R >= the suffix length is every row; bad values raise."""
+    from qcfuse_core.probe import context_keys, gather_context, query_mass, run_probe
+
+    m, prompt = setup
+    last = m.num_layers - 1
+    seg, start = prompt.segments[-1], prompt.starts[-1]
+    probe = run_probe(m, seg.token_ids, torch.arange(start, start + len(seg)),
+                      gather_context(prompt, last + 1, None), keep=[last])
+    k_ctx, pos = context_keys(m, prompt, last)
+    ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
+    for R in (1, 2):
+        sel = get_selector("qclast").select(SelectionContext(m, prompt, 0.3, options={"query_rows": R}))
+        mass = torch.zeros(prompt.num_tokens)
+        mass[pos] = query_mass(probe.q[last], k_ctx, probe.k[last], m.scale, last=R)
+        assert torch.allclose(sel.scores, mass[ctx_pos], atol=1e-7)
+        assert sel.details["query_rows"] == R
+        _check_rules(prompt, sel.rows)
+    every = get_selector("qclast").select(SelectionContext(m, prompt, 0.3, options={"query_rows": 0}))
+    assert not torch.equal(sel.scores, every.scores)
+    same = get_selector("qclast").select(SelectionContext(m, prompt, 0.3, options={"query_rows": len(SUFFIX)}))
+    assert torch.equal(same.scores, every.scores) and torch.equal(same.rows, every.rows)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="query_rows"):
+            QCFuseOptions(query_rows=bad)
+
+
 def test_qcall_uses_every_layer(setup):
     m, prompt = setup
     sel = get_selector("qcall").select(SelectionContext(m, prompt, 0.2))
