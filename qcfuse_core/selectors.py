@@ -135,12 +135,12 @@ def get_selector(name: str) -> Selector:
 # prefill. Their options come from SelectionContext.options, parsed into QCFuseOptions.
 
 
-QUERY_ROWS = 8
-"""Default suffix rows scored. Their mean over every suffix row (the paper) spreads the budget
-toward what the question's words attend to; the answer cue's rows (for the engine's prompt:
-"short sentence." and the chat markers) attend to what the first token needs. On the
-calibration split (musique_train, 24 questions, docs/benchmarks.md) the last 8 rows lowered
-first-token KL by 20% at ratio 0.3 (better on 20 of 24 questions) and 9% at 0.15."""
+QUERY_ROWS = 0
+"""Default suffix rows scored: 0 = every suffix row, as the paper averages. The last 8 rows
+(for the engine's prompt: the answer cue "short sentence." and the chat markers, whose last
+row yields the first token) were tried on the calibration split musique_train: first-token KL
+at 0.3 fell 20% on 24 questions but rose 6% on 24 others, and agreement with full's answer
+fell (docs/benchmarks.md, "Scoring variants") - so the option stays an off-by-default ablation."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,8 @@ class QCFuseOptions:
     ceiling: float = 0.5
     spread: int = 0  # rank by 0.5 x mass + 0.5 x the max mass within +-spread positions (0: off)
     allocation: str = "global"  # global top-k (the paper) | chunk: budget split by chunk mass, top-k inside
-    # score with the attention of the suffix's last N rows only (the answer cue; its final row
-    # yields the first token); 0: every suffix row, as the paper averages
+    # score with the attention of the suffix's last N rows only (an ablation: the answer cue,
+    # whose final row yields the first token); 0: every suffix row, as the paper averages
     query_rows: int = QUERY_ROWS
 
     def __post_init__(self) -> None:

@@ -1,0 +1,186 @@
+"""Scoring aggregations and prefix-visible chunk caches on a calibration split (diagnostic).
+
+    python benchmarks/diag_scoring.py --set rows --dataset ../shared/data/musique/musique_train.json \\
+        --offset 12 --limit 24 --target full --jsonl OUT.jsonl
+    python benchmarks/diag_scoring.py --set prefix --dataset ... --offset 12 --limit 24 --jsonl OUT.jsonl
+
+qcfuse averages the probed attention over heads and over every suffix row. `--set rows`
+(target full: teacher-forces full prefill's own answer) and `--set rows2` (target gold) try
+other aggregations at 0.15 and 0.3: the last 8 / 1 / 16 suffix rows (`QCFuseOptions.query_rows`),
+half all rows + half the last 8 (`mix`), max over heads then mean over rows (`headmax`), the
+mean of the square roots of the probabilities (`sqrt`), and `qcall` (every layer, no anchors).
+`--set prefix` builds every chunk cache once alone (the engine's ingestion) and once with
+the prompt prefix (system prompt + header) visible before the chunk, and runs naive and
+qcfuse on both; `--set prefix-rows` runs `last8` and `mix` on prefix-visible caches
+(pv-last8, pv-mix). The aggregations and prefix-visible caches live in this script only (they
+patch the selector's scoring and the engine's chunk prefill); nothing here changes the
+package's behaviour. Full prefill comes from --reference files when they exist. Prints the
+means per variant and the paired comparison with the shipped scoring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import qcfuse_core.selectors as S  # noqa: E402
+from kernels.reference import _expand_kv  # noqa: E402
+from qcfuse_core.bench_quality import reference_path, run_example  # noqa: E402
+from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
+from qcfuse_core.engine import QCFuseEngine  # noqa: E402
+from qcfuse_core.model import load_model  # noqa: E402
+
+_shipped_mass = S.query_mass
+_mode = {"aggregation": "base"}
+
+
+def _probs(q, k_ctx, k_query, scale):
+    """(H, S, N) softmax probabilities of every query row over [context ; query] keys, context part."""
+    N, rows = k_ctx.shape[0], q.shape[0]
+    keys = torch.cat([k_ctx, k_query.to(k_ctx.dtype)]).float()
+    kf = _expand_kv(keys, q.shape[1] // keys.shape[1]).transpose(0, 1)
+    logits = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * scale
+    visible = torch.arange(N + rows)[None, :] <= torch.arange(N, N + rows)[:, None]
+    return torch.softmax(logits.masked_fill(~visible[None], float("-inf")), -1)[..., :N]
+
+
+def _mass(q, k_ctx, k_query, scale, last=0):
+    m = _mode["aggregation"]
+    if m == "base":
+        return _shipped_mass(q, k_ctx, k_query, scale, last=last)
+    p = _probs(q, k_ctx, k_query, scale)
+    if m == "mix":
+        return 0.5 * p.mean((0, 1)) + 0.5 * p[:, -8:].mean((0, 1))
+    if m == "headmax":
+        return p.amax(0).mean(0)
+    if m == "sqrt":
+        return p.sqrt().mean((0, 1))
+    raise ValueError(f"unknown aggregation {m!r}")
+
+
+S.query_mass = _mass
+_shipped_select = S.QCFuseSelector.select
+
+
+def _select(self, ctx):
+    _mode["aggregation"] = ctx.options.get("aggregation", "base")
+    try:
+        return _shipped_select(self, ctx)
+    finally:
+        _mode["aggregation"] = "base"
+
+
+S.QCFuseSelector.select = _select
+
+
+def _q(label, ratio, **opts):
+    return (f"{label}@{ratio}", "qcfuse", ratio, opts)
+
+
+SETS = {
+    "rows": lambda r: [_q("base", r), _q("last8", r, query_rows=8), _q("last1", r, query_rows=1),
+                       _q("headmax", r, aggregation="headmax"), _q("sqrt", r, aggregation="sqrt"),
+                       (f"qcall@{r}", "qcall", r, {})],
+    "rows2": lambda r: [_q("base", r), _q("last8", r, query_rows=8), _q("mix", r, aggregation="mix"),
+                        _q("last16", r, query_rows=16)],
+}
+
+
+def prefix_visible(engine: QCFuseEngine) -> dict:
+    """Patch engine.prefill_alone: chunks are prefilled after the prompt prefix (switchable)."""
+    prefix_ids = engine.tokenize(engine._head + engine.config.context_header)
+    alone = engine.prefill_alone
+    state = {"on": False}
+
+    def prefill(ids):
+        if state["on"] and not torch.equal(ids, prefix_ids):
+            k, v = alone(torch.cat([prefix_ids, ids]))
+            P = len(prefix_ids)
+            return k[:, P:].contiguous(), v[:, P:].contiguous()
+        return alone(ids)
+
+    engine.prefill_alone = prefill
+    return state
+
+
+def summarize(records: list[dict]) -> None:
+    by = defaultdict(dict)
+    for r in records:
+        by[r["id"]][r.get("variant", r["method"])] = r
+    labels = list(dict.fromkeys(k for d in by.values() for k in d))
+    ids = [i for i, d in by.items() if all(lab in d for lab in labels)]
+    print("| variant | n | first-token KL | NLL of the target | agree exact | agree ROUGE-L | lower KL than the reference |")
+    print("|---|---|---|---|---|---|---|")
+    for lab in labels:
+        rs = [by[i][lab] for i in ids]
+        # each variant against the shipped scoring at its ratio (base@r), pv-X against X
+        ref = lab[3:] if lab.startswith("pv-") else ("base@" + lab.split("@")[1] if "@" in lab else None)
+        wins = "-"
+        if ref in labels and ref != lab:
+            wins = f"{sum(by[i][lab]['kl_first_token'] < by[i][ref]['kl_first_token'] for i in ids)}/{len(ids)}"
+        print(f"| {lab} | {len(rs)} | {statistics.mean(r['kl_first_token'] for r in rs):.4f} | "
+              f"{statistics.mean(r['gold_nll'] for r in rs):.4f} | {statistics.mean(r['agree_exact'] for r in rs):.3f} | "
+              f"{statistics.mean(r['agree_rouge_l'] for r in rs):.3f} | {wins} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows"])
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=12)
+    ap.add_argument("--target", default="gold", choices=("gold", "full"))
+    ap.add_argument("--reference", default=None, help="full-prefill reference folder (target gold only)")
+    ap.add_argument("--jsonl", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    engine = QCFuseEngine(load_model(dtype="fp32"))
+    out = Path(a.jsonl)
+    done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
+    name = dataset_name(a.dataset)
+    pv = prefix_visible(engine) if a.set.startswith("prefix") else None
+    if a.set == "prefix-rows":
+        pv["on"] = True
+    for ex in load_dataset(a.dataset, limit=a.limit, offset=a.offset):
+        if ex.id in done:
+            continue
+        t0 = time.perf_counter()
+        ref = reference_path(Path(a.reference), name, ex.id) if a.reference else None
+        if a.set == "prefix-rows":  # every cache prefix-visible; full prefill needs none
+            variants = [("pv-" + lab, m, ratio, o) for r in (0.15, 0.3) for lab, m, ratio, o in SETS["rows2"](r)[1:3]]
+            recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=variants, target=a.target,
+                               reference=ref)
+        elif pv is None:
+            variants = SETS[a.set](0.15) + SETS[a.set](0.3)
+            recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=variants, target=a.target,
+                               reference=ref)
+        else:
+            recs = []
+            for on in (False, True):
+                pv["on"] = on
+                for r in run_example(engine, ex, ["full", "naive", "qcfuse"], [0.15, 0.3], {}, a.max_new_tokens,
+                                     target=a.target, reference=ref):
+                    if on and r["method"] == "full":
+                        continue
+                    r["variant"] = ("pv-" if on else "") + r["method"] + (f"@{r['ratio']}" if r["ratio"] else "")
+                    recs.append(r)
+        with out.open("a") as f:
+            for r in recs:
+                f.write(json.dumps(dict(r, dataset=name)) + "\n")
+        print(f"{ex.id}: {time.perf_counter() - t0:.1f} s", flush=True)
+    summarize([json.loads(line) for line in out.read_text().splitlines() if line])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
