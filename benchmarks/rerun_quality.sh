@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 R=benchmarks/results/quality
 D=../shared/data
 PY=${PYTHON:-.venv/bin/python}
-TAG=${TAG:-rows8}
-OLD_AS=${OLD_AS:-qcfuse_rows0}
+TAG=${TAG:-rerun}
+OLD_AS=${OLD_AS:-qcfuse_before}
 TMP=$(mktemp -d)
 M="--methods full qcfuse --ratios 0.15 0.3 --max-new-tokens 24 --threads 1 --reference $R/reference"
 one() {  # one set: name, data file
