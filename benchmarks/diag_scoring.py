@@ -12,7 +12,9 @@ mean of the square roots of the probabilities (`sqrt`), and `qcall` (every layer
 `--set prefix` builds every chunk cache once alone (the engine's ingestion) and once with
 the prompt prefix (system prompt + header) visible before the chunk, and runs naive and
 qcfuse on both; `--set prefix-rows` runs `last8` and `mix` on prefix-visible caches
-(pv-last8, pv-mix). The aggregations and prefix-visible caches live in this script only (they
+(pv-last8, pv-mix). `--set cross` (first token only, no generation, prints a table, no
+records) crosses caches and selections at 0.3: alone or prefix-visible caches, each fused with
+the tokens qcfuse selects on alone or on prefix-visible caches. The aggregations and prefix-visible caches live in this script only (they
 patch the selector's scoring and the engine's chunk prefill); nothing here changes the
 package's behaviour. Full prefill comes from --reference files when they exist. Prints the
 means per variant and the paired comparison with the shipped scoring.
@@ -112,6 +114,41 @@ def prefix_visible(engine: QCFuseEngine) -> dict:
     return state
 
 
+def cross(engine: QCFuseEngine, examples, ratio: float) -> None:
+    """First-token KL(full || fused) for {alone, prefix-visible caches} x {selection made on either}."""
+    from qcfuse_core import metrics as M
+    from qcfuse_core.fusion import fused_prefill
+    from qcfuse_core.selectors import SelectionContext, get_selector
+    from qcfuse_core.store import MemoryStore
+
+    pv = prefix_visible(engine)
+    names = {False: "alone", True: "prefix-visible"}
+    kls: dict[tuple[bool, bool], list[float]] = defaultdict(list)
+    overlap = []
+    for ex in examples:
+        pieces = engine.rag_pieces(ex.question, list(ex.passages))
+        prompts = {}
+        for on in (False, True):
+            pv["on"] = on
+            engine.store = MemoryStore()
+            prompts[on], _, _ = engine.fuse_pieces(pieces)
+        full, _ = engine.adapter.hf_forward(prompts[False].token_ids, keep=1)
+        rows = {on: get_selector("qcfuse").select(SelectionContext(engine.adapter, prompts[on], ratio)).rows
+                for on in (False, True)}
+        overlap.append(len(set(rows[False].tolist()) & set(rows[True].tolist())) / rows[False].numel())
+        for cache_on in (False, True):
+            for sel_on in (False, True):
+                out = fused_prefill(engine.adapter, prompts[cache_on], rows[sel_on], logits_last=1)
+                kls[(cache_on, sel_on)].append(M.kl_divergence(full[-1], out.logits[-1]))
+        print(f"{ex.id}: " + ", ".join(f"{names[c]} caches + {names[s_]} selection {v[-1]:.4f}"
+                                       for (c, s_), v in kls.items()), flush=True)
+    print(f"| caches | selection made on | first-token KL at {ratio} (n = {len(overlap)}) |")
+    print("|---|---|---|")
+    for (c, s_), v in kls.items():
+        print(f"| {names[c]} | {names[s_]} caches | {statistics.mean(v):.4f} |")
+    print(f"rows shared by the two selections: {statistics.mean(overlap):.2f}")
+
+
 def summarize(records: list[dict]) -> None:
     by = defaultdict(dict)
     for r in records:
@@ -135,16 +172,22 @@ def summarize(records: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
-    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows"])
+    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows", "cross"])
+    ap.add_argument("--ratio", type=float, default=0.3, help="--set cross only")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--target", default="gold", choices=("gold", "full"))
     ap.add_argument("--reference", default=None, help="full-prefill reference folder (target gold only)")
-    ap.add_argument("--jsonl", required=True)
+    ap.add_argument("--jsonl", default=None, help="records, appended (every set but cross)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     a = ap.parse_args()
     torch.set_num_threads(1)
     engine = QCFuseEngine(load_model(dtype="fp32"))
+    if a.set == "cross":
+        cross(engine, load_dataset(a.dataset, limit=a.limit, offset=a.offset), a.ratio)
+        return 0
+    if not a.jsonl:
+        ap.error("--jsonl is required")
     out = Path(a.jsonl)
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
     name = dataset_name(a.dataset)
