@@ -299,12 +299,14 @@ def format_table(rows: list[dict]) -> str:
 SUMMARY_KEYS = ("kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], records: list[dict] | None = None, n_boot: int = 2000, seed: int = 0) -> dict:
     """The table rows -> what the quality targets read (a dict, JSON-ready):
 
     per_set[dataset][method@ratio]: kl_gap_closed = 1 - KL(method) / KL(naive) (the share of
         the naive-to-full first-token KL gap closed; full's own KL is 0) and contains_vs_full
-        (method's contains minus full's);
+        (method's contains minus full's); with the per-question `records`, also a 95% paired
+        bootstrap interval of each ([low, high]; questions resampled with replacement,
+        `n_boot` times, seeded) - how far the point estimate could move with other questions;
     averaged[method@ratio]: SUMMARY_KEYS averaged over the datasets that have the row (each
         dataset weighs the same, whatever its n), with the dataset count.
     """
@@ -325,6 +327,10 @@ def summarize(rows: list[dict]) -> dict:
                 d["contains_vs_full"] = round(r["contains"] - full["contains"], 4)
             out[label] = d
         per_set[ds] = out
+    if records is not None:
+        for ds, out in per_set.items():
+            for label, d in out.items():
+                d.update(_bootstrap(records, ds, label, n_boot, seed))
     averaged: dict[str, dict] = {}
     labels = sorted({lab for rs in by_ds.values() for lab in rs})
     for label in labels:
@@ -337,17 +343,54 @@ def summarize(rows: list[dict]) -> dict:
     return {"per_set": per_set, "averaged": averaged}
 
 
+def _bootstrap(records: list[dict], dataset: str, label: str, n_boot: int, seed: int) -> dict:
+    """95% paired bootstrap intervals of kl_gap_closed and contains_vs_full for one row, over
+    the questions every method of the dataset finished (as `aggregate` compares them)."""
+    by_id: dict[str, dict[str, dict]] = defaultdict(dict)
+    labels = set()
+    for r in records:
+        if r["dataset"] == dataset:
+            by_id[r["id"]][_label(r)] = r
+            labels.add(_label(r))
+    ids = sorted(i for i, d in by_id.items() if labels <= set(d))
+    if not ids or label not in labels:
+        return {}
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(ids), (n_boot, len(ids)), generator=gen)
+
+    def col(lab: str, key: str) -> torch.Tensor | None:
+        vals = [by_id[i][lab].get(key) for i in ids]
+        return None if any(v is None for v in vals) else torch.tensor(vals, dtype=torch.float64)
+
+    def interval(x: torch.Tensor) -> list[float]:
+        lo, hi = torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+        return [round(lo, 4), round(hi, 4)]
+
+    out = {}
+    kl, kl_naive = col(label, "kl_first_token"), col("naive", "kl_first_token") if "naive" in labels else None
+    if kl is not None and kl_naive is not None:
+        den = kl_naive[idx].mean(1)
+        if bool((den > 0).all()):
+            out["kl_gap_closed_ci"] = interval(1.0 - kl[idx].mean(1) / den)
+    c, c_full = col(label, "contains"), col("full", "contains") if "full" in labels else None
+    if c is not None and c_full is not None:
+        out["contains_vs_full_ci"] = interval((c - c_full)[idx].mean(1))
+    return out
+
+
 def _label(row: dict) -> str:
     return row["method"] if row.get("ratio") is None else f"{row['method']}@{row['ratio']:g}"
 
 
 def format_summary(summary: dict) -> str:
-    lines = ["| dataset | method | KL gap closed | contains vs full |", "|---|---|---|---|"]
+    lines = ["| dataset | method | KL gap closed (95% CI) | contains vs full (95% CI) |", "|---|---|---|---|"]
     for ds, out in summary["per_set"].items():
         for label, d in out.items():
             gap, dc = d.get("kl_gap_closed"), d.get("contains_vs_full")
-            lines.append(f"| {ds} | {label} | {'-' if gap is None else f'{100 * gap:.1f}%'} | "
-                         f"{'-' if dc is None else f'{dc:+.3f}'} |")
+            gci, cci = d.get("kl_gap_closed_ci"), d.get("contains_vs_full_ci")
+            g = "-" if gap is None else f"{100 * gap:.1f}%" + (f" ({100 * gci[0]:.1f} to {100 * gci[1]:.1f})" if gci else "")
+            c = "-" if dc is None else f"{dc:+.3f}" + (f" ({cci[0]:+.3f} to {cci[1]:+.3f})" if cci else "")
+            lines.append(f"| {ds} | {label} | {g} | {c} |")
     lines += ["", "| averaged over datasets | n sets | " + " | ".join(SUMMARY_KEYS) + " |",
               "|---|---|" + "---|" * len(SUMMARY_KEYS)]
     for label, avg in summary["averaged"].items():

@@ -6,7 +6,8 @@
                          [--reference DIR]
 
 `bench quality` writes the table to OUT, its summary (share of the naive-to-full KL gap
-closed, contains against full, scores averaged over the datasets) next to it as
+closed and contains against full, each with a 95% paired bootstrap interval over the
+questions; scores averaged over the datasets) next to it as
 OUT's stem + `.summary.json`, and prints both.
 
 `add_commands(subparsers)` registers both on the main parser (qcfuse_core/cli.py).
@@ -125,7 +126,7 @@ def cmd_bench_quality(args) -> int:
     rows = bq.aggregate(records)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(bq.format_table(rows))
-    summary = bq.summarize(rows)
+    summary = bq.summarize(rows, records)
     out.with_name(out.stem + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(bq.format_summary(summary))

@@ -177,9 +177,11 @@ def test_cli_aggregate_only_writes_table_summary_and_plot(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [(r["method"], r["n"]) for r in rows] == [("full", 2), ("naive", 2), ("qcfuse", 2)]
     summary = json.loads((tmp_path / "q.summary.json").read_text())
-    assert summary["per_set"]["d"]["qcfuse@0.3"] == {"kl_gap_closed": 0.9, "contains_vs_full": -0.5}
+    assert summary["per_set"]["d"]["qcfuse@0.3"] == {"kl_gap_closed": 0.9, "contains_vs_full": -0.5,
+                                                      "kl_gap_closed_ci": [0.9, 0.9],  # same KL on both questions
+                                                      "contains_vs_full_ci": [-1.0, 0.0]}  # 0 and -1 resampled
     assert (tmp_path / "q.png").stat().st_size > 1000
-    assert "| d | qcfuse@0.3 | 90.0% | -0.500 |" in capsys.readouterr().out
+    assert "| d | qcfuse@0.3 | 90.0% (90.0 to 90.0) | -0.500 (-1.000 to +0.000) |" in capsys.readouterr().out
     assert main(["bench", "quality", "--dataset", "x", "--aggregate-only", "--jsonl", str(tmp_path / "none.jsonl"),
                  "--json", str(out)]) != 0
     assert "no per-example records" in capsys.readouterr().err
@@ -256,3 +258,35 @@ def test_merge_rerun_replaces_methods_and_checks_full_prefill():
     merged, problems = merge_rerun(old, [rec("2", "full", answer="b"), rec("3", "full")], {"qcfuse"}, {})
     assert all(r["method"] != "qcfuse" for r in merged)
     assert len(problems) == 2 and "2: full prefill differs" in problems[0] and "3: no old" in problems[1]
+
+
+def test_summary_bootstrap_intervals_from_records():
+    """With per-question records the summary carries seeded 95% paired bootstrap intervals that
+    bracket the point estimates; identical questions give a zero-width interval."""
+    import random
+
+    rnd = random.Random(1)
+    recs = []
+    for i in range(60):
+        kl_naive, kl_q = 0.3 + 0.2 * rnd.random(), 0.05 * rnd.random() * (10 if i % 20 == 0 else 1)
+        c_full = float(rnd.random() < 0.3)
+        recs += [dict(dataset="d", id=str(i), method="full", ratio=None, kl_first_token=0.0, contains=c_full),
+                 dict(dataset="d", id=str(i), method="naive", ratio=None, kl_first_token=kl_naive, contains=c_full),
+                 dict(dataset="d", id=str(i), method="qcfuse", ratio=0.3, kl_first_token=kl_q,
+                      contains=0.0 if i % 10 == 0 else c_full)]
+    rows = aggregate(recs)
+    s = summarize(rows, recs)
+    d = s["per_set"]["d"]["qcfuse@0.3"]
+    lo, hi = d["kl_gap_closed_ci"]
+    assert lo < d["kl_gap_closed"] < hi and hi - lo > 0.005
+    clo, chi = d["contains_vs_full_ci"]
+    assert clo <= d["contains_vs_full"] <= chi <= 0.0  # qcfuse only ever loses answers here
+    assert summarize(rows, recs) == s  # seeded: the same intervals every time
+    assert summarize(rows)["per_set"]["d"]["qcfuse@0.3"].keys() == {"kl_gap_closed", "contains_vs_full"}
+    naive = s["per_set"]["d"]  # naive / full rows get no entry of their own
+    assert set(naive) == {"qcfuse@0.3"}
+    # every question alike: the interval has no width
+    same = [dict(r, kl_first_token=0.01 if r["method"] == "qcfuse" else (0.1 if r["method"] == "naive" else 0.0),
+                 contains=1.0) for r in recs]
+    d2 = summarize(aggregate(same), same)["per_set"]["d"]["qcfuse@0.3"]
+    assert d2["kl_gap_closed_ci"] == [0.9, 0.9] and d2["contains_vs_full_ci"] == [0.0, 0.0]
