@@ -84,11 +84,85 @@ def _select(self, ctx):
 S.QCFuseSelector.select = _select
 
 
+def _probe_prompt(prompt):
+    """The prompt the query probe reads: without run_example's appended gold segment."""
+    from qcfuse_core.fusion import FusedPrompt
+
+    if len(prompt.segments) >= 2 and prompt.segments[-2].kind == "suffix":  # [... question ; gold]
+        return FusedPrompt(prompt.segments[:-1])
+    return prompt
+
+
+class QCBlendSelector(S.CacheBlendSelector):
+    """Diagnostic: rank chunk tokens by (qcfuse's probed mass) x (cacheblend's layer-1 V
+    deviation) - attended *and* stale. Layers 0-1 run for every token, as in cacheblend. Not
+    query-aware for run_example (it gets the gold-extended prompt, as cacheblend does); the
+    probe reads the question from the prompt without the appended gold segment."""
+
+    name = "qcblend"
+    pool = 0  # 0: layers 0-1 for every token (as cacheblend); k: only the top k x budget by mass
+
+    def select(self, ctx):
+        prompt = ctx.prompt
+        probe_prompt = _probe_prompt(prompt)
+        q_ctx = S.SelectionContext(ctx.adapter, probe_prompt, ctx.ratio, options=ctx.options)
+        q_sel = S.get_selector("qcfuse").select(q_ctx)
+        mass = torch.zeros(prompt.num_tokens)
+        mass[torch.nonzero(probe_prompt.mask("chunk", "text")).flatten()] = q_sel.scores.float().cpu()
+        chunk_mask = prompt.mask("chunk")
+        if self.pool:  # layers 0-1 for the candidates only: the top pool x budget chunk tokens by mass
+            cand0 = torch.nonzero(chunk_mask).flatten()
+            pool = S.top_budget(cand0, mass[cand0], self.pool * ctx.budget)
+            sel = S.SelectionResult(method=self.name, rows=ctx.finalize(self.name, pool).rows, full_layers=0)
+        else:
+            base = ctx.finalize(self.name, torch.empty(0, dtype=torch.int64))
+            sel = S.SelectionResult(method=self.name, rows=base.rows, full_layers=self.check_layer + 1)
+
+        def on_layer_end(state):
+            if state.layer != self.check_layer:
+                return None
+            cur = state.rows.cpu()
+            dev = (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()
+            cand = cur[chunk_mask[cur]]
+            chosen = S.top_budget(cand, mass[cand] * dev[chunk_mask[cur]], ctx.budget)
+            sel.rows = ctx.finalize(self.name, chosen).rows
+            return sel.rows
+
+        sel.on_layer_end = on_layer_end
+        return sel
+
+
+class QCBlendPool2(QCBlendSelector):
+    """qcblend with layers 0-1 run for the top 2 x budget tokens by mass only (cheap)."""
+
+    name = "qcblend-pool2"
+    pool = 2
+
+
+class QCFuseFull2(S.QCFuseSelector):
+    """qcfuse's selection, with layers 0-1 recomputed for every token (cacheblend's refresh)."""
+
+    name = "qcfuse-full2"
+
+    def select(self, ctx):
+        sel = super().select(ctx)
+        sel.full_layers = 2
+        return sel
+
+
+for _cls in (QCBlendSelector, QCBlendPool2, QCFuseFull2):
+    S.SELECTORS[_cls.name] = _cls
+
+
 def _q(label, ratio, **opts):
     return (f"{label}@{ratio}", "qcfuse", ratio, opts)
 
 
 SETS = {
+    "blend": lambda r: [_q("base", r), (f"qcblend@{r}", "qcblend", r, {}), (f"cacheblend@{r}", "cacheblend", r, {})],
+    "blend2": lambda r: [_q("base", r), (f"qcblend@{r}", "qcblend", r, {}),
+                         (f"qcblend-pool2@{r}", "qcblend-pool2", r, {}), (f"qcfuse-full2@{r}", "qcfuse-full2", r, {})],
+    "blend3": lambda r: [(f"qcblend-pool2@{r}", "qcblend-pool2", r, {}), (f"qcfuse-full2@{r}", "qcfuse-full2", r, {})],
     "rows": lambda r: [_q("base", r), _q("last8", r, query_rows=8), _q("last1", r, query_rows=1),
                        _q("headmax", r, aggregation="headmax"), _q("sqrt", r, aggregation="sqrt"),
                        (f"qcall@{r}", "qcall", r, {})],

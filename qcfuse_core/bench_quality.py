@@ -146,8 +146,13 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
         sel = selector.select(ctx)
         select_ms = (time.perf_counter() - t2) * 1e3
         rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
+        hook = sel.on_layer_end
+        if query_aware and hook is not None:  # rows it narrows to are the prompt's: keep the gold rows
+            def hook(state, _inner=sel.on_layer_end):
+                nxt = _inner(state)
+                return None if nxt is None else torch.cat([nxt.cpu(), gold_pos])
         cache = KVCache(adapter, T + G + max_new)
-        out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
+        out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=hook,
                             kv_out=cache, logits_last=G + 1)
         ttft = (time.perf_counter() - t2) * 1e3
         tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1

@@ -135,6 +135,7 @@ def get_selector(name: str) -> Selector:
 # prefill. Their options come from SelectionContext.options, parsed into QCFuseOptions.
 
 
+DEVIATION_LAYER = 1  # the layer whose fresh-vs-cached V deviation `deviation_pool` reads (as CacheBlend)
 QUERY_ROWS = 0
 """Default suffix rows scored: 0 = every suffix row, as the paper averages. The last 8 rows
 (for the engine's prompt: the answer cue "short sentence." and the chat markers, whose last
@@ -158,6 +159,10 @@ class QCFuseOptions:
     # score with the attention of the suffix's last N rows only (an ablation: the answer cue,
     # whose final row yields the first token); 0: every suffix row, as the paper averages
     query_rows: int = QUERY_ROWS
+    # 0: off (the paper). k > 0: layers 0-1 run for the top k x budget chunk tokens by mass;
+    # after layer 1 the budget keeps those with the largest mass x V deviation (fresh layer-1 V
+    # vs cached: CacheBlend's staleness signal) - attended and stale
+    deviation_pool: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spread, int) or self.spread < 0:
@@ -166,6 +171,11 @@ class QCFuseOptions:
             raise ValueError(f"query_rows must be a non-negative int (0: every suffix row), got {self.query_rows!r}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; valid: {', '.join(ALLOCATIONS)}")
+        if not isinstance(self.deviation_pool, (int, float)) or isinstance(self.deviation_pool, bool) or not (
+                self.deviation_pool == 0 or self.deviation_pool >= 1):
+            raise ValueError(f"deviation_pool must be 0 (off) or >= 1, got {self.deviation_pool!r}")
+        if self.deviation_pool and (self.budget != "fixed" or self.allocation != "global"):
+            raise ValueError("deviation_pool re-ranks a fixed global budget; use budget='fixed', allocation='global'")
         if self.allocation != "global" and self.budget != "fixed":
             raise ValueError("allocation 'chunk' splits a fixed budget; use it with budget='fixed'")
         if self.budget not in BUDGET_MODES:
@@ -234,9 +244,39 @@ class QueryAwareSelector(Selector):
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
             mass_covered=covered, spread=opts.spread, allocation=opts.allocation, query_rows=opts.query_rows,
+            deviation_pool=opts.deviation_pool,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
+        if opts.deviation_pool:
+            return self._deviation_rerank(ctx, opts, mass.cpu(), rank_by.cpu(), cand, int(n), details, ctx_pos)
         return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)
+
+    def _deviation_rerank(self, ctx: SelectionContext, opts: QCFuseOptions, mass: torch.Tensor, rank_by: torch.Tensor,
+                          cand: torch.Tensor, n: int, details: dict, ctx_pos: torch.Tensor) -> SelectionResult:
+        """Layers 0-1 for the top pool x n candidates by mass; after layer 1 keep the n with the
+        largest mass x V deviation (host tensors in, rows narrowed by the hook)."""
+        pool = top_budget(cand, rank_by[cand], int(round(opts.deviation_pool * n)))
+        sel = ctx.finalize(self.name, pool, scores=mass[ctx_pos], details=details)
+        chunk_mask = ctx.prompt.mask("chunk")
+        details.update(pool=pool)
+
+        def on_layer_end(state: LayerState) -> torch.Tensor | None:
+            if state.layer != DEVIATION_LAYER:
+                return None
+            cur = state.rows.cpu()  # may run past the prompt (rows a caller appended after it)
+            keep = torch.zeros_like(cur, dtype=torch.bool)
+            inside = cur < chunk_mask.numel()
+            keep[inside] = chunk_mask[cur[inside]]
+            dev = (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()  # (R,)
+            chosen = top_budget(cur[keep], mass[cur[keep]] * dev[keep], n)
+            details.update(positions=chosen, selected_scores=mass[chosen],
+                           deviation=dev[keep][torch.searchsorted(cur[keep], chosen)],
+                           mass_covered=_covered(mass, cand, chosen))
+            sel.rows = ctx.finalize(self.name, chosen).rows
+            return sel.rows
+
+        sel.on_layer_end = on_layer_end
+        return sel
 
     @staticmethod
     def suffix(ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor]:

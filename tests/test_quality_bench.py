@@ -125,13 +125,19 @@ def test_run_example_records_and_variants(smol_engine, target):
     from qcfuse_core.bench_quality import run_example
 
     variants = [("qcfuse", "qcfuse", 0.3, {}), ("qcfuse-spread2", "qcfuse", 0.3, {"spread": 2}),
-                ("naive", "naive", None, {}), ("full-fused", "full", None, {})]
+                ("naive", "naive", None, {}), ("full-fused", "full", None, {}),
+                ("qcfuse-dev", "qcfuse", 0.3, {"deviation_pool": 2})]
     recs = run_example(smol_engine, _toy_example(), None, None, {}, max_new=8, variants=variants, target=target)
-    assert [r.get("variant", r["method"]) for r in recs] == ["full", "qcfuse", "qcfuse-spread2", "naive", "full-fused"]
+    assert [r.get("variant", r["method"]) for r in recs] == ["full", "qcfuse", "qcfuse-spread2", "naive", "full-fused",
+                                                             "qcfuse-dev"]
+    # a selection narrowed inside the prefill (deviation_pool) keeps the teacher-forced rows
+    assert recs[-1]["recompute_share"] == pytest.approx(recs[1]["recompute_share"], abs=0.02)
+    # (were the gold rows dropped at layer 1, the scored rows would sit at the wrong positions)
+    assert abs(recs[-1]["gold_nll"] - recs[1]["gold_nll"]) < 1.0 and recs[-1]["kl_first_token"] < recs[3]["kl_first_token"]
     for r in recs:
         assert set(ROW_KEYS) - {"dataset", "n"} <= set(r)  # every metric the table aggregates
         assert r["target"] == target
-    full, fused_full = recs[0], recs[-1]
+    full, fused_full = recs[0], recs[4]
     assert fused_full["kl_first_token"] < 1e-6 and fused_full["agree_exact"] == 1.0
     assert fused_full["gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-4)
     assert recs[3]["kl_first_token"] > 1e-4  # naive concatenation differs from full prefill

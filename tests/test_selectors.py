@@ -137,6 +137,51 @@ def test_query_rows_scores_the_last_suffix_rows(setup):
             QCFuseOptions(query_rows=bad)
 
 
+def test_deviation_pool_reranks_the_pool_by_mass_times_layer1_deviation(setup):
+    """deviation_pool=k: layers 0-1 run for the top k x budget by mass; after layer 1 the budget
+    keeps the largest mass x V deviation - pinned against a by-hand reference, and the
+    deviation of each pool token equals CacheBlend's (which recomputes layers 0-1 for all)."""
+    from qcfuse_core.fusion import fused_prefill
+    from qcfuse_core.scoring import top_budget
+
+    m, prompt = setup
+    ctx = SelectionContext(m, prompt, 0.25, options={"critical_layers": [1, 2], "deviation_pool": 2})
+    sel = get_selector("qcfuse").select(ctx)
+    n = ctx.budget  # 16 of 62 chunk tokens (see test_qcfuse_selection_invariants_and_details)
+    plain = get_selector("qcfuse").select(SelectionContext(m, prompt, 0.25, options={"critical_layers": [1, 2]}))
+    mass = torch.zeros(prompt.num_tokens)
+    ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
+    mass[ctx_pos] = plain.scores
+    assert torch.equal(sel.scores, plain.scores)
+    pool = top_budget(CHUNK, mass[CHUNK], 2 * n)
+    assert torch.equal(sel.details["pool"], pool) and sel.full_layers == 0
+    assert set(sel.rows.tolist()) == set(pool.tolist()) | set(GLUE) | set(SUFFIX)  # layers 0-1: the pool
+    # reference: layer-1 V deviation of every token from CacheBlend's full layers 0-1
+    seen = {}
+
+    def grab(state):
+        if state.layer == 1:
+            seen["dev"] = (state.v_fresh - state.v_cached[state.rows]).pow(2).sum(dim=(1, 2))
+            seen["rows"] = state.rows.clone()
+        return None
+
+    fused_prefill(m, prompt, torch.arange(prompt.num_tokens)[6:], full_layers=2, on_layer_end=grab)
+    dev_all = torch.zeros(prompt.num_tokens)
+    dev_all[seen["rows"]] = seen["dev"]
+    want = top_budget(pool, mass[pool] * dev_all[pool], n)
+    out = fused_prefill(m, prompt, sel.rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end)
+    assert torch.equal(sel.details["positions"], want)
+    assert set(out.rows.tolist()) == set(want.tolist()) | set(GLUE) | set(SUFFIX)
+    assert torch.equal(out.rows, sel.rows) and _check_rules(prompt, out.rows) is None
+    assert torch.allclose(sel.details["deviation"], dev_all[want], rtol=1e-4, atol=1e-7)
+    assert not torch.equal(want, plain.details["positions"])  # the re-ranking changed the pick
+    for bad in (0.5, -1, True):
+        with pytest.raises(ValueError, match="deviation_pool"):
+            QCFuseOptions(deviation_pool=bad)
+    with pytest.raises(ValueError, match="fixed"):
+        QCFuseOptions(deviation_pool=2, budget="adaptive")
+
+
 def test_qcall_uses_every_layer(setup):
     m, prompt = setup
     sel = get_selector("qcall").select(SelectionContext(m, prompt, 0.2))
