@@ -168,7 +168,8 @@ class Bench:
         int(logits[-1].argmax())
         return RunResult((time.perf_counter() - t0) * 1e3, recomputed_tokens=sum(len(c) for c in self.work.chunk_ids))
 
-    def fused(self, method: str, ratio: float, keep_sidecars: str, overhead_ms: float = 0.0) -> RunResult:
+    def fused(self, method: str, ratio: float, keep_sidecars: str, overhead_ms: float = 0.0,
+              options: dict | None = None) -> RunResult:
         from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
         from qcfuse_core.planner import plan
         from qcfuse_core.selectors import SelectionContext, get_selector
@@ -207,7 +208,7 @@ class Bench:
         pf.start(prompt)
         # 5. select
         t1 = time.perf_counter()
-        opts = {"critical_layers": self.critical} if probe else {}
+        opts = {"critical_layers": self.critical, **(options or {})} if probe else {}
         sel = selector.select(SelectionContext(adapter, prompt, ratio, options=opts))
         t2 = time.perf_counter()
         # 6. fuse, 7. first token
@@ -350,6 +351,14 @@ def run(args) -> list[dict]:
                 over = min(w.select_ms for w in warm)  # steady state: the first run also compiles kernels
                 rs = _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over), args, drop=drop, warm=False)
                 rows.append(_row(base, method, ratio if get_selector(method).uses_ratio else None, rs, full_ms))
+        for label, opts in getattr(args, "variant", None) or []:  # qcfuse with other selection options
+            for ratio in args.ratios:
+                keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
+                warm = [bench.fused("qcfuse", ratio, keep, options=opts) for _ in range(max(args.warmup, 1))]
+                over = min(w.select_ms for w in warm)
+                rs = _repeat(lambda: bench.fused("qcfuse", ratio, keep, overhead_ms=over, options=opts), args,
+                             drop=drop, warm=False)
+                rows.append(dict(_row(base, label, ratio, rs, full_ms), options=opts))
         store.close()
         _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
     for r in rows:
@@ -448,6 +457,9 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--tier", nargs="+", default=["host"], choices=["gpu", "host", "disk"])
     p.add_argument("--methods", nargs="+", default=["full", "qcfuse", "cacheblend", "naive"])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    p.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                   help="also time qcfuse with these selection options (QCFuseOptions), reported as LABEL; "
+                        "repeatable, e.g. qcfuse-dev2:deviation_pool=2")
     p.add_argument("--runs", type=int, default=10, help="timed runs per configuration (median)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--store", default=None, help="store folder (default: a new temp folder)")
@@ -460,6 +472,35 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--json", default=None, help="write rows + environment to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
     p.set_defaults(func=cmd_ttft)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'LABEL:KEY=VALUE[,KEY=VALUE]' -> (LABEL, options); values are JSON when they parse
+    (2, 0.5, true, [1, 2]), strings otherwise; the options must be valid QCFuseOptions."""
+    from qcfuse_core.selectors import QCFuseOptions
+
+    label, sep, rest = text.partition(":")
+    if not sep or not label or not rest:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE]")
+    opts: dict = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: {item!r} is not KEY=VALUE")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    from dataclasses import fields
+
+    unknown = set(opts) - {f.name for f in fields(QCFuseOptions)}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: unknown options {sorted(unknown)}")
+    try:
+        QCFuseOptions.from_options(opts)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: {e}") from e
+    return label, opts
 
 
 def add_commands(sub) -> None:

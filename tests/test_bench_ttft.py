@@ -31,3 +31,28 @@ def test_bench_ttft_rejects_unknown_method(tmp_path, capsys):
     rc = main(["bench", "ttft", "--shape", "tiny-llama", "--chunks", "1", "--chunk-tokens", "8", "--methods", "nope",
                "--runs", "1", "--warmup", "0", "--store", str(tmp_path)])
     assert rc == 2 and "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_bench_ttft_variants_time_qcfuse_with_other_options(tmp_path, capsys):
+    """--variant LABEL:KEY=VALUE adds rows for qcfuse with those selection options (here the
+    deviation re-ranking, whose rows narrow inside the prefill); bad variants are refused."""
+    import pytest
+
+    from qcfuse_core.bench_ttft import parse_variant
+
+    out = tmp_path / "ttft.json"
+    rc = main(["bench", "ttft", "--shape", "tiny-llama", "--dtype", "fp32", "--chunks", "2", "--chunk-tokens", "24",
+               "--query-tokens", "4", "--tier", "host", "--methods", "full", "qcfuse", "--ratios", "0.3",
+               "--variant", "qcfuse-dev2:deviation_pool=2", "--runs", "2", "--warmup", "1",
+               "--store", str(tmp_path / "store"), "--json", str(out)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"full", "qcfuse", "qcfuse-dev2"}
+    dev = rows["qcfuse-dev2"]
+    assert dev["options"] == {"deviation_pool": 2} and dev["ratio"] == 0.3
+    assert dev["recomputed_tokens"] == rows["qcfuse"]["recomputed_tokens"]  # the same budget after narrowing
+    assert "| host | qcfuse-dev2 | 0.30 |" in capsys.readouterr().out
+    assert parse_variant("x:query_rows=8,anchor_method=repeat") == ("x", {"query_rows": 8, "anchor_method": "repeat"})
+    for bad in ("nolabel", "x:", "x:deviation_pool", "x:colour=red", "x:deviation_pool=0.5"):
+        with pytest.raises(Exception, match="variant"):
+            parse_variant(bad)

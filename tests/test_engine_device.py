@@ -57,3 +57,23 @@ def test_every_row_recomputed_answers_like_full_prefill(engines):
         r = eng.answer(Q, DOCS, method="qcfuse", ratio=1.0, max_new_tokens=8, stop=[])
         assert r.recomputed_tokens == r.context_tokens
         assert r.token_ids == full.token_ids
+
+
+def test_deviation_pool_streamed_answers_like_in_memory(engines):
+    """qcfuse with the layer-1 deviation re-ranking narrows its rows inside the pipelined
+    prefill; streamed from the store it must pick the same rows and tokens as in memory."""
+    from dataclasses import replace
+
+    mem, tiered = engines
+    plain = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    for eng in (mem, tiered):
+        eng.config = replace(eng.config, selection_options={"deviation_pool": 2})
+    a = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    b = tiered.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    assert b.token_ids == a.token_ids and len(a.token_ids) > 0
+    assert b.selection.rows.tolist() == a.selection.rows.tolist()
+    d = a.selection.details
+    assert d["deviation_pool"] == 2 and d["pool"].numel() == 2 * d["budget"]
+    assert d["positions"].numel() == d["budget"] and set(d["positions"].tolist()) <= set(d["pool"].tolist())
+    assert a.recomputed_tokens == plain.recomputed_tokens  # the final rows, not the pool
+    assert a.selection.rows.tolist() != plain.selection.rows.tolist()
