@@ -164,6 +164,8 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
                    ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
         if label != method:
             rec["variant"] = label
+        if query_aware and opts:
+            rec["options"] = {k: v for k, v in opts.items() if not isinstance(v, torch.Tensor)}
         if "mass_covered" in sel.details:
             rec["mass_covered"] = sel.details["mass_covered"]
         records.append(rec)

@@ -475,32 +475,16 @@ def add_ttft_parser(bench_sub) -> None:
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """'LABEL:KEY=VALUE[,KEY=VALUE]' -> (LABEL, options); values are JSON when they parse
-    (2, 0.5, true, [1, 2]), strings otherwise; the options must be valid QCFuseOptions."""
-    from qcfuse_core.selectors import QCFuseOptions
+    """'LABEL:KEY=VALUE[,KEY=VALUE]' -> (LABEL, options) (selectors.parse_selection_options)."""
+    from qcfuse_core.selectors import parse_selection_options
 
     label, sep, rest = text.partition(":")
     if not sep or not label or not rest:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE]")
-    opts: dict = {}
-    for item in rest.split(","):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise argparse.ArgumentTypeError(f"variant {text!r}: {item!r} is not KEY=VALUE")
-        try:
-            opts[key] = json.loads(value)
-        except json.JSONDecodeError:
-            opts[key] = value
-    from dataclasses import fields
-
-    unknown = set(opts) - {f.name for f in fields(QCFuseOptions)}
-    if unknown:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: unknown options {sorted(unknown)}")
     try:
-        QCFuseOptions.from_options(opts)
-    except (TypeError, ValueError) as e:
+        return label, parse_selection_options(rest)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(f"variant {text!r}: {e}") from e
-    return label, opts
 
 
 def add_commands(sub) -> None:

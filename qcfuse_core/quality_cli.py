@@ -62,6 +62,9 @@ def add_commands(sub) -> None:
     q.add_argument("--json", required=True, help="table rows (list of objects)")
     q.add_argument("--jsonl", default=None, help="per-example records, appended (default: JSON path + .records.jsonl)")
     q.add_argument("--plot", default=None)
+    q.add_argument("--option", action="append", default=[], type=_selection_option, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="selection options for the query-aware methods (QCFuseOptions), e.g. deviation_pool=2; "
+                        "recorded with each of their records")
     q.add_argument("--reference", default=None, metavar="DIR",
                    help="keep full prefill's outputs per question here and reuse them on reruns "
                         "(a rerun of other methods then skips full prefill)")
@@ -69,6 +72,15 @@ def add_commands(sub) -> None:
     _model_args(q)
     _selection_args(q)
     q.set_defaults(func=cmd_bench_quality)
+
+
+def _selection_option(text: str) -> dict:
+    from qcfuse_core.selectors import parse_selection_options
+
+    try:
+        return parse_selection_options(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--option {text!r}: {e}") from e
 
 
 def _open(args):
@@ -88,6 +100,8 @@ def _options(args) -> dict:
     for k in ("budget", "target_mass"):
         if getattr(args, k, None) is not None:
             opts[k] = getattr(args, k)
+    for extra in getattr(args, "option", None) or []:
+        opts.update(extra)
     return opts
 
 

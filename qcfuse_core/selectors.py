@@ -198,6 +198,32 @@ class QCFuseOptions:
         return AnchorConfig(self.anchor_method, self.anchor_share, self.sinks)
 
 
+def parse_selection_options(text: str) -> dict:
+    """'KEY=VALUE[,KEY=VALUE]' -> QCFuseOptions keywords (validated). Values are JSON when they
+    parse (2, 0.5, true, [1, 2]), strings otherwise. Raises ValueError naming what is wrong."""
+    import json
+    import re
+
+    opts: dict = {}
+    for item in re.split(r",(?=\s*[A-Za-z_]\w*=)", text):  # a comma inside a JSON value ([3,5]) stays
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        try:
+            opts[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key.strip()] = value
+    unknown = set(opts) - {f.name for f in fields(QCFuseOptions)}
+    if unknown:
+        raise ValueError(f"unknown selection options {sorted(unknown)}; valid: "
+                         f"{', '.join(f.name for f in fields(QCFuseOptions))}")
+    try:
+        QCFuseOptions.from_options(opts)
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+    return opts
+
+
 class QueryAwareSelector(Selector):
     """Shared tail of qcfuse / qcall / qclast: per-position scores -> rows + details.
 

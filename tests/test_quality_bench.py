@@ -296,3 +296,22 @@ def test_summary_bootstrap_intervals_from_records():
                  contains=1.0) for r in recs]
     d2 = summarize(aggregate(same), same)["per_set"]["d"]["qcfuse@0.3"]
     assert d2["kl_gap_closed_ci"] == [0.9, 0.9] and d2["contains_vs_full_ci"] == [0.0, 0.0]
+
+
+def test_quality_cli_selection_options_parse_and_reach_the_options():
+    import argparse
+
+    from qcfuse_core.quality_cli import _options, _selection_option
+    from qcfuse_core.selectors import parse_selection_options
+
+    assert _selection_option("deviation_pool=2,query_rows=8") == {"deviation_pool": 2, "query_rows": 8}
+    assert parse_selection_options("anchor_method=repeat,critical_layers=[3,5]") == {
+        "anchor_method": "repeat", "critical_layers": [3, 5]}
+    for bad, why in (("deviation_pool", "KEY=VALUE"), ("colour=red", "unknown selection options"),
+                     ("deviation_pool=0.5", "deviation_pool"), ("spread=-1", "spread")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            _selection_option(bad)
+    args = argparse.Namespace(anchor_method="keynorm", anchor_share=0.125, critical_layers=None, budget="fixed",
+                              target_mass=0.8, option=[{"deviation_pool": 2}, {"query_rows": 4}])
+    assert _options(args) == {"anchor_method": "keynorm", "anchor_share": 0.125, "budget": "fixed",
+                              "target_mass": 0.8, "deviation_pool": 2, "query_rows": 4}
