@@ -36,12 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", required=True, help="the rerun methods (their old records are replaced)")
     ap.add_argument("--keep-old-as", nargs="*", default=[], metavar="METHOD=NAME",
                     help="keep a rerun method's old records under another method name")
+    ap.add_argument("--new-as", nargs="*", default=[], metavar="METHOD=NAME",
+                    help="file a rerun method's new records under another name (an ablation beside it)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
     rename = dict(s.split("=", 1) for s in a.keep_old_as)
     old = [r for p in a.old for r in read(p)]
     new = [r for p in a.new for r in read(p)]
-    merged, problems = merge_rerun(old, new, set(a.methods), rename)
+    merged, problems = merge_rerun(old, new, set(a.methods), rename, dict(s.split("=", 1) for s in a.new_as))
     a.out.write_text("".join(json.dumps(r) + "\n" for r in merged))
     n_new = sum(r["method"] == "full" for r in new)
     print(f"{len(merged)} records -> {a.out}; rerun covers {n_new} questions; "

@@ -259,13 +259,15 @@ def aggregate(records: list[dict]) -> list[dict]:
     return rows
 
 
-def merge_rerun(old: list[dict], new: list[dict], methods: set[str], rename: dict[str, str]) -> tuple[list[dict], list[str]]:
+def merge_rerun(old: list[dict], new: list[dict], methods: set[str], rename: dict[str, str],
+                new_as: dict[str, str] | None = None) -> tuple[list[dict], list[str]]:
     """Records of a partial rerun merged into earlier ones -> (merged, problems).
 
     Old records of `methods` are replaced by the new ones (kept under `rename[method]` when
     given); other old records stay. The rerun's `full` records must reproduce the old ones
     (same greedy answer, gold NLL within 1e-4): each mismatch is a problem, since the kept
-    methods were scored against the old full prefill.
+    methods were scored against the old full prefill. new_as[method] files the new records
+    under another name instead (an ablation beside the method, whose old rows then stay).
     """
     old_full = {(r["dataset"], r["id"]): r for r in old if r["method"] == "full"}
     problems = []
@@ -278,14 +280,15 @@ def merge_rerun(old: list[dict], new: list[dict], methods: set[str], rename: dic
         elif o["answer"] != r["answer"] or abs(o["gold_nll"] - r["gold_nll"]) > 1e-4:
             problems.append(f"{r['dataset']} {r['id']}: full prefill differs "
                             f"({o['answer']!r} vs {r['answer']!r}, gold NLL {o['gold_nll']:.5f} vs {r['gold_nll']:.5f})")
+    new_as = new_as or {}
     merged = []
     for r in old:
-        if r["method"] in methods:
+        if r["method"] in methods and r["method"] not in new_as:
             if r["method"] in rename:
                 merged.append(dict(r, method=rename[r["method"]]))
         else:
             merged.append(r)
-    merged += [r for r in new if r["method"] in methods]
+    merged += [dict(r, method=new_as.get(r["method"], r["method"])) for r in new if r["method"] in methods]
     return merged, problems
 
 

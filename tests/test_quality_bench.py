@@ -260,6 +260,10 @@ def test_merge_rerun_replaces_methods_and_checks_full_prefill():
     assert next(r for r in merged if r["id"] == "1" and r["method"] == "full")["gold_nll"] == 1.0  # the old one kept
     rows = aggregate(merged)  # question 2 has no new qcfuse yet: the table compares on question 1
     assert {(r["method"], r["n"]) for r in rows} == {("full", 1), ("naive", 1), ("qcfuse", 1), ("qcfuse_old", 1)}
+    # filed beside the method: the old rows stay as they were, the new ones get the new name
+    beside, _ = merge_rerun(old, new, {"qcfuse"}, {}, new_as={"qcfuse": "qcfuse_dev"})
+    assert sorted((r["id"], r["method"]) for r in beside if "qcfuse" in r["method"]) == [
+        ("1", "qcfuse"), ("1", "qcfuse_dev"), ("2", "qcfuse")]
     # without a rename the old rows go; a full prefill that does not reproduce is reported
     merged, problems = merge_rerun(old, [rec("2", "full", answer="b"), rec("3", "full")], {"qcfuse"}, {})
     assert all(r["method"] != "qcfuse" for r in merged)
