@@ -14,10 +14,15 @@ the prompt prefix (system prompt + header) visible before the chunk, and runs na
 qcfuse on both; `--set prefix-rows` runs `last8` and `mix` on prefix-visible caches
 (pv-last8, pv-mix). `--set cross` (first token only, no generation, prints a table, no
 records) crosses caches and selections at 0.3: alone or prefix-visible caches, each fused with
-the tokens qcfuse selects on alone or on prefix-visible caches. The aggregations and prefix-visible caches live in this script only (they
-patch the selector's scoring and the engine's chunk prefill); nothing here changes the
-package's behaviour. Full prefill comes from --reference files when they exist. Prints the
-means per variant and the paired comparison with the shipped scoring.
+the tokens qcfuse selects on alone or on prefix-visible caches. `--set blend|blend2|blend3`
+rank by attended x stale: `qcblend` (layers 0-1 for every token as cacheblend, then the
+budget by probed mass x layer-1 V deviation), `qcblend-pool2` (layers 0-1 for the top 2 x
+budget by mass only; the same algorithm as the package option `deviation_pool=2`, run as
+`dev2`), and `qcfuse-full2` (qcfuse's pick with layers 0-1 refreshed for every token).
+The aggregations, prefix-visible caches and the blend selectors live in this script only
+(they patch the selector's scoring, the engine's chunk prefill and the selector registry);
+nothing here changes the package's behaviour. Full prefill comes from --reference files when
+they exist. Prints the means per variant and the paired comparison with the shipped scoring.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import qcfuse_core.selectors as S  # noqa: E402
-from kernels.reference import _expand_kv  # noqa: E402
+from qcfuse_kernels.reference import _expand_kv  # noqa: E402
 from qcfuse_core.bench_quality import reference_path, run_example  # noqa: E402
 from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
