@@ -165,7 +165,7 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
         if label != method:
             rec["variant"] = label
         if query_aware and opts:
-            rec["options"] = {k: v for k, v in opts.items() if not isinstance(v, torch.Tensor)}
+            rec["options"] = dict(opts)
         if "mass_covered" in sel.details:
             rec["mass_covered"] = sel.details["mass_covered"]
         records.append(rec)

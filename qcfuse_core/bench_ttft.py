@@ -346,18 +346,11 @@ def run(args) -> list[dict]:
 
             ratios = args.ratios if get_selector(method).uses_ratio else [0.0]
             for ratio in ratios:
-                keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
-                warm = [bench.fused(method, ratio, keep) for _ in range(max(args.warmup, 1))]
-                over = min(w.select_ms for w in warm)  # steady state: the first run also compiles kernels
-                rs = _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over), args, drop=drop, warm=False)
+                rs = _time_fused(bench, args, method, ratio, tier, drop)
                 rows.append(_row(base, method, ratio if get_selector(method).uses_ratio else None, rs, full_ms))
         for label, opts in getattr(args, "variant", None) or []:  # qcfuse with other selection options
             for ratio in args.ratios:
-                keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
-                warm = [bench.fused("qcfuse", ratio, keep, options=opts) for _ in range(max(args.warmup, 1))]
-                over = min(w.select_ms for w in warm)
-                rs = _repeat(lambda: bench.fused("qcfuse", ratio, keep, overhead_ms=over, options=opts), args,
-                             drop=drop, warm=False)
+                rs = _time_fused(bench, args, "qcfuse", ratio, tier, drop, opts)
                 rows.append(dict(_row(base, label, ratio, rs, full_ms), options=opts))
         store.close()
         _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
@@ -365,6 +358,16 @@ def run(args) -> list[dict]:
         r["rates"] = {"prefill_ms_per_token": round(rates.prefill_ms_per_token, 5),
                       "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "file": rpath.name}
     return rows
+
+
+def _time_fused(bench: Bench, args, method: str, ratio: float, tier: str, drop: Path | None,
+                options: dict | None = None) -> list[RunResult]:
+    """Warm-ups (the first also compiles kernels), then the timed runs of one fused configuration."""
+    keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
+    warm = [bench.fused(method, ratio, keep, options=options) for _ in range(max(args.warmup, 1))]
+    over = min(w.select_ms for w in warm)  # steady state
+    return _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over, options=options), args, drop=drop,
+                   warm=False)
 
 
 def _repeat(fn, args, drop: Path | None, warm: bool = True) -> list[RunResult]:

@@ -135,6 +135,12 @@ def get_selector(name: str) -> Selector:
 # prefill. Their options come from SelectionContext.options, parsed into QCFuseOptions.
 
 
+def v_deviation(state: LayerState) -> torch.Tensor:
+    """(R,) host: how far each current row's fresh V is from its cached V (sum of squares over
+    heads and dims) - CacheBlend's staleness signal, also read by qcfuse's `deviation_pool`."""
+    return (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()
+
+
 DEVIATION_LAYER = 1  # the layer whose fresh-vs-cached V deviation `deviation_pool` reads (as CacheBlend)
 QUERY_ROWS = 0
 """Default suffix rows scored: 0 = every suffix row, as the paper averages. The last 8 rows
@@ -293,7 +299,7 @@ class QueryAwareSelector(Selector):
             keep = torch.zeros_like(cur, dtype=torch.bool)
             inside = cur < chunk_mask.numel()
             keep[inside] = chunk_mask[cur[inside]]
-            dev = (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()  # (R,)
+            dev = v_deviation(state)  # (R,)
             chosen = top_budget(cur[keep], mass[cur[keep]] * dev[keep], n)
             details.update(positions=chosen, selected_scores=mass[chosen],
                            deviation=dev[keep][torch.searchsorted(cur[keep], chosen)],
@@ -444,7 +450,7 @@ class CacheBlendSelector(Selector):
             if state.layer != self.check_layer:
                 return None
             cur = state.rows.cpu()  # (T,) every row at this layer
-            dev = (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()  # (T,)
+            dev = v_deviation(state)  # (T,)
             cand = cur[chunk_mask[cur]]
             chosen = top_budget(cand, dev[chunk_mask[cur]], ctx.budget)
             res = ctx.finalize(self.name, chosen)
