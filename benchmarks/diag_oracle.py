@@ -18,7 +18,11 @@ beside qcfuse's own selection at the same budget:
 - `dev`: staleness only - the sum over layers of |dK|^2 + |dV|^2, each layer normalised by its
   mean over chunk tokens.
 - `mass-x-dev`: qcfuse's probed mass x `dev` (what `deviation_pool` estimates from layer 1);
-  `mass-x-dv`: V only; `mass-x-dev-early`: layers 0-2 only.
+  `mass-x-dv`: V only; `mass-x-dev-early`: layers 0-2 only; `mass-x-dv1` / `mass-x-dk1` /
+  `mass-x-dkv1`: layer 1 only, V / K / both (what a layer-1 check can see; `deviation_pool`
+  reads `mass-x-dv1` among its pool).
+- `mass-x-posA`: no privileged information - probed mass x (1 + position inside the chunk)^-A,
+  a prior for staleness (which falls steeply with the position inside the chunk: printed).
 - `attn-x-dv`: sum over layers of true attention x |dV| - a first-order estimate of how much
   the token's staleness moves the question's attention output.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -51,7 +56,7 @@ from qcfuse_core.selectors import SelectionContext, get_selector, top_budget  # 
 from qcfuse_kernels.reference import _expand_kv, apply_rope  # noqa: E402
 
 VARIANTS = ("qcfuse", "attn-crit", "attn-crit+sink", "attn-all", "dev", "mass-x-dev", "mass-x-dv", "mass-x-dev-early",
-            "attn-x-dv")
+            "attn-x-dv", "mass-x-dv1", "mass-x-dk1", "mass-x-dkv1", "mass-x-pos0.25", "mass-x-pos0.5", "mass-x-pos0.8")
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 10**9))  # position inside the chunk
 
 
@@ -96,7 +101,7 @@ def privileged(engine: QCFuseEngine, prompt) -> dict:
 
 
 def rankings(priv: dict, probed_mass: torch.Tensor, chunk: torch.Tensor, crit: list[int],
-             first_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+             first_tokens: torch.Tensor, in_chunk: torch.Tensor) -> dict[str, torch.Tensor]:
     def norm(d):  # each layer scaled by its mean over chunk tokens
         return d / d[:, chunk].mean(1, keepdim=True).clamp_min(1e-12)
 
@@ -108,6 +113,10 @@ def rankings(priv: dict, probed_mass: torch.Tensor, chunk: torch.Tensor, crit: l
         "attn-crit+sink": priv["attn"][crit].mean(0) + sinks,
         "mass-x-dv": probed_mass * norm(priv["dv"]).sum(0),
         "mass-x-dev-early": probed_mass * (norm(priv["dk"]) + norm(priv["dv"]))[:3].sum(0),
+        "mass-x-dv1": probed_mass * priv["dv"][1],
+        "mass-x-dk1": probed_mass * priv["dk"][1],
+        "mass-x-dkv1": probed_mass * (norm(priv["dk"]) + norm(priv["dv"]))[1],
+        **{f"mass-x-pos{a}": probed_mass * (1.0 + in_chunk.clamp_min(0).float()) ** -a for a in (0.25, 0.5, 0.8)},
         "attn-all": priv["attn"].mean(0),
         "dev": dev,
         "mass-x-dev": probed_mass * dev,
@@ -121,6 +130,8 @@ def main() -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                    help="selections to fuse (qcfuse always runs: the others are compared with it)")
     ap.add_argument("--jsonl", required=True, help="records, appended; questions already there are skipped")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -141,8 +152,7 @@ def main() -> int:
         in_chunk = torch.full((prompt.num_tokens,), -1)
         for st, en in prompt.chunk_spans():
             in_chunk[st:en] = torch.arange(en - st)
-        dev_all = (priv["dk"] / priv["dk"][:, chunk].mean(1, keepdim=True) +
-                   priv["dv"] / priv["dv"][:, chunk].mean(1, keepdim=True)).sum(0)
+        dev_all = rankings(priv, torch.ones(prompt.num_tokens), chunk, crit, first, in_chunk)["dev"]
         rec = {"id": ex.id, "dataset": dataset_name(a.dataset), "context_tokens": prompt.context_tokens,
                "kl_all_rows_vs_hf": M.kl_divergence(full_logits[-1], priv["logits"]), "kl": {}, "overlap": {},
                "dev_by_position": {f"{lo}-{hi}": float(dev_all[(in_chunk >= lo) & (in_chunk < hi)].mean())
@@ -153,10 +163,10 @@ def main() -> int:
             mass = torch.zeros(prompt.num_tokens)
             mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.scores.float().cpu()
             rows = {"qcfuse": sel.rows}
-            for name, score in rankings(priv, mass, chunk, crit, first).items():
+            for name, score in rankings(priv, mass, chunk, crit, first, in_chunk).items():
                 rows[name] = ctx.finalize(name, top_budget(cand, score[cand], ctx.budget)).rows
             base = set(sel.rows.tolist())
-            for name in VARIANTS:
+            for name in dict.fromkeys(["qcfuse"] + a.variants):
                 fused = fused_prefill(engine.adapter, prompt, rows[name], logits_last=1)
                 rec["kl"][f"{name}@{ratio}"] = M.kl_divergence(full_logits[-1], fused.logits[-1])
                 rec["overlap"][f"{name}@{ratio}"] = len(base & set(rows[name].tolist())) / len(base)
@@ -168,14 +178,17 @@ def main() -> int:
     print(f"| selection | ratio | n | first-token KL | lower KL than qcfuse | rows shared with qcfuse |")
     print("|---|---|---|---|---|---|")
     for ratio in a.ratios:
-        for name in VARIANTS:
+        for name in dict.fromkeys(["qcfuse"] + a.variants):
             key = f"{name}@{ratio}"
             kl = [r["kl"][key] for r in recs]
             wins = sum(r["kl"][key] < r["kl"][f"qcfuse@{ratio}"] for r in recs)
             print(f"| {name} | {ratio} | {len(recs)} | {statistics.mean(kl):.4f} | {wins}/{len(recs)} | "
                   f"{statistics.mean(r['overlap'][key] for r in recs):.2f} |")
-    print("mean staleness (dev, 1 = chunk mean) by position inside the chunk: " + ", ".join(
-        f"{b} {statistics.mean(r['dev_by_position'][b] for r in recs):.2f}" for b in recs[0]["dev_by_position"]))
+    pos = [r for r in recs if not any(math.isnan(v) for v in r["dev_by_position"].values())]
+    if pos:
+        print(f"mean staleness (dev summed over layers, each layer's chunk mean = 1) by position inside the "
+              f"chunk, {len(pos)} questions: " + ", ".join(
+                  f"{b} {statistics.mean(r['dev_by_position'][b] for r in pos):.1f}" for b in pos[0]["dev_by_position"]))
     print(f"all-rows engine prefill vs HF forward, max KL: {max(r['kl_all_rows_vs_hf'] for r in recs):.2e}")
     return 0
 

@@ -12,13 +12,16 @@ mean of the square roots of the probabilities (`sqrt`), and `qcall` (every layer
 `--set prefix` builds every chunk cache once alone (the engine's ingestion) and once with
 the prompt prefix (system prompt + header) visible before the chunk, and runs naive and
 qcfuse on both; `--set prefix-rows` runs `last8` and `mix` on prefix-visible caches
-(pv-last8, pv-mix). `--set cross` (first token only, no generation, prints a table, no
+(pv-last8, pv-mix); `--set prefix-dev` runs the shipped scoring and `deviation_pool=2` on
+prefix-visible caches (pv-base, pv-dev2). `--set cross` (first token only, no generation, prints a table, no
 records) crosses caches and selections at 0.3: alone or prefix-visible caches, each fused with
 the tokens qcfuse selects on alone or on prefix-visible caches. `--set blend|blend2|blend3`
 rank by attended x stale: `qcblend` (layers 0-1 for every token as cacheblend, then the
 budget by probed mass x layer-1 V deviation), `qcblend-pool2` (layers 0-1 for the top 2 x
 budget by mass only; the same algorithm as the package option `deviation_pool=2`, run as
 `dev2`), and `qcfuse-full2` (qcfuse's pick with layers 0-1 refreshed for every token).
+`--set prior` ranks by mass x (1 + position inside the chunk)^-a (`QCFuseOptions(position_prior=a)`,
+a = 0.5 and 0.8).
 The aggregations, prefix-visible caches and the blend selectors live in this script only
 (they patch the selector's scoring, the engine's chunk prefill and the selector registry);
 nothing here changes the package's behaviour. Full prefill comes from --reference files when
@@ -172,6 +175,7 @@ SETS = {
     "rows": lambda r: [_q("base", r), _q("last8", r, query_rows=8), _q("last1", r, query_rows=1),
                        _q("headmax", r, aggregation="headmax"), _q("sqrt", r, aggregation="sqrt"),
                        (f"qcall@{r}", "qcall", r, {})],
+    "prior": lambda r: [_q("base", r), _q("pos0.5", r, position_prior=0.5), _q("pos0.8", r, position_prior=0.8)],
     "rows2": lambda r: [_q("base", r), _q("last8", r, query_rows=8), _q("mix", r, aggregation="mix"),
                         _q("last16", r, query_rows=16)],
 }
@@ -252,7 +256,7 @@ def summarize(records: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
-    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows", "cross"])
+    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows", "prefix-dev", "cross"])
     ap.add_argument("--ratio", type=float, default=0.3, help="--set cross only")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=12)
@@ -272,15 +276,17 @@ def main() -> int:
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
     name = dataset_name(a.dataset)
     pv = prefix_visible(engine) if a.set.startswith("prefix") else None
-    if a.set == "prefix-rows":
+    if a.set in ("prefix-rows", "prefix-dev"):
         pv["on"] = True
     for ex in load_dataset(a.dataset, limit=a.limit, offset=a.offset):
         if ex.id in done:
             continue
         t0 = time.perf_counter()
         ref = reference_path(Path(a.reference), name, ex.id) if a.reference else None
-        if a.set == "prefix-rows":  # every cache prefix-visible; full prefill needs none
-            variants = [("pv-" + lab, m, ratio, o) for r in (0.15, 0.3) for lab, m, ratio, o in SETS["rows2"](r)[1:3]]
+        if a.set in ("prefix-rows", "prefix-dev"):  # every cache prefix-visible; full prefill needs none
+            pick = SETS["rows2"](0.15)[1:3] + SETS["rows2"](0.3)[1:3] if a.set == "prefix-rows" else \
+                [_q(lab, r, **o) for r in (0.15, 0.3) for lab, o in (("base", {}), ("dev2", {"deviation_pool": 2}))]
+            variants = [("pv-" + lab, m, ratio, o) for lab, m, ratio, o in pick]
             recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=variants, target=a.target,
                                reference=ref)
         elif pv is None:

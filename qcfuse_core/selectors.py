@@ -169,6 +169,11 @@ class QCFuseOptions:
     # after layer 1 the budget keeps those with the largest mass x V deviation (fresh layer-1 V
     # vs cached: CacheBlend's staleness signal) - attended and stale
     deviation_pool: float = 0.0
+    # 0: off (the paper). a > 0: rank chunk tokens by mass x (1 + position inside the chunk)^-a.
+    # A chunk cached alone is stalest at its start (its first tokens never saw what precedes
+    # them in the prompt; measured staleness falls ~ (1 + position)^-0.8): a prior for how
+    # much recomputing an attended token changes, known without computing anything
+    position_prior: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spread, int) or self.spread < 0:
@@ -182,6 +187,11 @@ class QCFuseOptions:
             raise ValueError(f"deviation_pool must be 0 (off) or >= 1, got {self.deviation_pool!r}")
         if self.deviation_pool and (self.budget != "fixed" or self.allocation != "global"):
             raise ValueError("deviation_pool re-ranks a fixed global budget; use budget='fixed', allocation='global'")
+        if not isinstance(self.position_prior, (int, float)) or isinstance(self.position_prior, bool) or not (
+                0 <= self.position_prior <= 4):
+            raise ValueError(f"position_prior must be a number in [0, 4] (0: off), got {self.position_prior!r}")
+        if self.position_prior and self.budget != "fixed":
+            raise ValueError("position_prior re-weights a fixed budget's ranking; use budget='fixed'")
         if self.allocation != "global" and self.budget != "fixed":
             raise ValueError("allocation 'chunk' splits a fixed budget; use it with budget='fixed'")
         if self.budget not in BUDGET_MODES:
@@ -247,6 +257,8 @@ class QueryAwareSelector(Selector):
         prompt = ctx.prompt
         cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
         rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
+        if opts.position_prior:
+            rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior).to(rank_by.device, non_blocking=True)
         if opts.allocation == "chunk":  # an ablation: each chunk gets budget x its share of the mass
             n = ctx.budget
             mass, rank_by = mass.cpu(), rank_by.cpu()
@@ -276,7 +288,7 @@ class QueryAwareSelector(Selector):
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
             mass_covered=covered, spread=opts.spread, allocation=opts.allocation, query_rows=opts.query_rows,
-            deviation_pool=opts.deviation_pool,
+            deviation_pool=opts.deviation_pool, position_prior=opts.position_prior,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         if opts.deviation_pool:
@@ -336,6 +348,14 @@ def _covered(mass: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor) -> fl
     chosen_mask = torch.zeros_like(cand, dtype=torch.bool)
     chosen_mask[torch.searchsorted(cand, chosen)] = True
     return covered_share(mass[cand], chosen_mask)
+
+
+def chunk_position_prior(prompt: FusedPrompt, a: float) -> torch.Tensor:
+    """(T,) fp32: (1 + position inside the chunk)^-a on chunk tokens, 1 elsewhere."""
+    prior = torch.ones(prompt.num_tokens)
+    for s, e in prompt.chunk_spans():
+        prior[s:e] = torch.arange(1, e - s + 1, dtype=torch.float32) ** -a
+    return prior
 
 
 def spread_scores(mass: torch.Tensor, spread: int) -> torch.Tensor:

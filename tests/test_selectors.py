@@ -182,6 +182,42 @@ def test_deviation_pool_reranks_the_pool_by_mass_times_layer1_deviation(setup):
         QCFuseOptions(deviation_pool=2, budget="adaptive")
 
 
+def test_position_prior_reweights_the_ranking_by_position_inside_the_chunk(setup):
+    """position_prior=a: chunk tokens ranked by mass x (1 + position inside their chunk)^-a -
+    exact on toy masses (the first chunk starts at 6, the second at 28, the third at 52)."""
+    from qcfuse_core.selectors import chunk_position_prior
+
+    m, prompt = setup
+    prior = chunk_position_prior(prompt, 1.0)
+    assert prior[:6].tolist() == [1.0] * 6 and prior[26:28].tolist() == [1.0, 1.0] and prior[68:].eq(1).all()
+    assert prior[6].item() == 1.0 and prior[7].item() == 0.5 and prior[28].item() == 1.0
+    assert prior[52 + 3].item() == pytest.approx(0.25) and prior[25].item() == pytest.approx(1 / 20)
+    assert torch.allclose(chunk_position_prior(prompt, 0.5) ** 2, prior, rtol=1e-6, atol=0)
+    mass = torch.zeros(prompt.num_tokens)
+    # by mass alone: 40 (5.0), 25 (4.0), 60 (3.0); weighted by 1/(1 + position): 28 (2.0 x 1),
+    # 52 (1.0 x 1), 53 (1.5 x 1/2), 40 (5.0 x 1/13 = 0.38), 25 (4.0 x 1/20), 60 (3.0 x 1/9)
+    mass[torch.tensor([40, 25, 60, 28, 52, 53])] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 1.5])
+    ctx = SelectionContext(m, prompt, 3 / 62)
+    plain = get_selector("qcfuse").choose(ctx, QCFuseOptions(), mass.clone(), {})
+    weighted = get_selector("qcfuse").choose(ctx, QCFuseOptions(position_prior=1.0), mass.clone(), {})
+    assert plain.details["positions"].tolist() == [25, 40, 60]
+    assert weighted.details["positions"].tolist() == [28, 52, 53]
+    assert torch.equal(weighted.details["selected_scores"], mass[[28, 52, 53]])  # scores stay the mass
+    assert weighted.details["position_prior"] == 1.0
+    _check_rules(prompt, weighted.rows)
+    sel = get_selector("qcfuse").select(SelectionContext(m, prompt, 0.25, options={"position_prior": 0.5}))
+    base = get_selector("qcfuse").select(SelectionContext(m, prompt, 0.25))
+    m_all = torch.zeros(prompt.num_tokens)
+    m_all[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = base.scores
+    want = top_budget(CHUNK, (m_all * chunk_position_prior(prompt, 0.5))[CHUNK], 16)
+    assert torch.equal(sel.details["positions"], want)
+    for bad in (-0.1, 5, True, "0.5"):
+        with pytest.raises(ValueError, match="position_prior"):
+            QCFuseOptions(position_prior=bad)
+    with pytest.raises(ValueError, match="fixed"):
+        QCFuseOptions(position_prior=0.5, budget="adaptive")
+
+
 def test_qcall_uses_every_layer(setup):
     m, prompt = setup
     sel = get_selector("qcall").select(SelectionContext(m, prompt, 0.2))
