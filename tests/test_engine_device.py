@@ -77,3 +77,30 @@ def test_deviation_pool_streamed_answers_like_in_memory(engines):
     assert d["positions"].numel() == d["budget"] and set(d["positions"].tolist()) <= set(d["pool"].tolist())
     assert a.recomputed_tokens == plain.recomputed_tokens  # the final rows, not the pool
     assert a.selection.rows.tolist() != plain.selection.rows.tolist()
+
+
+def test_position_prior_ranks_mass_times_prior_on_the_device(engines):
+    """position_prior re-weights the ranking where the mass lives (on a GPU, on the GPU): the
+    chosen positions equal a host top-k of the returned mass x the prior, and streamed ==
+    in memory."""
+    from dataclasses import replace
+
+    from qcfuse_core.scoring import top_budget
+    from qcfuse_core.selectors import chunk_position_prior
+
+    mem, tiered = engines
+    for eng in (mem, tiered):
+        eng.config = replace(eng.config, selection_options={"position_prior": 0.8})
+    a = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    b = tiered.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    assert b.token_ids == a.token_ids and len(a.token_ids) > 0
+    assert b.selection.rows.tolist() == a.selection.rows.tolist()
+    prompt, _, _ = mem.fuse_pieces(mem.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
+    assert prompt.num_tokens == a.prompt_tokens
+    mass = torch.zeros(prompt.num_tokens)
+    mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = a.selection.scores.float().cpu()
+    cand = torch.nonzero(prompt.mask("chunk")).flatten()
+    want = top_budget(cand, (mass * chunk_position_prior(prompt, 0.8))[cand], a.selection.details["budget"])
+    assert a.selection.details["positions"].tolist() == want.tolist()
+    assert want.tolist() != top_budget(cand, mass[cand], a.selection.details["budget"]).tolist()  # the prior mattered
+    assert a.selection.details["position_prior"] == 0.8
