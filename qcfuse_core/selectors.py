@@ -258,7 +258,7 @@ class QueryAwareSelector(Selector):
         cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
         rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
         if opts.position_prior:
-            rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior).to(rank_by.device, non_blocking=True)
+            rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
         if opts.allocation == "chunk":  # an ablation: each chunk gets budget x its share of the mass
             n = ctx.budget
             mass, rank_by = mass.cpu(), rank_by.cpu()
@@ -350,11 +350,14 @@ def _covered(mass: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor) -> fl
     return covered_share(mass[cand], chosen_mask)
 
 
-def chunk_position_prior(prompt: FusedPrompt, a: float) -> torch.Tensor:
-    """(T,) fp32: (1 + position inside the chunk)^-a on chunk tokens, 1 elsewhere."""
-    prior = torch.ones(prompt.num_tokens)
+def chunk_position_prior(prompt: FusedPrompt, a: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T,) fp32 on `device`: (1 + position inside the chunk)^-a on chunk tokens, 1 elsewhere.
+
+    Built where it is used: a host tensor copied to a GPU from pageable memory would wait for
+    the probe's kernels (a stream sync) before the ranking could start."""
+    prior = torch.ones(prompt.num_tokens, device=device)
     for s, e in prompt.chunk_spans():
-        prior[s:e] = torch.arange(1, e - s + 1, dtype=torch.float32) ** -a
+        prior[s:e] = torch.arange(1, e - s + 1, dtype=torch.float32, device=device) ** -a
     return prior
 
 
