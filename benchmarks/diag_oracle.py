@@ -52,7 +52,7 @@ from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
 from qcfuse_core.fusion import fused_prefill  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
-from qcfuse_core.selectors import SelectionContext, get_selector, top_budget  # noqa: E402
+from qcfuse_core.selectors import SelectionContext, chunk_position_prior, get_selector, top_budget  # noqa: E402
 from qcfuse_kernels.reference import _expand_kv, apply_rope  # noqa: E402
 
 VARIANTS = ("qcfuse", "attn-crit", "attn-crit+sink", "attn-all", "dev", "mass-x-dev", "mass-x-dv", "mass-x-dev-early",
@@ -68,7 +68,6 @@ def privileged(engine: QCFuseEngine, prompt) -> dict:
     qs: dict[int, torch.Tensor] = {}
     ks: dict[int, torch.Tensor] = {}
     qkv = adapter.qkv
-    calls = {"layer": 0}
 
     def capture(layer, x):
         q, k, v = qkv(layer, x)
@@ -100,12 +99,24 @@ def privileged(engine: QCFuseEngine, prompt) -> dict:
     return dict(logits=out.logits[-1], attn=torch.stack(attn), dk=torch.stack(dk), dv=torch.stack(dv))
 
 
-def rankings(priv: dict, probed_mass: torch.Tensor, chunk: torch.Tensor, crit: list[int],
-             first_tokens: torch.Tensor, in_chunk: torch.Tensor) -> dict[str, torch.Tensor]:
-    def norm(d):  # each layer scaled by its mean over chunk tokens
-        return d / d[:, chunk].mean(1, keepdim=True).clamp_min(1e-12)
+def _norm(d: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """(L, T) per-layer deviations, each layer scaled by its mean over chunk tokens."""
+    return d / d[:, chunk].mean(1, keepdim=True).clamp_min(1e-12)
 
-    dev = (norm(priv["dk"]) + norm(priv["dv"])).sum(0)
+
+def staleness(priv: dict, chunk: torch.Tensor) -> torch.Tensor:
+    """(T,) |dK|^2 + |dV|^2 summed over layers, each layer normalised (`dev`)."""
+    return (_norm(priv["dk"], chunk) + _norm(priv["dv"], chunk)).sum(0)
+
+
+def rankings(priv: dict, probed_mass: torch.Tensor, prompt, crit: list[int]) -> dict[str, torch.Tensor]:
+    chunk = prompt.mask("chunk")
+
+    def norm(d):
+        return _norm(d, chunk)
+
+    dev = staleness(priv, chunk)
+    first_tokens = torch.tensor([s for s, _ in prompt.chunk_spans()])
     sinks = torch.zeros_like(dev)
     sinks[first_tokens] = float("inf")
     return {
@@ -116,7 +127,7 @@ def rankings(priv: dict, probed_mass: torch.Tensor, chunk: torch.Tensor, crit: l
         "mass-x-dv1": probed_mass * priv["dv"][1],
         "mass-x-dk1": probed_mass * priv["dk"][1],
         "mass-x-dkv1": probed_mass * (norm(priv["dk"]) + norm(priv["dv"]))[1],
-        **{f"mass-x-pos{a}": probed_mass * (1.0 + in_chunk.clamp_min(0).float()) ** -a for a in (0.25, 0.5, 0.8)},
+        **{f"mass-x-pos{a}": probed_mass * chunk_position_prior(prompt, a) for a in (0.25, 0.5, 0.8)},
         "attn-all": priv["attn"].mean(0),
         "dev": dev,
         "mass-x-dev": probed_mass * dev,
@@ -148,11 +159,10 @@ def main() -> int:
         priv = privileged(engine, prompt)
         chunk = prompt.mask("chunk")
         cand = torch.nonzero(chunk).flatten()
-        first = torch.tensor([st for st, _ in prompt.chunk_spans()])
         in_chunk = torch.full((prompt.num_tokens,), -1)
         for st, en in prompt.chunk_spans():
             in_chunk[st:en] = torch.arange(en - st)
-        dev_all = rankings(priv, torch.ones(prompt.num_tokens), chunk, crit, first, in_chunk)["dev"]
+        dev_all = staleness(priv, chunk)
         rec = {"id": ex.id, "dataset": dataset_name(a.dataset), "context_tokens": prompt.context_tokens,
                "kl_all_rows_vs_hf": M.kl_divergence(full_logits[-1], priv["logits"]), "kl": {}, "overlap": {},
                "dev_by_position": {f"{lo}-{hi}": float(dev_all[(in_chunk >= lo) & (in_chunk < hi)].mean())
@@ -163,7 +173,7 @@ def main() -> int:
             mass = torch.zeros(prompt.num_tokens)
             mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.scores.float().cpu()
             rows = {"qcfuse": sel.rows}
-            for name, score in rankings(priv, mass, chunk, crit, first, in_chunk).items():
+            for name, score in rankings(priv, mass, prompt, crit).items():
                 rows[name] = ctx.finalize(name, top_budget(cand, score[cand], ctx.budget)).rows
             base = set(sel.rows.tolist())
             for name in dict.fromkeys(["qcfuse"] + a.variants):

@@ -59,19 +59,27 @@ def test_every_row_recomputed_answers_like_full_prefill(engines):
         assert r.token_ids == full.token_ids
 
 
-def test_deviation_pool_streamed_answers_like_in_memory(engines):
-    """qcfuse with the layer-1 deviation re-ranking narrows its rows inside the pipelined
-    prefill; streamed from the store it must pick the same rows and tokens as in memory."""
+def _qcfuse_streamed_like_in_memory(engines, options: dict):
+    """qcfuse@0.3 with selection `options` on both engines; streamed must answer like in memory
+    (same tokens, same rows). -> the in-memory answer."""
     from dataclasses import replace
 
     mem, tiered = engines
-    plain = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
     for eng in (mem, tiered):
-        eng.config = replace(eng.config, selection_options={"deviation_pool": 2})
+        eng.config = replace(eng.config, selection_options=options)
     a = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
     b = tiered.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
     assert b.token_ids == a.token_ids and len(a.token_ids) > 0
     assert b.selection.rows.tolist() == a.selection.rows.tolist()
+    return a
+
+
+def test_deviation_pool_streamed_answers_like_in_memory(engines):
+    """qcfuse with the layer-1 deviation re-ranking narrows its rows inside the pipelined
+    prefill; streamed from the store it must pick the same rows and tokens as in memory."""
+    mem, _ = engines
+    plain = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
+    a = _qcfuse_streamed_like_in_memory(engines, {"deviation_pool": 2})
     d = a.selection.details
     assert d["deviation_pool"] == 2 and d["pool"].numel() == 2 * d["budget"]
     assert d["positions"].numel() == d["budget"] and set(d["positions"].tolist()) <= set(d["pool"].tolist())
@@ -83,18 +91,11 @@ def test_position_prior_ranks_mass_times_prior_on_the_device(engines):
     """position_prior re-weights the ranking where the mass lives (on a GPU, on the GPU): the
     chosen positions equal a host top-k of the returned mass x the prior, and streamed ==
     in memory."""
-    from dataclasses import replace
-
     from qcfuse_core.scoring import top_budget
     from qcfuse_core.selectors import chunk_position_prior
 
-    mem, tiered = engines
-    for eng in (mem, tiered):
-        eng.config = replace(eng.config, selection_options={"position_prior": 0.8})
-    a = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
-    b = tiered.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
-    assert b.token_ids == a.token_ids and len(a.token_ids) > 0
-    assert b.selection.rows.tolist() == a.selection.rows.tolist()
+    mem, _ = engines
+    a = _qcfuse_streamed_like_in_memory(engines, {"position_prior": 0.8})
     prompt, _, _ = mem.fuse_pieces(mem.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
     assert prompt.num_tokens == a.prompt_tokens
     mass = torch.zeros(prompt.num_tokens)
