@@ -13,7 +13,9 @@ mean of the square roots of the probabilities (`sqrt`), and `qcall` (every layer
 the prompt prefix (system prompt + header) visible before the chunk, and runs naive and
 qcfuse on both; `--set prefix-rows` runs `last8` and `mix` on prefix-visible caches
 (pv-last8, pv-mix); `--set prefix-dev` runs the shipped scoring and `deviation_pool=2` on
-prefix-visible caches (pv-base, pv-dev2). `--set cross` (first token only, no generation, prints a table, no
+prefix-visible caches (pv-base, pv-dev2); `--set prefix-eval` runs naive and the shipped qcfuse on
+prefix-visible caches only (pv-naive, pv-qcfuse@r; for a reporting set, beside its committed
+records). `--set cross` (first token only, no generation, prints a table, no
 records) crosses caches and selections at 0.3: alone or prefix-visible caches, each fused with
 the tokens qcfuse selects on alone or on prefix-visible caches. `--set blend|blend2|blend3`
 rank by attended x stale: `qcblend` (layers 0-1 for every token as cacheblend, then the
@@ -256,7 +258,7 @@ def summarize(records: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
-    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows", "prefix-dev", "cross"])
+    ap.add_argument("--set", required=True, choices=sorted(SETS) + ["prefix", "prefix-rows", "prefix-dev", "prefix-eval", "cross"])
     ap.add_argument("--ratio", type=float, default=0.3, help="--set cross only")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=12)
@@ -276,14 +278,18 @@ def main() -> int:
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
     name = dataset_name(a.dataset)
     pv = prefix_visible(engine) if a.set.startswith("prefix") else None
-    if a.set in ("prefix-rows", "prefix-dev"):
+    if a.set in ("prefix-rows", "prefix-dev", "prefix-eval"):
         pv["on"] = True
     for ex in load_dataset(a.dataset, limit=a.limit, offset=a.offset):
         if ex.id in done:
             continue
         t0 = time.perf_counter()
         ref = reference_path(Path(a.reference), name, ex.id) if a.reference else None
-        if a.set in ("prefix-rows", "prefix-dev"):  # every cache prefix-visible; full prefill needs none
+        if a.set == "prefix-eval":  # every cache prefix-visible; full prefill needs none
+            variants = [("pv-naive", "naive", None, {})] + [(f"pv-qcfuse@{r}", "qcfuse", r, {}) for r in (0.15, 0.3)]
+            recs = run_example(engine, ex, None, None, {}, a.max_new_tokens, variants=variants, target=a.target,
+                               reference=ref)
+        elif a.set in ("prefix-rows", "prefix-dev"):  # every cache prefix-visible; full prefill needs none
             pick = SETS["rows2"](0.15)[1:3] + SETS["rows2"](0.3)[1:3] if a.set == "prefix-rows" else \
                 [_q(lab, r, **o) for r in (0.15, 0.3) for lab, o in (("base", {}), ("dev2", {"deviation_pool": 2}))]
             variants = [("pv-" + lab, m, ratio, o) for lab, m, ratio, o in pick]
