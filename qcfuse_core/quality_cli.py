@@ -42,7 +42,11 @@ def add_commands(sub) -> None:
     p.add_argument("--dataset", required=True)
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--top", type=int, default=3, help="how many layers the profile keeps")
+    p.add_argument("--top", type=int, default=3, help="how many layers the profile keeps (greedy: at most)")
+    p.add_argument("--search", default="singles", choices=("singles", "greedy"),
+                   help="singles: the best layers by their own KL; greedy: grow a set from the best layer, "
+                        "adding the layer that lowers the set's KL most (~top x the fused prefills, "
+                        "every example kept in memory)")
     p.add_argument("--out", default=None, help="profile JSON (default: the user profile dir, keyed by fingerprint)")
     _model_args(p)
     _selection_args(p)
@@ -114,7 +118,7 @@ def cmd_profile_layers(args) -> int:
     engine = _open(args)
     prof = profile_layers(engine, args.dataset, limit=args.limit, ratio=args.ratio, top_k=args.top,
                           anchors=AnchorConfig(args.anchor_method, args.anchor_share),
-                          layers=args.critical_layers)
+                          layers=args.critical_layers, search=args.search)
     path = critical_layers.save_profile(prof, Path(args.out) if args.out else None, engine.adapter)
     print(format_ranking(prof))
     print(f"critical layers {prof['layers']} -> {path}")

@@ -1,0 +1,105 @@
+"""Critical-layer profiler (`qcfuse profile-layers`) on the embedded model, toy calibration set."""
+
+import json
+
+import pytest
+import torch
+
+from qcfuse_core import metrics as M
+from qcfuse_core.anchors import AnchorConfig
+from qcfuse_core.fusion import fused_prefill
+from qcfuse_core.profiler import format_ranking, prepare_example, profile_layers, score_set
+from qcfuse_core.selectors import SelectionContext, get_selector
+
+QUESTIONS = [
+    ("Who founded the Zephyr Institute?",
+     ["The Zephyr Institute studies ocean currents. It was founded in 1931 by the marine biologist Ada "
+      "Ferreira on the island of Cape Wrayth.",
+      "The Lantern Festival began in 1952 in the port of Cape Wrayth, where lanterns are lit every autumn.",
+      "Cape Wrayth has a lighthouse built in 1890 and a ferry to the mainland twice a day."],
+     ["Ada Ferreira"]),
+    ("When did the Lantern Festival begin?",
+     ["The Lantern Festival began in 1952 in the port of Cape Wrayth, where lanterns are lit every autumn.",
+      "Ada Ferreira, a marine biologist, founded the Zephyr Institute in 1931.",
+      "The ferry to Cape Wrayth was replaced by a bridge in 1977, which the islanders opposed."],
+     ["1952"]),
+]
+LAYERS = [2, 5, 8]
+
+
+@pytest.fixture()
+def toy_set(tmp_path):
+    path = tmp_path / "toy_s.json"
+    path.write_text(json.dumps([{"question": q, "answers": a, "ctxs": [{"title": "", "text": p} for p in ps]}
+                                for q, ps, a in QUESTIONS]))
+    return path
+
+
+def test_a_layer_set_scores_what_the_qcfuse_selector_does_with_those_critical_layers(smol_engine):
+    """The profiler's score of a layer set is the first-token KL of the shipped qcfuse selector
+    run with `critical_layers` = that set, against HF's own full prefill."""
+    adapter = smol_engine.adapter
+    q, passages, _ = QUESTIONS[0]
+    prep = prepare_example(smol_engine, q, passages, AnchorConfig(), LAYERS)
+    assert sorted(prep.mass) == LAYERS and all(m.shape == (prep.prompt.num_tokens,) for m in prep.mass.values())
+    full = adapter.hf_forward(prep.prompt.token_ids, keep=1)[0][-1]
+    assert torch.equal(full, prep.ref)
+    kls = []
+    for layer_set in ([5], [8], [5, 8], [2, 5, 8]):
+        kl, agree = score_set(adapter, prep, layer_set, 0.3)
+        sel = get_selector("qcfuse").select(SelectionContext(adapter, prep.prompt, 0.3,
+                                                             options={"critical_layers": layer_set}))
+        logits = fused_prefill(adapter, prep.prompt, sel.rows, logits_last=1).logits[-1]
+        assert kl == pytest.approx(M.kl_divergence(full, logits), rel=1e-4, abs=1e-7)
+        assert agree == float(int(logits.argmax()) == int(full.argmax()))
+        kls.append(kl)
+    assert len(set(kls)) > 1  # the sets really select differently
+    # every chunk token recomputed: the fused prefill is full prefill
+    kl_all, agree_all = score_set(adapter, prep, [5], 1.0)
+    assert kl_all < 1e-6 and agree_all == 1.0
+
+
+def test_profile_singles_and_greedy(smol_engine, toy_set):
+    adapter = smol_engine.adapter
+    preps = [prepare_example(smol_engine, q, ps, AnchorConfig(), LAYERS) for q, ps, _ in QUESTIONS]
+
+    def mean_kl(layer_set):
+        return sum(score_set(adapter, p, layer_set, 0.3)[0] for p in preps) / len(preps)
+
+    singles = profile_layers(smol_engine, str(toy_set), limit=None, ratio=0.3, top_k=2, layers=LAYERS)
+    assert singles["search"] == "singles" and singles["n"] == 2 and "steps" not in singles
+    for r in singles["ranking"]:
+        assert r["kl"] == pytest.approx(mean_kl([r["layer"]]), rel=1e-4, abs=1e-7)
+    kl_order = [r["kl"] for r in singles["ranking"]]
+    assert kl_order == sorted(kl_order) and singles["layers"] == [r["layer"] for r in singles["ranking"][:2]]
+
+    greedy = profile_layers(smol_engine, str(toy_set), limit=None, ratio=0.3, top_k=3, layers=LAYERS, search="greedy")
+    assert greedy["ranking"] == singles["ranking"]
+    steps = greedy["steps"]
+    assert steps[0]["layers"] == [singles["ranking"][0]["layer"]]
+    assert greedy["layers"] == steps[-1]["layers"] and 1 <= len(steps) <= 3
+    for prev, step in zip(steps, steps[1:]):
+        assert step["layers"][:-1] == prev["layers"] and step["kl"] < prev["kl"]
+        # the added layer is the best addition of all the remaining ones
+        trials = {c: mean_kl(prev["layers"] + [c]) for c in LAYERS if c not in prev["layers"]}
+        assert step["layers"][-1] == min(trials, key=trials.get)
+        assert step["kl"] == pytest.approx(trials[step["layers"][-1]], rel=1e-4, abs=1e-7)
+    if len(steps) < 3:  # stopped: no remaining layer lowers the set's KL
+        last = steps[-1]
+        assert all(mean_kl(last["layers"] + [c]) >= last["kl"] - 1e-7 for c in LAYERS if c not in last["layers"])
+    assert "greedy set" in format_ranking(greedy)
+    with pytest.raises(ValueError, match="search must be one of"):
+        profile_layers(smol_engine, str(toy_set), layers=LAYERS, search="beam")
+
+
+def test_cli_profile_layers_greedy_writes_the_profile(toy_set, tmp_path, capsys):
+    from qcfuse_core.cli import main
+
+    out = tmp_path / "profile.json"
+    assert main(["profile-layers", "--dataset", str(toy_set), "--ratio", "0.3", "--critical-layers", "2,5",
+                 "--search", "greedy", "--top", "2", "--threads", "1", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["search"] == "greedy" and prof["layers"] == prof["steps"][-1]["layers"]
+    assert set(prof["layers"]) <= {2, 5} and "--search greedy" in prof["source"]
+    printed = capsys.readouterr().out
+    assert "greedy set" in printed and f"critical layers {prof['layers']}" in printed
