@@ -11,8 +11,9 @@ For each calibration example:
 Layers are ranked by mean KL (lower is better); the top `k` become the model's critical
 layers - or, with `search="greedy"`, the set grown from the best layer by adding whichever
 layer lowers the set's mean KL most (the selector averages its layers' mass, and a layer that
-ranks poorly alone can complete a set well). The profile is saved where `critical_layers.lookup` finds it (by fingerprint), or to
-an explicit path (e.g. the packaged table's neighbour for a shipped preset).
+ranks poorly alone can complete a set well). The profile is saved where
+`critical_layers.lookup` finds it (by fingerprint), or to an explicit path (e.g. the
+packaged table's neighbour for a shipped preset).
 """
 
 from __future__ import annotations
