@@ -183,14 +183,18 @@ SETS = {
 }
 
 
-def prefix_visible(engine: QCFuseEngine) -> dict:
-    """Patch engine.prefill_alone: chunks are prefilled after the prompt prefix (switchable)."""
+def prefix_visible(engine: QCFuseEngine, sink: int | None = None) -> dict:
+    """Patch engine.prefill_alone: chunks are prefilled after the prompt prefix (switchable);
+    with `sink`, after only its first `sink` tokens (a generic attention sink, not the prompt)."""
     prefix_ids = engine.tokenize(engine._head + engine.config.context_header)
+    if sink:
+        prefix_ids = prefix_ids[:sink]
+    full_prefix = engine.tokenize(engine._head + engine.config.context_header)  # the prompt's own prefix piece
     alone = engine.prefill_alone
     state = {"on": False}
 
     def prefill(ids):
-        if state["on"] and not torch.equal(ids, prefix_ids):
+        if state["on"] and not torch.equal(ids, full_prefix):
             k, v = alone(torch.cat([prefix_ids, ids]))
             P = len(prefix_ids)
             return k[:, P:].contiguous(), v[:, P:].contiguous()
@@ -266,6 +270,8 @@ def main() -> int:
     ap.add_argument("--reference", default=None, help="full-prefill reference folder (target gold only)")
     ap.add_argument("--jsonl", default=None, help="records, appended (every set but cross)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--sink", type=int, default=None,
+                    help="--set prefix*: chunks see only the prefix's first N tokens (a generic sink)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     engine = QCFuseEngine(load_model(dtype="fp32"))
@@ -277,7 +283,7 @@ def main() -> int:
     out = Path(a.jsonl)
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
     name = dataset_name(a.dataset)
-    pv = prefix_visible(engine) if a.set.startswith("prefix") else None
+    pv = prefix_visible(engine, a.sink) if a.set.startswith("prefix") else None
     if a.set in ("prefix-rows", "prefix-dev", "prefix-eval"):
         pv["on"] = True
     for ex in load_dataset(a.dataset, limit=a.limit, offset=a.offset):
