@@ -26,6 +26,10 @@ beside qcfuse's own selection at the same budget:
 - `attn-x-dv`: sum over layers of true attention x |dV| - a first-order estimate of how much
   the token's staleness moves the question's attention output.
 
+With `--answers` each selection also writes its greedy answer (as `bench quality` decodes:
+24 new tokens), scored by `contains` against the gold aliases and by exact agreement with full
+prefill's own answer; `--ids` restricts the run to named questions.
+
 If the oracles beat qcfuse by a wide margin, selection is what limits fidelity at this budget;
 if they do not, no ranking of tokens will close the gap and the error lies elsewhere. Nothing
 here changes the package. Records (one per question) are appended to --jsonl; the table is
@@ -50,7 +54,8 @@ from qcfuse_core import critical_layers  # noqa: E402
 from qcfuse_core import metrics as M  # noqa: E402
 from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
-from qcfuse_core.fusion import fused_prefill  # noqa: E402
+from qcfuse_core.bench_quality import _greedy  # noqa: E402
+from qcfuse_core.fusion import KVCache, fill_from_hf, fused_prefill  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
 from qcfuse_core.selectors import SelectionContext, chunk_position_prior, get_selector, top_budget  # noqa: E402
 from qcfuse_kernels.reference import _expand_kv, apply_rope  # noqa: E402
@@ -144,6 +149,9 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="selections to fuse (qcfuse always runs: the others are compared with it)")
     ap.add_argument("--jsonl", required=True, help="records, appended; questions already there are skipped")
+    ap.add_argument("--ids", nargs="+", default=None, help="only these question ids (of the offset/limit slice)")
+    ap.add_argument("--answers", action="store_true", help="also decode each selection's greedy answer")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     a = ap.parse_args()
     torch.set_num_threads(1)
     engine = QCFuseEngine(load_model(dtype="fp32"))
@@ -151,11 +159,12 @@ def main() -> int:
     out = Path(a.jsonl)
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line} if out.is_file() else set()
     for ex in load_dataset(a.dataset, limit=a.limit, offset=a.offset):
-        if ex.id in done:
+        if ex.id in done or (a.ids is not None and ex.id not in a.ids):
             continue
         t0 = time.perf_counter()
         prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-        full_logits, _ = engine.adapter.hf_forward(prompt.token_ids, keep=1)
+        full_logits, full_kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
+        T = prompt.num_tokens
         priv = privileged(engine, prompt)
         chunk = prompt.mask("chunk")
         cand = torch.nonzero(chunk).flatten()
@@ -167,6 +176,14 @@ def main() -> int:
                "kl_all_rows_vs_hf": M.kl_divergence(full_logits[-1], priv["logits"]), "kl": {}, "overlap": {},
                "dev_by_position": {f"{lo}-{hi}": float(dev_all[(in_chunk >= lo) & (in_chunk < hi)].mean())
                                    for lo, hi in BUCKETS}}
+        if a.answers:
+            cache = KVCache(engine.adapter, T + a.max_new_tokens)
+            fill_from_hf(cache, full_kv)
+            cache.length = T
+            full_answer = _greedy(engine, cache, full_logits[-1], a.max_new_tokens)
+            rec.update(answer={"full": full_answer}, contains={"full": M.best(M.contains, full_answer, ex.answers)},
+                       agree_exact={})
+        del full_kv
         for ratio in a.ratios:
             ctx = SelectionContext(engine.adapter, prompt, ratio)
             sel = get_selector("qcfuse").select(ctx)
@@ -177,23 +194,37 @@ def main() -> int:
                 rows[name] = ctx.finalize(name, top_budget(cand, score[cand], ctx.budget)).rows
             base = set(sel.rows.tolist())
             for name in dict.fromkeys(["qcfuse"] + a.variants):
-                fused = fused_prefill(engine.adapter, prompt, rows[name], logits_last=1)
+                cache = KVCache(engine.adapter, T + a.max_new_tokens) if a.answers else None
+                fused = fused_prefill(engine.adapter, prompt, rows[name], logits_last=1, kv_out=cache)
                 rec["kl"][f"{name}@{ratio}"] = M.kl_divergence(full_logits[-1], fused.logits[-1])
+                if a.answers:
+                    cache.length = T
+                    ans = _greedy(engine, cache, fused.logits[-1], a.max_new_tokens)
+                    rec["answer"][f"{name}@{ratio}"] = ans
+                    rec["contains"][f"{name}@{ratio}"] = M.best(M.contains, ans, ex.answers)
+                    rec["agree_exact"][f"{name}@{ratio}"] = float(M.normalize(ans) == M.normalize(full_answer))
                 rec["overlap"][f"{name}@{ratio}"] = len(base & set(rows[name].tolist())) / len(base)
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{ex.id}: {time.perf_counter() - t0:.1f} s " + " ".join(f"{k} {v:.4f}" for k, v in rec["kl"].items()),
               flush=True)
     recs = [json.loads(line) for line in out.read_text().splitlines() if line]
-    print(f"| selection | ratio | n | first-token KL | lower KL than qcfuse | rows shared with qcfuse |")
-    print("|---|---|---|---|---|---|")
+    ans = [r for r in recs if "contains" in r]  # decoded answers (--answers)
+    extra = " contains - full's (lost / gained) | agree exact |" if ans else ""
+    print(f"| selection | ratio | n | first-token KL | lower KL than qcfuse | rows shared with qcfuse |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if ans else ""))
     for ratio in a.ratios:
         for name in dict.fromkeys(["qcfuse"] + a.variants):
             key = f"{name}@{ratio}"
             kl = [r["kl"][key] for r in recs]
             wins = sum(r["kl"][key] < r["kl"][f"qcfuse@{ratio}"] for r in recs)
-            print(f"| {name} | {ratio} | {len(recs)} | {statistics.mean(kl):.4f} | {wins}/{len(recs)} | "
-                  f"{statistics.mean(r['overlap'][key] for r in recs):.2f} |")
+            line = (f"| {name} | {ratio} | {len(recs)} | {statistics.mean(kl):.4f} | {wins}/{len(recs)} | "
+                    f"{statistics.mean(r['overlap'][key] for r in recs):.2f} |")
+            if ans:
+                d = [r["contains"][key] - r["contains"]["full"] for r in ans]
+                line += (f" {statistics.mean(d):+.3f} ({sum(x < 0 for x in d)} / {sum(x > 0 for x in d)}) | "
+                         f"{statistics.mean(r['agree_exact'][key] for r in ans):.3f} |")
+            print(line)
     pos = [r for r in recs if not any(math.isnan(v) for v in r["dev_by_position"].values())]
     if pos:
         print(f"mean staleness (dev summed over layers, each layer's chunk mean = 1) by position inside the "
