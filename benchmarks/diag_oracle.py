@@ -52,9 +52,9 @@ import torch  # noqa: E402
 
 from qcfuse_core import critical_layers  # noqa: E402
 from qcfuse_core import metrics as M  # noqa: E402
+from qcfuse_core.bench_quality import _greedy  # noqa: E402
 from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
-from qcfuse_core.bench_quality import _greedy  # noqa: E402
 from qcfuse_core.fusion import KVCache, fill_from_hf, fused_prefill  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
 from qcfuse_core.selectors import SelectionContext, chunk_position_prior, get_selector, top_budget  # noqa: E402
