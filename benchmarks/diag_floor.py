@@ -26,7 +26,6 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,6 +45,7 @@ from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
 from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fill_from_hf  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
+from merge_quality import read  # noqa: E402  (benchmarks/ is this script's own folder)
 
 
 def run_question(e32: QCFuseEngine, e16: QCFuseEngine, ex, ref_file: Path, max_new: int, gold_tokens: int = 64) -> dict:
@@ -89,6 +89,9 @@ def summarize(floor: list[dict], compare: list[dict]) -> None:
     for name in sorted({r["dataset"] for r in floor}):
         rows = {r["id"]: r for r in floor if r["dataset"] == name}
         full = {r["id"]: r for r in compare if r["dataset"] == name and r["method"] == "full"}
+        bad = [i for i in rows if i in full and full[i]["answer"] != rows[i]["answer_fp32"]]
+        if bad:  # the compared records must have been scored against the same fp32 full prefill
+            raise SystemExit(f"{name}: committed full answers differ from the references for {bad[:5]}")
         runs: dict[str, dict[str, dict]] = {"full-bf16": rows}
         for r in compare:
             if r["dataset"] == name and r["method"] in ("naive", "qcfuse", "cacheblend", "epic") and r["id"] in rows:
@@ -98,9 +101,6 @@ def summarize(floor: list[dict], compare: list[dict]) -> None:
             ids = sorted(i for i in recs if i in rows)
             base = [rows[i]["contains_fp32"] for i in ids]
             c = [recs[i]["contains"] for i in ids]
-            bad = [i for i in ids if i in full and full[i]["answer"] != rows[i]["answer_fp32"]]
-            if bad:  # the compared records must have been scored against the same fp32 full prefill
-                raise SystemExit(f"{name}: committed full answers differ from the references for {bad[:5]}")
             d = [a - b for a, b in zip(c, base)]
             lo, hi = _ci(d)
             lost = sum(a < b for a, b in zip(c, base))
@@ -110,10 +110,6 @@ def summarize(floor: list[dict], compare: list[dict]) -> None:
                   f"{statistics.mean(recs[i]['agree_rouge_l'] for i in ids):.3f} | "
                   f"{statistics.mean(recs[i]['kl_first_token'] for i in ids):.4f} | "
                   f"{statistics.mean(recs[i]['gold_nll'] for i in ids):.3f} |")
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def main() -> int:

@@ -27,10 +27,7 @@ from qcfuse_core.bench_quality import reference_path, run_example  # noqa: E402
 from qcfuse_core.datasets import dataset_name, load_dataset  # noqa: E402
 from qcfuse_core.engine import QCFuseEngine  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+from merge_quality import read  # noqa: E402  (benchmarks/ is this script's own folder)
 
 
 def lost_ids(records: list[dict], lost: str) -> list[str]:
