@@ -38,7 +38,7 @@ def check_cuda() -> int:
 
     import torch
 
-    from qcfuse_core.bench_ttft import cache_alone
+    from qcfuse_core.testing import cache_alone
     from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
     from qcfuse_core.prefetch import PrefetchConfig, Prefetcher
     from qcfuse_core.selectors import SelectionContext, get_selector
@@ -74,19 +74,19 @@ def check_cuda() -> int:
                 lazy = FusedPrompt(segs + [Segment("suffix", suffix)])
                 like = torch.empty((0, ad.shape.num_kv_heads, ad.shape.head_dim), device="cuda", dtype=ad.dtype)
                 for rep in range(2):  # second request reuses the buffers
-                    pf.start(lazy)
+                    session = pf.start(lazy)
                     same = True
                     for l in range(ad.num_layers):
-                        k, v = pf.layer(l, like)
+                        k, v = session.layer(l, like)
                         rk, rv = ref.layer(l, like)
                         same &= torch.equal(k, rk) and torch.equal(v, rv)
-                    r = pf.finish()
+                    r = session.finish()
                     sources = dict(r.sources)
                 sel = get_selector("epic").select(SelectionContext(ad, ref, 0.3))
                 want = fused_prefill(ad, ref, sel.rows, logits_last=None).logits
-                pf.start(lazy)
-                got = fused_prefill(ad, lazy, sel.rows, logits_last=None, source=pf).logits
-                r = pf.finish()
+                session = pf.start(lazy)
+                got = fused_prefill(ad, lazy, sel.rows, logits_last=None, source=session).logits
+                r = session.finish()
                 same_logits = torch.equal(got, want)
                 print(f"tier={tier:4s} threaded={threaded!s:5s} layers_equal={same} logits_equal={same_logits} "
                       f"sources={sources} wait_ms={[round(w, 3) for w in r.wait_ms]}")

@@ -41,8 +41,9 @@ import torch
 from qcfuse_core import metrics as M
 from qcfuse_core.datasets import Example, dataset_name, load_dataset
 from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
-from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
+from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step
+from qcfuse_core.pipeline import Planned
+from qcfuse_core.selectors import SELECTORS, get_selector
 from qcfuse_core.store import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -90,29 +91,28 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
         raise ValueError(f"target must be 'gold' or 'full', got {target!r}")
     if reference is not None and target != "gold":
         raise ValueError("a stored full-prefill reference holds the gold target only (target='gold')")
-    adapter = engine.adapter
     engine.store = MemoryStore()  # chunk caches of this example only (an fp32 6K-token context is ~300 MB)
     if variants is None:
         variants = [(m, m, r, options) for m in methods if m != "full"
                     for r in (ratios if get_selector(m).uses_ratio else [None])]
     t0 = time.perf_counter()  # full prefill alone needs no chunk caches
-    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=bool(variants))
+    pieces = engine.rag_pieces(ex.question, list(ex.passages))
+    looked = engine.lookup(pieces, "naive" if variants else "full", streaming=False)
+    loading = engine.start_loading(looked, Planned("naive", frozenset()))
+    prompt = loading.prompt
     build_ms = (time.perf_counter() - t0) * 1e3
     T = prompt.num_tokens
+    full_sel = engine.select(prompt, "full", 1.0)
     full_answer = None
     if target == "full":  # full prefill's greedy answer first: it is the teacher-forced target
-        logits0, kv0 = adapter.hf_forward(prompt.token_ids)
-        cache = KVCache(adapter, T + max_new)
-        fill_from_hf(cache, kv0)
-        cache.length = T
-        full_answer = _greedy(engine, cache, logits0[-1], max_new)
-        del logits0, kv0, cache
+        pre = engine.fuse(loading, full_sel, "full", capacity=max_new)
+        full_answer = _greedy(engine, pre.cache, pre.logits[-1], max_new)
+        del pre
         gold = engine.tokenize(full_answer)[:gold_tokens] if full_answer else engine.tokenize(ex.answers[0])[:1]
     else:
         gold = engine.tokenize(ex.answers[0])[:gold_tokens]
     G = int(gold.numel())
     prompt_g = FusedPrompt(prompt.segments + [Segment("suffix", gold)])
-    gold_pos = torch.arange(T, T + G)
     common = dict(id=ex.id, prompt_tokens=T, context_tokens=prompt.context_tokens, chunks=len(prompt.chunk_spans()),
                   gold_tokens=G, build_ms=build_ms, target=target)
     # 2. full prefill: the reference (read from `reference` when an earlier run stored it)
@@ -120,16 +120,14 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     ref = _load_reference(reference, key) if reference is not None else None
     if ref is None:
         t1 = time.perf_counter()
-        logits, kv = adapter.hf_forward(prompt_g.token_ids, keep=G + 1)  # (G+1, vocab): positions T-1 .. T+G-1
+        pre = engine.fuse(loading, full_sel, "full", capacity=max_new, teacher=gold)
+        logits = pre.logits  # (G+1, vocab): positions T-1 .. T+G-1
         full_ms = (time.perf_counter() - t1) * 1e3
         if full_answer is None:
-            cache = KVCache(adapter, T + G + max_new)
-            fill_from_hf(cache, kv)
-            cache.length = T
-            full_answer = _greedy(engine, cache, logits[0], max_new)
+            full_answer = _greedy(engine, pre.cache, logits[0], max_new)
         ref = dict(key=key, first_logits=logits[0].clone(), gold_nll=M.nll(logits[:G], gold), answer=full_answer,
                    ms=full_ms)
-        del logits, kv
+        del logits, pre
         if reference is not None:
             _save_reference(reference, ref)
     else:
@@ -139,28 +137,17 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
                     recompute_share=1.0, ttft_ms=ref["ms"], **_text_scores(full_answer, ex, full_answer))]
     # 3. every other method (or variant)
     for label, method, ratio, opts in variants:
-        selector = get_selector(method)
         t2 = time.perf_counter()
-        query_aware = getattr(selector, "query_aware", False)
-        ctx = SelectionContext(adapter, prompt if query_aware else prompt_g, ratio or 0.0, options=opts)
-        sel = selector.select(ctx)
+        # the engine's own steps; the selection never sees the gold tokens (teacher-forced after it)
+        selected = engine.select(prompt, method, ratio or 0.0, options=opts)
         select_ms = (time.perf_counter() - t2) * 1e3
-        rows = torch.cat([sel.rows, gold_pos]) if query_aware else sel.rows
-        hook = sel.on_layer_end
-        if query_aware and hook is not None:  # rows it narrows to are the prompt's: keep the gold rows
-            def hook(state, _inner=sel.on_layer_end):
-                nxt = _inner(state)
-                return None if nxt is None else torch.cat([nxt.cpu(), gold_pos])
-        cache = KVCache(adapter, T + G + max_new)
-        out = fused_prefill(adapter, prompt_g, rows, full_layers=sel.full_layers, on_layer_end=hook,
-                            kv_out=cache, logits_last=G + 1)
+        pre = engine.fuse(loading, selected, method, capacity=max_new, teacher=gold)
         ttft = (time.perf_counter() - t2) * 1e3
-        tail = out.logits[-(G + 1):]  # positions T-1 .. T+G-1
-        cache.length = T
-        answer = _greedy(engine, cache, tail[0], max_new)
-        ctx_rows = int(prompt.mask("chunk", "text")[out.rows[out.rows < T]].sum())
+        tail = pre.logits  # positions T-1 .. T+G-1
+        answer = _greedy(engine, pre.cache, tail[0], max_new)
+        sel = selected.selection
         rec = dict(common, method=method, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
-                   gold_nll=M.nll(tail[:G], gold), recompute_share=ctx_rows / max(1, prompt.context_tokens),
+                   gold_nll=M.nll(tail[:G], gold), recompute_share=pre.recomputed_tokens / max(1, prompt.context_tokens),
                    ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
         if label != method:
             rec["variant"] = label

@@ -1,34 +1,38 @@
-"""`qcfuse bench ttft`: time-to-first-token of full prefill against fused methods, one process.
+"""`qcfuse bench ttft`: time-to-first-token through `engine.answer`, full prefill beside every method.
 
-    qcfuse bench ttft --shape llama-3.1-8b --device cuda --chunks 10 --chunk-tokens 1024 \\
-        --query-tokens 32 --tier host disk --methods full qcfuse cacheblend naive --ratios 0.15 0.3
+    qcfuse bench ttft --shape llama-3.1-8b --device cuda --context-sizes 10x1024 32x1024 \\
+        --query-tokens 32 --tier host disk --methods full qcfuse cacheblend epic naive --ratios 0.15 0.3
 
-Per tier: build the chunk caches (random token ids; a named shape gets random weights, a
-real model is loaded from disk - nothing is downloaded) into a tiered store holding them in
-that tier only, with the probe sidecars; measure the planner's rates (or read them from the
-JSON next to the store); then time each (method, ratio) - warm-up runs first, then the
-median of `--runs`. One request, timed from lookup to the first token on the host:
+What is timed is what users run: `engine.answer(question, chunk_texts, node_ids=...,
+max_new_tokens=1)` - text in, first token out, tokenisation, the chunk lookup by content
+and node id, planning, loading, selection and fused prefill included. There is no other
+copy of the request here (tests/test_bench_ttft.py checks that the timed call is
+`engine.answer`).
 
-    1 lookup   which tier holds each chunk              (prefetch.Prefetcher.tier_of)
-    2 plan     load or recompute each chunk             (planner.plan)
-    3 sidecars anchors + critical K of loaded chunks    (Prefetcher.view)
-    4 prefetch layers 0..L-1 start loading              (Prefetcher.start)
-    5 select   probe / score / pick rows                (selectors)
-    6 fuse     layer loop, waiting per layer            (fusion.fused_prefill, source=prefetcher)
-    7 token    argmax of the last logits (synchronizes)
+Per context size and tier: chunk texts (a named shape gets random weights and a byte-level
+tokenizer, so 1 byte = 1 token; a real model gets random words from the sample corpus) are
+ingested with `engine.build_chunks` into a tiered store that holds them in that tier only;
+the planner's rates are measured (or read from the JSON next to the store); then every
+(method, ratio) runs its warm-ups and the median of `--runs` is taken, all in one process.
+A further `--breakdown-runs` per configuration run with `sync_stages=True`: each stage waits
+for the GPU, so the stages (lookup, plan, load_start, select, prefill, first_token) show
+their own device time and add up to that run's TTFT. On the disk tier the entry files are
+dropped from the page cache (posix_fadvise DONTNEED) before every run.
 
-`full` is HF transformers' own forward (sdpa) of the same prompt. On the disk tier the
-entry files are dropped from the page cache (posix_fadvise DONTNEED) before every run.
+`--ingest-chunks N` also times `engine.build_chunks` on N fresh chunks of the largest size
+(store writes included) against full prefill's tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import logging
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -40,6 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 TINY_PREFIX = "tiny-"
+STAGE_KEYS = ("lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms", "first_token_ms")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -51,45 +56,66 @@ def build_adapter(args):
 
     dtype = _dtype(args.dtype, args.device)
     if args.shape and args.shape.startswith(TINY_PREFIX):
-        return tiny_model(args.shape[len(TINY_PREFIX):], dtype=dtype)
+        return tiny_model(args.shape[len(TINY_PREFIX):], dtype=dtype, tokenizer=True)
     if args.shape:
         if args.shape not in SHAPES:
             raise ValueError(f"unknown shape {args.shape!r}; valid: {', '.join(SHAPES)} (or tiny-<arch>)")
-        return shaped_model(args.shape, dtype=dtype, device=args.device, seed=args.seed)
+        return shaped_model(args.shape, dtype=dtype, device=args.device, seed=args.seed, tokenizer=True)
     return load_model(None if args.model in (None, "embedded") else args.model, dtype=dtype, device=args.device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Workload:
-    prefix_ids: torch.Tensor
-    chunk_ids: list[torch.Tensor]
-    suffix_ids: torch.Tensor
+    """Chunk texts with node ids, a question and a system prompt (the prefix's text)."""
 
-    @property
-    def token_ids(self) -> torch.Tensor:
-        return torch.cat([self.prefix_ids, *self.chunk_ids, self.suffix_ids])
-
-
-def make_workload(vocab: int, chunks: int, chunk_tokens: int, query_tokens: int, prefix_tokens: int, seed: int) -> Workload:
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = min(100, vocab // 4), max(vocab - 100, vocab // 2)
-
-    def ids(n: int) -> torch.Tensor:
-        return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64)
-
-    return Workload(ids(prefix_tokens), [ids(chunk_tokens) for _ in range(chunks)], ids(query_tokens))
+    texts: list[str]
+    node_ids: list[str]
+    question: str
+    system: str
 
 
-def cache_alone(adapter, ids: torch.Tensor):
-    """A segment alone at positions 0..n-1 -> KVChunk (pre-RoPE K), as the engine ingests it."""
-    from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
-    from qcfuse_core.types import ChunkKey, KVChunk
+def _byte_level(tokenizer) -> bool:
+    return len(tokenizer) <= 256
 
-    n = len(ids)
-    cache = KVCache(adapter, n)
-    out = fused_prefill(adapter, FusedPrompt([Segment("suffix", ids)]), torch.arange(n), kv_out=cache,
-                        capture_pre_rope=True)
-    return KVChunk(ChunkKey.for_tokens(adapter.fingerprint(), ids), ids.clone(), out.k_pre, cache.v[:, :n].clone())
+
+def make_text(tokenizer, n: int, rng: random.Random, words: list[str]) -> str:
+    """About `n` tokens of text: n random letters/spaces for a byte-level tokenizer (exact),
+    random words cut to n tokens otherwise (re-tokenising can differ by a token or two)."""
+    if _byte_level(tokenizer):
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n)).strip().rjust(n, "x")
+    text = " ".join(rng.choice(words) for _ in range(2 * n))
+    ids = tokenizer(text, add_special_tokens=False).input_ids[:n]
+    return tokenizer.decode(ids).strip()
+
+
+def _corpus_words() -> list[str]:
+    from importlib import resources
+
+    folder = resources.files("qcfuse_core.data").joinpath("sample_corpus")
+    text = " ".join(f.read_text() for f in folder.iterdir() if f.name.endswith(".md"))
+    return [w for w in text.split() if w.isalpha()]
+
+
+def make_workload(tokenizer, chunks: int, chunk_tokens: int, query_tokens: int, prefix_tokens: int, seed: int,
+                  tag: str = "") -> Workload:
+    rng = random.Random(seed)
+    words = [] if _byte_level(tokenizer) else _corpus_words()
+    texts = [make_text(tokenizer, chunk_tokens, rng, words) for _ in range(chunks)]
+    question = make_text(tokenizer, query_tokens, rng, words) + "?"
+    system = make_text(tokenizer, prefix_tokens, rng, words) if prefix_tokens else ""
+    return Workload(texts, [f"bench{tag}-{i}" for i in range(chunks)], question, system)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'CxN' -> (C chunks, N tokens each)."""
+    c, sep, n = text.lower().partition("x")
+    try:
+        size = (int(c), int(n))
+    except ValueError:
+        size = None
+    if not sep or size is None or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"context size {text!r}: expected CHUNKSxTOKENS, e.g. 10x1024")
+    return size
 
 
 def open_tier_store(root: Path, tier: str, nbytes: int, cuda: bool):
@@ -133,121 +159,58 @@ def sync(device: torch.device) -> None:
 
 @dataclass
 class RunResult:
-    ttft_ms: float
-    select_ms: float = 0.0
+    ttft_ms: float  # wall time of engine.answer(..., max_new_tokens=1)
+    stages: dict  # FusionResult.timings_ms
     probe_ms: float = 0.0
-    fuse_ms: float = 0.0
-    wait_ms: float = 0.0
-    sidecar_ms: float = 0.0
-    compute_ms: list[float] | None = None
     recomputed_tokens: int = 0
+    method: str = ""  # what the engine ran (`full` when the planner fell back)
     plan: dict | None = None
     sync_layer_loads: int = 0
+    compute_ms: list[float] | None = None
 
 
-class Bench:
-    def __init__(self, adapter, work: Workload, store, prefix_chunk, keys, rates, *, planner: bool = True) -> None:
-        from qcfuse_core import critical_layers
-        from qcfuse_core.fusion import KVCache
-        from qcfuse_core.prefetch import Prefetcher
-
-        self.adapter, self.work, self.store, self.prefix_chunk, self.keys = adapter, work, store, prefix_chunk, keys
-        self.rates, self.use_planner = rates, planner
-        self.device = adapter.device
-        self.pf = Prefetcher(adapter, store)
-        self.critical, _ = critical_layers.lookup(adapter)
-        self.depth = max(self.critical) + 1
-        T = int(work.token_ids.numel())
-        self.cache = KVCache(adapter, T + 1)
-        self.ids = work.token_ids
-
-    def full(self) -> RunResult:
-        sync(self.device)
-        t0 = time.perf_counter()
-        logits, _ = self.adapter.hf_forward(self.ids)
-        int(logits[-1].argmax())
-        return RunResult((time.perf_counter() - t0) * 1e3, recomputed_tokens=sum(len(c) for c in self.work.chunk_ids))
-
-    def fused(self, method: str, ratio: float, keep_sidecars: str, overhead_ms: float = 0.0,
-              options: dict | None = None) -> RunResult:
-        from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
-        from qcfuse_core.planner import plan
-        from qcfuse_core.selectors import SelectionContext, get_selector
-
-        adapter, work, pf = self.adapter, self.work, self.pf
-        selector = get_selector(method)
-        full_layers = 2 if method == "cacheblend" else 0
-        sync(self.device)
-        t0 = time.perf_counter()
-        # 1. lookup, 2. plan
-        tiers = [pf.tier_of(k) for k in self.keys]
-        n_chunk = [len(c) for c in work.chunk_ids]
-        if self.use_planner and self.rates is not None:
-            p = plan(self.rates, list(zip(n_chunk, tiers)), ratio=ratio if selector.uses_ratio else 0.0,
-                     total_tokens=int(self.ids.numel()), fresh_rows=len(work.suffix_ids),
-                     full_layers=full_layers, num_layers=adapter.num_layers, overhead_ms=overhead_ms)
-            load = set(p.loaded)
-            if p.all_recompute:  # the planner says fused cannot win: ordinary prefill
-                r = self.full()
-                r.ttft_ms = (time.perf_counter() - t0) * 1e3
-                r.plan = p.to_dict()
-                return r
-            plan_d = p.to_dict()
-        else:
-            load, plan_d = {i for i, t in enumerate(tiers) if t is not None}, None
-        # 3. sidecars first (only the probe needs them), 4. start the layer loads
-        probe = method == "qcfuse"
-        segs = [Segment("prefix", work.prefix_ids, self.prefix_chunk)]
-        for i, (ids, key) in enumerate(zip(work.chunk_ids, self.keys)):
-            view = None
-            if i in load:
-                view = pf.view(key, ids, depth=self.depth if probe else 0, critical=self.critical, keep=keep_sidecars)
-            segs.append(Segment("chunk", ids, view))
-        segs.append(Segment("suffix", work.suffix_ids))
-        prompt = FusedPrompt(segs)
-        pf.start(prompt)
-        # 5. select
-        t1 = time.perf_counter()
-        opts = {"critical_layers": self.critical, **(options or {})} if probe else {}
-        sel = selector.select(SelectionContext(adapter, prompt, ratio, options=opts))
-        t2 = time.perf_counter()
-        # 6. fuse, 7. first token
-        out = fused_prefill(adapter, prompt, sel.rows, full_layers=sel.full_layers, on_layer_end=sel.on_layer_end,
-                            kv_out=self.cache, source=pf)
-        int(out.logits[-1].argmax())
-        t3 = time.perf_counter()
-        rep = pf.finish()
-        ctx = prompt.mask("chunk", "text")
-        syncs = sum(getattr(s.chunk, "sync_layer_loads", 0) for s in prompt.segments)
-        return RunResult(
-            ttft_ms=(t3 - t0) * 1e3, select_ms=(t2 - t1) * 1e3,
-            probe_ms=float(sel.details.get("probe_ms", 0.0)), fuse_ms=(t3 - t2) * 1e3,
-            wait_ms=rep.total_wait_ms, sidecar_ms=rep.sidecar_ms, compute_ms=rep.compute_ms or None,
-            recomputed_tokens=int(ctx[out.rows].sum()), plan=plan_d, sync_layer_loads=syncs,
-        )
+def timed_answer(engine, work: Workload, method: str, ratio: float, *, sync_stages: bool = False,
+                 drop: Path | None = None) -> RunResult:
+    """One request through the public call, timed from the call to its return."""
+    if drop is not None:
+        drop_page_cache(drop)
+    sync(engine.adapter.device)
+    t0 = time.perf_counter()
+    r = engine.answer(work.question, work.texts, node_ids=work.node_ids, method=method, ratio=ratio,
+                      max_new_tokens=1, sync_stages=sync_stages)
+    wall = (time.perf_counter() - t0) * 1e3
+    sel = r.selection.details if r.selection is not None else {}
+    return RunResult(wall, dict(r.timings_ms), float(sel.get("probe_ms", 0.0)), r.recomputed_tokens, r.method,
+                     r.plan or None, int(r.load.get("sync_layer_loads", 0)), r.load.get("compute_ms") or None)
 
 
 # ----------------------------------------------------------------------------- rates
 
 
-def measure_tier_gbps(bench: Bench, drop: Path | None, repeats: int = 3) -> float:
+def measure_tier_gbps(engine, work: Workload, drop: Path | None, repeats: int = 3) -> float:
     """Bandwidth of loading every layer of every chunk through the prefetcher (no compute)."""
     from qcfuse_core.fusion import FusedPrompt, Segment
 
-    w, pf = bench.work, bench.pf
-    segs = [Segment("chunk", ids, pf.view(k, ids)) for ids, k in zip(w.chunk_ids, bench.keys)]
-    prompt = FusedPrompt(segs + [Segment("suffix", w.suffix_ids)])
-    like = torch.empty(0, device=bench.device, dtype=bench.adapter.dtype)
+    pf = engine.prefetcher
+    segs = []
+    for text in work.texts:
+        ids, key = engine.chunk_tokens(text)
+        segs.append(Segment("chunk", ids, pf.view(key, ids)))
+    prompt = FusedPrompt(segs + [Segment("suffix", engine.tokenize(work.question))])
+    like = torch.empty(0, device=engine.adapter.device, dtype=engine.adapter.dtype)
     times = []
     for _ in range(repeats + 1):
         if drop is not None:
             drop_page_cache(drop)
-        sync(bench.device)
+        sync(engine.adapter.device)
         t0 = time.perf_counter()
-        pf.start(prompt)
-        for l in range(bench.adapter.num_layers):
-            pf.layer(l, like)
-        rep = pf.finish()  # synchronizes on CUDA
+        session = pf.start(prompt)
+        try:
+            for l in range(engine.adapter.num_layers):
+                session.layer(l, like)
+            rep = session.finish()  # synchronizes on CUDA
+        finally:
+            session.close()
         times.append(time.perf_counter() - t0)
     return rep.bytes_loaded / statistics.median(times[1:]) / 1e9
 
@@ -271,10 +234,13 @@ def _median_lists(ls: list[list[float]]) -> list[float]:
     return [round(statistics.median(v), 4) for v in zip(*ls)]
 
 
-def run(args) -> list[dict]:
-    from qcfuse_core.planner import Rates, device_name, load_rates, rates_path, save_rates
-    from qcfuse_core.prefetch import ensure_sidecar
+def sizes_of(args) -> list[tuple[int, int]]:
+    return list(args.context_sizes) if args.context_sizes else [(args.chunks, args.chunk_tokens)]
 
+
+def run(args) -> tuple[list[dict], dict | None]:
+    """Every context size x tier x (method, ratio) -> (table rows, ingestion figures or None);
+    rows are written to --json as they come."""
     from qcfuse_core.selectors import get_selector
 
     for m in args.methods:  # fail before building anything
@@ -282,134 +248,167 @@ def run(args) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if args.runs < 1 or args.warmup < 0:
-        raise ValueError("--runs must be >= 1 and --warmup >= 0")
+    if args.runs < 1 or args.warmup < 0 or args.breakdown_runs < 0:
+        raise ValueError("--runs must be >= 1, --warmup and --breakdown-runs >= 0")
     t_build = time.perf_counter()
     adapter = build_adapter(args)
+    log.info("model %s built in %.1f s", adapter.name, time.perf_counter() - t_build)
+    root = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="qcfuse-ttft-"))
+    rows: list[dict] = []
+    for chunks, chunk_tokens in sizes_of(args):
+        work = make_workload(adapter.tokenizer, chunks, chunk_tokens, args.query_tokens, args.prefix_tokens,
+                             args.seed, tag=f"{chunks}x{chunk_tokens}")
+        for tier in args.tier:
+            rows += run_tier(args, adapter, work, root, tier, (chunks, chunk_tokens))
+            _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
+    return rows, (measure_ingest(args, adapter, root, rows) if args.ingest_chunks else None)
+
+
+def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[int, int]) -> list[dict]:
+    from qcfuse_core.engine import EngineConfig, QCFuseEngine
+    from qcfuse_core.planner import Rates, device_name, load_rates, rates_path, save_rates
+    from qcfuse_core.selectors import get_selector
+
     device = adapter.device
     cuda = device.type == "cuda"
-    log.info("model %s built in %.1f s", adapter.name, time.perf_counter() - t_build)
-    work = make_workload(adapter.shape.vocab_size, args.chunks, args.chunk_tokens, args.query_tokens,
-                         args.prefix_tokens, args.seed)
-    T = int(work.token_ids.numel())
-    context = sum(len(c) for c in work.chunk_ids)
-    chunks = [cache_alone(adapter, ids) for ids in work.chunk_ids]
-    prefix_chunk = cache_alone(adapter, work.prefix_ids) if len(work.prefix_ids) else None
-    nbytes = sum(c.nbytes for c in chunks)
-    root = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="qcfuse-ttft-"))
+    kv_root = root / f"kv-{tier}-{size[0]}x{size[1]}"
+    nbytes = kv_bytes_per_token(adapter) * size[0] * size[1]
+    store = open_tier_store(kv_root, tier, nbytes, cuda)
+    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system))
+    t0 = time.perf_counter()
+    keys = engine.build_chunks(work.texts, work.node_ids)
+    build_s = time.perf_counter() - t0
+    if tier == "gpu":
+        for k in keys:
+            store.get(k)  # promote into the GPU tier
+    held = [t.name for t in store.memory_tiers for k in keys if k in t]
+    if tier != "disk" and held.count(tier) != len(keys):
+        raise RuntimeError(f"only {held.count(tier)} of {len(keys)} chunks fit in the {tier} tier")
+    drop = kv_root if tier == "disk" else None
     fp = adapter.fingerprint()
     rpath = Path(args.rates) if args.rates else rates_path(root, fp, device_name(device))
     rates = None if args.remeasure else load_rates(rpath)
-    rows: list[dict] = []
-    full_cache: dict[str, list[float]] = {}
-    for tier in args.tier:
-        kv_root = root / f"kv-{tier}"
-        store = open_tier_store(kv_root, tier, nbytes, cuda)
-        for c in chunks:
-            store.put(c)
-        from qcfuse_core import critical_layers
-
-        crit, _ = critical_layers.lookup(adapter)
-        for c in chunks:
-            ensure_sidecar(store, adapter, c.key, max(crit) + 1, crit)
-            if tier == "gpu":
-                store.get(c.key)  # promote into the GPU tier
-        keys = [c.key for c in chunks]
-        held = [t.name for t in store.memory_tiers for k in keys if k in t]
-        if tier != "disk" and held.count(tier) != len(keys):
-            raise RuntimeError(f"only {held.count(tier)} of {len(keys)} chunks fit in the {tier} tier")
-        drop = kv_root if tier == "disk" else None
-        bench = Bench(adapter, work, store, prefix_chunk, keys, rates, planner=not args.no_planner)
-        # full prefill first: it is also the planner's prefill rate
-        fr = _repeat(lambda: bench.full(), args, drop=None)
-        full_ms = statistics.median(r.ttft_ms for r in fr)
-        full_cache[tier] = [r.ttft_ms for r in fr]
-        if rates is None or tier not in rates.tier_gbps:
-            gbps = measure_tier_gbps(bench, drop)
-            old = rates.tier_gbps if rates is not None else {}
-            rates = Rates(prefill_ms_per_token=full_ms / T, tier_gbps={**old, tier: gbps},
-                          kv_bytes_per_token=kv_bytes_per_token(adapter), calib_tokens=T,
-                          device=device_name(device), model=fp, measured=_dt.date.today().isoformat())
-            save_rates(rates, rpath)
-            log.info("rates: %.4f ms/token, %s GB/s (saved to %s)", rates.prefill_ms_per_token,
-                     {k: round(v, 2) for k, v in rates.tier_gbps.items()}, rpath)
-        bench.rates = rates
-        base = dict(tier=tier, device=str(device), context_tokens=context, prompt_tokens=T, chunks=args.chunks,
-                    chunk_tokens=args.chunk_tokens, query_tokens=args.query_tokens, model=adapter.name,
-                    dtype=str(adapter.dtype).replace("torch.", ""), runs=args.runs)
-        if "full" in args.methods:
-            rows.append(_row(base, "full", None, fr, full_ms))
-        for method in args.methods:
-            if method == "full":
-                continue
-            from qcfuse_core.selectors import get_selector
-
-            ratios = args.ratios if get_selector(method).uses_ratio else [0.0]
-            for ratio in ratios:
-                rs = _time_fused(bench, args, method, ratio, tier, drop)
-                rows.append(_row(base, method, ratio if get_selector(method).uses_ratio else None, rs, full_ms))
-        for label, opts in getattr(args, "variant", None) or []:  # qcfuse with other selection options
-            for ratio in args.ratios:
-                rs = _time_fused(bench, args, "qcfuse", ratio, tier, drop, opts)
-                rows.append(dict(_row(base, label, ratio, rs, full_ms), options=opts))
-        store.close()
-        _write_json(args, rows, partial=True)  # a tier's rows survive a later timeout
+    # full prefill first: it is also the planner's prefill rate
+    fr = _repeat(lambda: timed_answer(engine, work, "full", 0.0, drop=None), args, args.warmup)
+    full_ms = statistics.median(r.ttft_ms for r in fr)
+    T = _prompt_tokens(engine, work)
+    if rates is None or tier not in rates.tier_gbps:
+        gbps = measure_tier_gbps(engine, work, drop)
+        old = rates.tier_gbps if rates is not None else {}
+        rates = Rates(prefill_ms_per_token=full_ms / T, tier_gbps={**old, tier: gbps},
+                      kv_bytes_per_token=kv_bytes_per_token(adapter), calib_tokens=T,
+                      select_ms=rates.select_ms if rates is not None else {},
+                      device=device_name(device), model=fp, measured=_dt.date.today().isoformat())
+        save_rates(rates, rpath)
+        log.info("rates: %.4f ms/token, %s GB/s (saved to %s)", rates.prefill_ms_per_token,
+                 {k: round(v, 2) for k, v in rates.tier_gbps.items()}, rpath)
+    context = sum(int(engine.chunk_tokens(t)[0].numel()) for t in work.texts)
+    base = dict(tier=tier, device=str(device), context_tokens=context, prompt_tokens=T, chunks=size[0],
+                chunk_tokens=size[1], query_tokens=args.query_tokens, model=adapter.name,
+                dtype=str(adapter.dtype).replace("torch.", ""), runs=args.runs, timed_call="engine.answer",
+                build_chunks_s=round(build_s, 3))
+    rows = []
+    if "full" in args.methods:
+        fb = [timed_answer(engine, work, "full", 0.0, sync_stages=True) for _ in range(args.breakdown_runs)]
+        rows.append(_row(base, "full", None, fr, fb, full_ms))
+    configs = [(m, r, None) for m in args.methods if m != "full"
+               for r in (args.ratios if get_selector(m).uses_ratio else [0.0])]
+    configs += [(label, r, opts) for label, opts in (getattr(args, "variant", None) or []) for r in args.ratios]
+    for label, ratio, opts in configs:
+        method = "qcfuse" if opts is not None else label
+        engine.config = dataclasses.replace(engine.config, selection_options=dict(opts or {}))
+        engine.rates = None if args.no_planner else rates
+        warm = _repeat(lambda: timed_answer(engine, work, method, ratio, drop=drop), args, 0, max(args.warmup, 1))
+        over = min(sum(w.stages.get(k, 0.0) for k in ("lookup_ms", "select_ms")) for w in warm)
+        rates = dataclasses.replace(rates, select_ms={**rates.select_ms, label: max(over, rates.select_ms.get(label, 0.0))})
+        engine.rates = None if args.no_planner else rates
+        rs = _repeat(lambda: timed_answer(engine, work, method, ratio, drop=drop), args, 0)
+        bd = [timed_answer(engine, work, method, ratio, sync_stages=True, drop=drop) for _ in range(args.breakdown_runs)]
+        row = _row(base, label, ratio if get_selector(method).uses_ratio else None, rs, bd, full_ms)
+        rows.append(row if opts is None else dict(row, options=opts))
+    save_rates(rates, rpath)  # with the measured selection overheads: the engine's planner reads them
     for r in rows:
         r["rates"] = {"prefill_ms_per_token": round(rates.prefill_ms_per_token, 5),
                       "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "file": rpath.name}
+    store.close()
     return rows
 
 
-def _time_fused(bench: Bench, args, method: str, ratio: float, tier: str, drop: Path | None,
-                options: dict | None = None) -> list[RunResult]:
-    """Warm-ups (the first also compiles kernels), then the timed runs of one fused configuration."""
-    keep = {"gpu": "device", "host": "host", "disk": "none"}[tier]
-    warm = [bench.fused(method, ratio, keep, options=options) for _ in range(max(args.warmup, 1))]
-    over = min(w.select_ms for w in warm)  # steady state
-    return _repeat(lambda: bench.fused(method, ratio, keep, overhead_ms=over, options=options), args, drop=drop,
-                   warm=False)
+def _prompt_tokens(engine, work: Workload) -> int:
+    pieces = engine.rag_pieces(work.question, work.texts)
+    return sum(int(engine.tokenize(p.text).numel()) for p in pieces)
 
 
-def _repeat(fn, args, drop: Path | None, warm: bool = True) -> list[RunResult]:
-    for _ in range(args.warmup if warm else 0):
-        if drop is not None:
-            drop_page_cache(drop)
-        fn()
-    out = []
-    for _ in range(args.runs):
-        if drop is not None:
-            drop_page_cache(drop)
-        out.append(fn())
+def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
+    """`engine.build_chunks` on fresh chunks of the largest size into a disk-backed store,
+    store writes included, against the best full-prefill tokens/s measured above."""
+    from qcfuse_core.engine import QCFuseEngine
+
+    chunks, n = args.ingest_chunks, max(sizes_of(args), key=lambda s: s[0] * s[1])[1]
+    work = make_workload(adapter.tokenizer, chunks, n, 1, 0, args.seed + 1, tag="ingest")
+    store = open_tier_store(root / "kv-ingest", "host", kv_bytes_per_token(adapter) * chunks * n, adapter.device.type == "cuda")
+    engine = QCFuseEngine(adapter, store=store)
+    engine.build_chunks(work.texts[:1], work.node_ids[:1])  # warm-up (kernels, allocator)
+    sync(adapter.device)
+    t0 = time.perf_counter()
+    engine.build_chunks(work.texts[1:], work.node_ids[1:])
+    sync(adapter.device)
+    secs = time.perf_counter() - t0
+    store.close()
+    tokens = (chunks - 1) * n
+    full = [r for r in rows if r.get("method") == "full"]
+    full_tps = max((r["prompt_tokens"] / r["ttft_ms_median"] * 1e3 for r in full), default=None)
+    out = dict(chunks=chunks - 1, chunk_tokens=n, seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1),
+               full_prefill_tokens_per_s=round(full_tps, 1) if full_tps else None)
+    if full_tps:
+        out["share_of_full"] = round(tokens / secs / full_tps, 3)
+    log.info("ingest: %s", out)
     return out
 
 
-def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], full_ms: float) -> dict:
+def _repeat(fn, args, warmup: int, runs: int | None = None) -> list[RunResult]:
+    for _ in range(warmup):
+        fn()
+    return [fn() for _ in range(args.runs if runs is None else runs)]
+
+
+def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], bd: list[RunResult], full_ms: float) -> dict:
     med, lo, hi = _stats([r.ttft_ms for r in rs])
-    md = lambda name: round(statistics.median(getattr(r, name) for r in rs), 3)  # noqa: E731
-    plans = [r.plan for r in rs if r.plan is not None]
+    stage = lambda name, src: round(statistics.median(r.stages.get(name, 0.0) for r in src), 3) if src else 0.0  # noqa: E731
+    src = bd or rs
+    plans = [r.plan for r in rs if r.plan]
+    ran = sorted({r.method for r in rs})
+    stages = {k: stage(k, src) for k in STAGE_KEYS}
     return {
         **base, "method": method, "ratio": ratio,
         "ttft_ms_median": round(med, 3), "ttft_ms_min": round(lo, 3), "ttft_ms_max": round(hi, 3),
         "speedup_vs_full": round(full_ms / med, 3),
-        "select_ms": md("select_ms"), "probe_ms": md("probe_ms"), "fuse_ms": md("fuse_ms"),
-        "load_wait_ms": md("wait_ms"), "sidecar_ms": md("sidecar_ms"),
-        "compute_ms_per_layer": _median_lists([r.compute_ms for r in rs if r.compute_ms]),
+        "select_ms": stages["select_ms"], "probe_ms": round(statistics.median(r.probe_ms for r in src), 3),
+        "fuse_ms": stages["prefill_ms"], "load_wait_ms": stage("load_wait_ms", src),
+        "sidecar_ms": stages["load_start_ms"], "stages_ms": stages,
+        "stages_synced": bool(bd), "stages_sum_ms": round(sum(stages.values()), 3),
+        "ttft_ms_synced": round(statistics.median(r.ttft_ms for r in bd), 3) if bd else None,
+        "compute_ms_per_layer": _median_lists([r.compute_ms for r in src if r.compute_ms]),
         "recomputed_tokens": int(statistics.median(r.recomputed_tokens for r in rs)),
         "sync_layer_loads": max(r.sync_layer_loads for r in rs),
-        "plan": plans[-1] if plans else None,
+        "plan": plans[-1] if plans else None, "ran_as": ran,
     }
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| tier | method | ratio | TTFT median ms (min-max) | speedup | select | probe | fuse | load wait | recomputed | plan (loaded/recomputed chunks) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| context | tier | method | ratio | TTFT median ms (min-max) | speedup | lookup | plan | load start | select | probe | prefill | first token | sum (synced TTFT) | load wait | recomputed | plan (loaded/recomputed chunks) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("plan")
         pl = "-" if not p else ("full prefill" if p["all_recompute"] else f"{len(p['loaded'])}/{len(p['recomputed'])}")
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        out.append(f"| {r['tier']} | {r['method']} | {ratio} | {r['ttft_ms_median']:.1f} ({r['ttft_ms_min']:.1f}-{r['ttft_ms_max']:.1f}) "
-                   f"| {r['speedup_vs_full']:.2f}x | {r['select_ms']:.1f} | {r['probe_ms']:.1f} | {r['fuse_ms']:.1f} "
-                   f"| {r['load_wait_ms']:.1f} | {r['recomputed_tokens']}/{r['context_tokens']} | {pl} |")
+        st = r["stages_ms"]
+        synced = f" ({r['ttft_ms_synced']:.1f})" if r.get("ttft_ms_synced") is not None else ""
+        out.append(f"| {r['chunks']}x{r['chunk_tokens']} | {r['tier']} | {r['method']} | {ratio} "
+                   f"| {r['ttft_ms_median']:.1f} ({r['ttft_ms_min']:.1f}-{r['ttft_ms_max']:.1f}) "
+                   f"| {r['speedup_vs_full']:.2f}x | {st['lookup_ms']:.1f} | {st['plan_ms']:.1f} | {st['load_start_ms']:.1f} "
+                   f"| {st['select_ms']:.1f} | {r['probe_ms']:.1f} | {st['prefill_ms']:.1f} | {st['first_token_ms']:.1f} "
+                   f"| {r['stages_sum_ms']:.1f}{synced} | {r['load_wait_ms']:.1f} | {r['recomputed_tokens']}/{r['context_tokens']} | {pl} |")
     return "\n".join(out)
 
 
@@ -423,21 +422,24 @@ def _portable_args(args) -> dict:
     return out
 
 
-def _write_json(args, rows: list[dict], partial: bool = False) -> None:
+def _write_json(args, rows: list[dict], extras: dict | None = None, partial: bool = False) -> None:
     if not args.json:
         return
-    env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+    env = {"timed_call": "engine.answer", "date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "argv": _portable_args(args), "partial": partial}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+    data = {"env": env, "rows": rows, **(extras or {})}
+    Path(args.json).write_text(json.dumps(data, indent=1, default=str))
 
 
 def cmd_ttft(args) -> int:
-    rows = run(args)
+    rows, ingest = run(args)
     md = markdown(rows)
+    if ingest:
+        md += f"\n\ningest (build_chunks): {ingest}"
     print(md)
-    _write_json(args, rows)
+    _write_json(args, rows, {"ingest": ingest} if ingest else None)
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     return 0
@@ -455,8 +457,10 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--context-sizes", type=parse_size, nargs="+", default=None, metavar="CxN",
+                   help="sweep context sizes in one run, e.g. 4x1024 10x1024 (overrides --chunks/--chunk-tokens)")
     p.add_argument("--query-tokens", type=int, default=32)
-    p.add_argument("--prefix-tokens", type=int, default=16)
+    p.add_argument("--prefix-tokens", type=int, default=16, help="tokens of the system prompt (the prefix's text)")
     p.add_argument("--tier", nargs="+", default=["host"], choices=["gpu", "host", "disk"])
     p.add_argument("--methods", nargs="+", default=["full", "qcfuse", "cacheblend", "naive"])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
@@ -465,6 +469,10 @@ def add_ttft_parser(bench_sub) -> None:
                         "repeatable, e.g. qcfuse-dev2:deviation_pool=2")
     p.add_argument("--runs", type=int, default=10, help="timed runs per configuration (median)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--breakdown-runs", type=int, default=3,
+                   help="extra runs per configuration with synchronised stages (the breakdown columns)")
+    p.add_argument("--ingest-chunks", type=int, default=0,
+                   help="also time engine.build_chunks on this many fresh chunks of the largest size")
     p.add_argument("--store", default=None, help="store folder (default: a new temp folder)")
     p.add_argument("--rates", default=None, help="planner rates JSON (default: next to the store)")
     p.add_argument("--remeasure", action="store_true", help="measure rates even if the JSON exists")

@@ -1,20 +1,18 @@
 """QCFuseEngine: build chunk caches at ingestion; answer from fused caches at query time.
 
-Per query, in order:
+Ingestion (`build_chunks`): token ids -> many chunks prefilled alone per forward pass ->
+anchors, probe sidecar and the cache written to the store off the compute thread.
 
-    1. lookup    tokenize prefix / chunks / glue / suffix piece by piece; fetch each chunk's
-                 cache by content key (compute and store it on a miss)
-    2. select    the method picks the rows to recompute (selectors.py)
-    3. fuse      layer-wise fused prefill (fusion.py); `full` runs HF's own forward instead
-    4. decode    sample the first token (TTFT is taken here), then decode from the fused cache
-
-Everything is returned in a `FusionResult`.
+A query runs the pipeline's six steps (pipeline.py): lookup, plan, start loading, select,
+fuse, decode - each an engine method with a named, immutable result, chained by `_run` in
+one place. Everything is returned in a `FusionResult`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +24,13 @@ from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
 from qcfuse_core.planner import Rates, device_name, load_rates, rates_path
 from qcfuse_core.planner import plan as plan_chunks
-from qcfuse_core.prefetch import Prefetcher
+try:  # TEMP until threads.py lands
+    from qcfuse_core.threads import configure_cpu_threads
+except ImportError:  # pragma: no cover
+    def configure_cpu_threads(device):
+        return {}
+from qcfuse_core.pipeline import Loading, LookedUp, Part, Planned, Prefilled, Request, Selected, StageClock
+from qcfuse_core.prefetch import ChunkView, Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
@@ -75,6 +79,13 @@ class TokenStream:
 
 
 class QCFuseEngine:
+    """Ingestion and the request pipeline (qcfuse_core/pipeline.py) over one model and store.
+
+    Shared by many callers: it holds the model, the store and caches that are the same for
+    every request (token ids per chunk text, the prefix caches on the compute device, probe
+    sidecars in the prefetcher); everything of one request lives in its `Request`.
+    """
+
     def __init__(
         self, adapter: ModelAdapter, store: ChunkStore | None = None, config: EngineConfig | None = None,
         text_index: ChunkTextIndex | None = None, rates: Rates | None = None,
@@ -84,11 +95,17 @@ class QCFuseEngine:
         self.store = store if store is not None else MemoryStore()
         self.texts = text_index if text_index is not None else ChunkTextIndex()
         self._critical: list[int] | None = None
+        self._critical_source = ""
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
         self.config = config or EngineConfig()
         self.fingerprint = adapter.fingerprint()
         self._head, self._tail = _chat_frame(adapter.tokenizer, self.config.system_prompt)
+        self._lock = threading.Lock()  # guards the caches below (dict updates only)
+        self._tokens: OrderedDict[str, tuple[torch.Tensor, ChunkKey]] = OrderedDict()  # text -> ids, key
+        self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
+        self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
+        self.threads = configure_cpu_threads(adapter.device)
 
     @classmethod
     def from_pretrained(
@@ -106,6 +123,34 @@ class QCFuseEngine:
     def tokenize(self, text: str) -> torch.Tensor:
         return torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int64)
 
+    def chunk_tokens(self, text: str) -> tuple[torch.Tensor, ChunkKey]:
+        """Token ids and cache key of a chunk (or prefix) text, tokenised and hashed once."""
+        with self._lock:
+            got = self._tokens.get(text)
+            if got is not None:
+                self._tokens.move_to_end(text)
+                return got
+        ids = self.tokenize(text)
+        got = (ids, ChunkKey.for_tokens(self.fingerprint, ids)) if ids.numel() else (ids, None)
+        with self._lock:
+            self._tokens[text] = got
+            while len(self._tokens) > TOKEN_CACHE:
+                self._tokens.popitem(last=False)
+        return got
+
+    def _link(self, node_id: str | None, key: ChunkKey) -> None:
+        """Link a node id to a key once per process (a manifest write, not per request)."""
+        if node_id is None:
+            return
+        with self._lock:
+            if (node_id, key) in self._linked:
+                return
+        self.store.link(NodeId(node_id), key)
+        with self._lock:
+            self._linked[(node_id, key)] = None
+            while len(self._linked) > TOKEN_CACHE:
+                self._linked.popitem(last=False)
+
     # ------------------------------------------------------------------ ingestion
     def prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A segment alone at positions 0..n-1 -> pre-RoPE k, v (L, n, Hkv, D)."""
@@ -114,41 +159,74 @@ class QCFuseEngine:
         out = fused_prefill(self.adapter, prompt, torch.arange(len(ids)), kv_out=cache, capture_pre_rope=True)
         return out.k_pre, cache.v[:, : len(ids)].clone()
 
-    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None, *, lazy: bool = False) -> tuple[KVChunk, bool]:
-        """The cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it.
+    def build_chunks(self, texts: Sequence[str], node_ids: Sequence[str | None] | None = None, *,
+                     register: bool = True) -> list[ChunkKey]:
+        """Ingestion of many chunks: the caches of those not stored yet are prefilled many per
+        forward pass (`ingest.prefill_alone_batch`) and written to the store off the compute
+        thread; every text is linked to its node id and registered so `complete` finds it."""
+        node_ids = list(node_ids) if node_ids is not None else [None] * len(texts)
+        if len(node_ids) != len(texts):
+            raise ValueError("node_ids and texts differ in length")
+        toks = [self.chunk_tokens(t) for t in texts]
+        for t, (ids, _) in zip(texts, toks):
+            if ids.numel() == 0:
+                raise ValueError(f"cannot cache an empty chunk (text {t[:40]!r})")
+        todo: dict[ChunkKey, torch.Tensor] = {}
+        for ids, key in toks:
+            if key not in todo and not self.store.contains(key):
+                todo[key] = ids
+        self._build(todo)
+        for t, nid, (_, key) in zip(texts, node_ids, toks):
+            self._link(nid, key)
+            if register:
+                self.texts.add(t, nid)
+        return [key for _, key in toks]
 
-        lazy (query time, layer-wise store): a hit returns a `ChunkView` carrying only the
-        probe sidecar; its layers stream in through the prefetcher during fused prefill.
-        """
+    def _build(self, todo: dict[ChunkKey, torch.Tensor]) -> dict[ChunkKey, KVChunk]:
+        """Prefill and store the chunks in `todo` (key -> ids) -> the built chunks."""
+        from qcfuse_core import ingest
+
+        if not todo:
+            return {}
+        keys, ids = list(todo), list(todo.values())
+        built: dict[ChunkKey, KVChunk] = {}
+        with ingest.StoreWriter(synchronous=self.adapter.device.type == "cpu") as writer:
+            for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(self.adapter.device)):
+                for i, (k, v) in zip(batch, ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch])):
+                    chunk = KVChunk(keys[i], ids[i].clone(), k, v)
+                    self._add_anchors(chunk)
+                    built[keys[i]] = chunk
+                    writer.submit(self._store_chunk, chunk)
+        return built
+
+    def _store_chunk(self, chunk: KVChunk) -> None:
+        self.store.put(chunk)
+        if self.prefetcher is not None:
+            self._put_probe_sidecar(chunk)
+
+    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
+        """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
         if ids.numel() == 0:
             raise ValueError("cannot cache an empty chunk")
         key = ChunkKey.for_tokens(self.fingerprint, ids)
-        if node_id is not None:
-            self.store.link(NodeId(node_id), key)
-        if lazy and self.prefetcher is not None and self.store.contains(key):
-            return self._view(key, ids), True
+        self._link(node_id, key)
         chunk = self.store.get(key)
-        hit = chunk is not None
-        if chunk is None:
-            k, v = self.prefill_alone(ids)
-            chunk = KVChunk(key, ids.clone(), k, v)
-            self._add_anchors(chunk)
-            self.store.put(chunk)
-            if self.prefetcher is not None:
-                self._put_probe_sidecar(chunk)
-        return chunk, hit
+        if chunk is not None:
+            return chunk, True
+        return self._build({key: ids})[key], False
 
     # -- layer-wise loading (stores with sidecars)
     @property
     def critical_layers(self) -> list[int]:
-        """The critical layers the probe reads: selection options, else the model's profile."""
+        """The critical layers the probe reads: selection options, else the model's profile
+        (looked up once per engine: the lookup reads files)."""
         from qcfuse_core import critical_layers
 
         opts = self._qcfuse_options()
         if opts.critical_layers:
             return list(opts.critical_layers)
         if self._critical is None:
-            self._critical = critical_layers.lookup(self.adapter)[0]  # once per engine
+            self._critical, self._critical_source = critical_layers.lookup(self.adapter)
         return self._critical
 
     def _put_probe_sidecar(self, chunk: KVChunk) -> None:
@@ -159,15 +237,14 @@ class QCFuseEngine:
         anchors, layer_keys = probe_sidecar(self.adapter, chunk, max(crit) + 1, crit, self._qcfuse_options().anchors)
         self.store.put_sidecar(chunk.key, anchors=anchors, layer_keys=layer_keys)
 
-    def _view(self, key: ChunkKey, ids: torch.Tensor):
+    def _view(self, key: ChunkKey, ids: torch.Tensor, depth: int):
         from qcfuse_core.prefetch import ensure_sidecar
 
         crit, anchors = self.critical_layers, self._qcfuse_options().anchors
-        depth = max(crit) + 1
         try:
             return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
         except KeyError:  # stored before sidecars existed (or the sidecar was damaged): make it once
-            ensure_sidecar(self.store, self.adapter, key, depth, crit, anchors)
+            ensure_sidecar(self.store, self.adapter, key, max(crit) + 1, crit, anchors)
             return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
 
     def _add_anchors(self, chunk: KVChunk) -> None:
@@ -185,11 +262,8 @@ class QCFuseEngine:
         return QCFuseOptions.from_options(self.config.selection_options)
 
     def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
-        """Ingestion: compute (if new) and store the cache of `text` as it appears in prompts,
-        and register the text so `complete` finds it inside framework prompts."""
-        chunk, _ = self.chunk_cache(self.tokenize(text), node_id)
-        self.texts.add(text, node_id)
-        return chunk.key
+        """Ingestion of one chunk (see `build_chunks`)."""
+        return self.build_chunks([text], [node_id])[0]
 
     # ------------------------------------------------------------------ prompts
     def rag_pieces(self, question: str, documents: Sequence[str], node_ids: Sequence[str | None] | None = None) -> list[Piece]:
@@ -212,119 +286,202 @@ class QCFuseEngine:
         (`chunks`: Piece("chunk", text, node_id) in order of appearance)."""
         return split_prompt(prompt, chunks, self._head, self._tail)
 
-    def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True, lazy: bool = False) -> tuple[FusedPrompt, int, int]:
-        """Tokenize piece by piece and attach caches -> (prompt, chunk hits, chunk misses).
+    def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True) -> tuple[FusedPrompt, int, int]:
+        """The fused prompt of `pieces` with every cache in memory -> (prompt, chunk hits,
+        misses): steps 1 and 3 without streaming (benchmarks and diagnostics). caches=False
+        only tokenizes (full prefill needs no chunk cache)."""
+        looked = self.lookup(pieces, "full" if not caches else "naive", streaming=False)
+        return self.start_loading(looked, Planned("naive", frozenset())).prompt, looked.hits, looked.misses
 
-        caches=False only tokenizes (full prefill needs no chunk cache); lazy: see chunk_cache.
-        """
-        segments, hits, misses = [], 0, 0
+    # ------------------------------------------------------------------ the request's steps
+    def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
+        """Step 1: tokens per piece, chunk keys and tiers; misses are built and stored now.
+
+        streaming (default: a tiered store and a method other than `full`): chunks stay in
+        the store and are streamed by the prefetcher; otherwise they come back in memory."""
+        streaming = self._streams(method) if streaming is None else streaming
+        caches = method != "full"
+        parts: list[Part] = []
         for p in pieces:
-            ids = self.tokenize(p.text)
+            cached = caches and p.kind in ("prefix", "chunk")
+            if p.kind in ("prefix", "chunk"):
+                ids, key = self.chunk_tokens(p.text)
+            else:
+                ids, key = self.tokenize(p.text), None
             if ids.numel() == 0:
                 continue
-            if p.kind in ("prefix", "chunk") and caches:
-                chunk, hit = self.chunk_cache(ids, p.node_id, lazy=lazy and p.kind == "chunk")
-                if p.kind == "chunk":
-                    hits, misses = hits + hit, misses + (not hit)
-                segments.append(Segment(p.kind, ids, chunk, p.node_id, hit))
+            if not cached:
+                parts.append(Part(p.kind, ids, p.node_id))
+                continue
+            self._link(p.node_id, key)
+            if p.kind == "prefix":
+                chunk, hit = self._prefix(key, ids)
+                parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
+            elif streaming:
+                tier = self.prefetcher.tier_of(key)
+                parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
             else:
-                segments.append(Segment(p.kind, ids))
-        return FusedPrompt(segments), hits, misses
+                chunk = self.store.get(key)
+                parts.append(Part("chunk", ids, p.node_id, key, "host" if chunk is not None else None, chunk,
+                                  chunk is not None))
+        missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
+        built = self._build(missing)
+        parts = [replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p
+                 for p in parts]
+        chunks = [p for p in parts if p.kind == "chunk" and p.key is not None]
+        hits = sum(p.hit for p in chunks)
+        return LookedUp(tuple(parts), hits, len(chunks) - hits)
 
-    # ------------------------------------------------------------------ answering
-    def answer(self, question: str, documents: Sequence[str], **kw) -> FusionResult:
-        stream = self.stream(question, documents, **kw)
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+    def _prefix(self, key: ChunkKey, ids: torch.Tensor) -> tuple[KVChunk, bool]:
+        """The prefix's cache, kept on the compute device between requests (it is exact and
+        the same for every request of a prompt template)."""
+        with self._lock:
+            chunk = self._prefixes.get(key)
+            if chunk is not None:
+                self._prefixes.move_to_end(key)
+                return chunk, True
+        chunk = self.store.get(key)
+        hit = chunk is not None
+        if chunk is None:
+            k, v = self.prefill_alone(ids)
+            chunk = KVChunk(key, ids.clone(), k, v)
+            self.store.put(chunk)
+        dev, dt = self.adapter.device, self.adapter.dtype
+        chunk = KVChunk(key, chunk.token_ids, chunk.k.to(dev, dt), chunk.v.to(dev, dt))
+        with self._lock:
+            self._prefixes[key] = chunk
+            while len(self._prefixes) > PREFIX_CACHE:
+                self._prefixes.popitem(last=False)
+        return chunk, hit
 
-    def stream(
-        self, question: str, documents: Sequence[str], *, node_ids=None, method: str | None = None,
-        ratio: float | None = None, generation: GenerationConfig | None = None, **gen_kw,
-    ) -> TokenStream:
-        return self.stream_pieces(lambda: self.rag_pieces(question, documents, node_ids), method=method,
-                                  ratio=ratio, generation=generation, **gen_kw)
-
-    def complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> FusionResult:
-        """Answer a raw completion prompt; known chunk texts inside it are found by content."""
-        stream = self.stream_complete(prompt, chunks, **kw)
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
-
-    def stream_complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> TokenStream:
-        if chunks is None:
-            chunks = self.texts.find(prompt)
-        return self.stream_pieces(lambda: self.completion_pieces(prompt, chunks), **kw)
-
-    def stream_pieces(self, make_pieces, *, method: str | None = None, ratio: float | None = None,
-                      generation: GenerationConfig | None = None, **gen_kw) -> TokenStream:
-        method = method or self.config.method
-        if method not in SELECTORS:
-            raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
-        ratio = self.config.ratio if ratio is None else ratio
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-        gen = generation or GenerationConfig()
-        if gen_kw:
-            gen = replace(gen, **gen_kw)
-        return TokenStream(self._run(make_pieces, method, ratio, gen))
-
-    def _run(self, make_pieces, method: str, ratio: float, gen: GenerationConfig) -> Iterator[str]:
-        t0 = time.perf_counter()
-        timings: dict[str, float] = {}
-        # 1. lookup; 2. start streaming the chunks' layers (layer-wise stores)
-        pieces = make_pieces()
-        streaming = self.prefetcher is not None and method != "full"
-        prompt, hits, misses = self.fuse_pieces(pieces, caches=method != "full", lazy=streaming)
-        T = prompt.num_tokens
-        plan = self._plan(prompt, method, ratio) if streaming else None
-        if plan is not None and plan.all_recompute:  # loading cannot beat recomputing: full prefill
-            method, streaming = "full", False
-        if streaming:
-            self.prefetcher.start(prompt)
-        timings["lookup_ms"] = _ms(t0)
-        # 2. select
-        t1 = time.perf_counter()
+    def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
+        """Step 2: load or recompute each chunk, from measured rates, before any loading.
+        Without rates every cached chunk is loaded."""
+        if self.rates is None or method == "full" or not looked.chunks:
+            return Planned(method, frozenset())
         selector = get_selector(method)
-        sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
-                                               options=dict(self.config.selection_options)))
-        timings["select_ms"] = _ms(t1)
-        # 3. fuse (or full prefill)
-        t2 = time.perf_counter()
-        cache = KVCache(self.adapter, T + gen.max_new_tokens)
+        chunks = looked.chunks
+        tiers = [p.tier if p.chunk is None else "host" for p in chunks]  # in memory: as fast as host
+        fresh = sum(int(p.ids.numel()) for p in looked.parts if p.kind in ("text", "suffix"))
+        overhead = self.rates.select_ms.get(method, self.rates.overhead_ms)
+        p = plan_chunks(self.rates, [(int(c.ids.numel()), t) for c, t in zip(chunks, tiers)],
+                        ratio=ratio if selector.uses_ratio else 0.0, total_tokens=looked.num_tokens,
+                        fresh_rows=fresh, full_layers=2 if method == "cacheblend" else 0,
+                        num_layers=self.adapter.num_layers, overhead_ms=overhead)
+        return Planned("full" if p.all_recompute else method, frozenset(p.recomputed), p.to_dict())
+
+    def start_loading(self, looked: LookedUp, planned: Planned) -> Loading:
+        """Step 3: the fused prompt (sidecars of the loaded chunks for the probe) and, on a
+        tiered store, the load session streaming their layers."""
+        probe = planned.method == "qcfuse"
+        depth = max(self.critical_layers) + 1 if probe else 0
+        segments, n = [], 0
+        for p in looked.parts:
+            chunk = p.chunk
+            if p.kind == "chunk" and p.key is not None:
+                if n in planned.recompute:
+                    chunk = None
+                elif chunk is None:
+                    try:
+                        chunk = self._view(p.key, p.ids, depth)
+                    except KeyError:  # stored, but unreadable now: a miss, computed again
+                        log.warning("chunk %s is unreadable; recomputing its cache", p.key)
+                        self.store.delete(p.key)
+                        chunk, p = self._build({p.key: p.ids})[p.key], replace(p, hit=False)
+                n += 1
+            segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
+        prompt = FusedPrompt(segments)
+        lazy = any(isinstance(s.chunk, ChunkView) for s in segments)
+        session = self.prefetcher.start(prompt) if lazy and planned.method != "full" else None
+        return Loading(prompt, session)
+
+    def select(self, prompt: FusedPrompt, method: str, ratio: float, options: dict | None = None) -> Selected:
+        """Step 4: the method's rows. Selection options default to the engine's config; the
+        critical layers the engine resolved once are passed on."""
+        opts = dict(self.config.selection_options if options is None else options)
+        filled = method == "qcfuse" and opts.get("critical_layers") is None
+        if filled:
+            opts["critical_layers"] = self.critical_layers
+        sel = get_selector(method).select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
+                                                           options=opts))
+        if filled and self._critical_source:
+            sel.details["layers_source"] = self._critical_source
+        return Selected(sel)
+
+    def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0,
+             teacher: torch.Tensor | None = None, request: Request | None = None,
+             pieces: Sequence[Piece] | None = None, ratio: float = 0.0) -> Prefilled:
+        """Step 5: fused prefill of the prompt (HF's own forward for `full`) into a cache with
+        room for `capacity` more tokens. Closes the load session.
+
+        teacher: token ids forced after the prompt (benchmarks): they are recomputed, never
+        seen by the selection, and their logits come back too (the last len(teacher) + 1
+        rows). A chunk whose layers cannot be read mid-request is deleted and the request is
+        fused again from in-memory caches (`pieces` needed), never answered from a hole."""
+        prompt, sel = loading.prompt, selected.selection
+        T = prompt.num_tokens
+        G = 0 if teacher is None else int(teacher.numel())
+        full_prompt = prompt if not G else FusedPrompt(prompt.segments + [Segment("suffix", teacher)])
+        cache = KVCache(self.adapter, T + G + capacity)
+        report: dict = {}
         if method == "full":
-            logits, kv = self.adapter.hf_forward(prompt.token_ids)
+            logits, kv = self.adapter.hf_forward(full_prompt.token_ids, keep=G + 1)
             fill_from_hf(cache, kv)
-            recomputed = prompt.context_tokens
+            rows, recomputed = torch.arange(T + G), prompt.context_tokens
         else:
-            out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
-                                on_layer_end=sel.on_layer_end, kv_out=cache,
-                                source=self.prefetcher if streaming else None)
-            if streaming:
-                report = self.prefetcher.finish()
-                timings["load_wait_ms"] = report.total_wait_ms
-                if report.failed:  # a layer could not be read: never answer from a hole
-                    log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(report.failed))
-                    for i in report.failed:  # segment indices
-                        self.store.delete(prompt.segments[i].chunk.key)
-                    prompt, hits, misses = self.fuse_pieces(pieces)  # the deleted ones count as misses
-                    sel = selector.select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
-                                                           options=dict(self.config.selection_options)))
-                    out = fused_prefill(self.adapter, prompt, sel.rows, full_layers=sel.full_layers,
-                                        on_layer_end=sel.on_layer_end, kv_out=cache)
-            logits = out.logits
-            recomputed = _context_rows(prompt, out.rows)
+            extra = torch.arange(T, T + G)
+            rows = torch.cat([sel.rows, extra]) if G else sel.rows
+            hook = sel.on_layer_end
+            if G and hook is not None:  # rows it narrows to are the prompt's: keep the teacher's
+                def hook(state, _inner=sel.on_layer_end):
+                    nxt = _inner(state)
+                    return None if nxt is None else torch.cat([nxt.cpu(), extra])
+            session = loading.session
+            try:
+                out = fused_prefill(self.adapter, full_prompt, rows, full_layers=sel.full_layers, on_layer_end=hook,
+                                    kv_out=cache, source=session, logits_last=G + 1)
+                if session is not None:
+                    rep = session.finish()
+                    report = rep.to_dict()
+                    if request is not None:
+                        request.extra["load_wait_ms"] = rep.total_wait_ms
+            finally:
+                if session is not None:
+                    session.close()
+            if report.get("failed"):
+                return self._recover(prompt, report, method, capacity, teacher, request, pieces, ratio)
+            logits, rows = out.logits, out.rows
+            recomputed = _context_rows(prompt, rows[rows < T])
             sel.details.setdefault("layer_ms", out.layer_ms)
-        timings["prefill_ms"] = _ms(t2)
-        # 4. decode
+        cache.length = T
+        hits = sum(s.cache_hit for s in prompt.segments if s.kind == "chunk")
+        n_chunks = sum(1 for s in prompt.segments if s.kind == "chunk" and (s.chunk is not None or s.cache_hit))
+        return Prefilled(logits, cache, prompt, sel, recomputed, hits, n_chunks - hits, report)
+
+    def _recover(self, prompt, report, method, capacity, teacher, request, pieces, ratio) -> Prefilled:
+        log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(report["failed"]))
+        if pieces is None:
+            raise RuntimeError("a chunk cache could not be read and the request cannot be rebuilt")
+        for i in report["failed"]:  # segment indices
+            self.store.delete(prompt.segments[i].chunk.key)
+            if self.prefetcher is not None:
+                self.prefetcher.forget_sidecars()
+        looked = self.lookup(pieces, method, streaming=False)  # the deleted ones are misses now
+        loading = self.start_loading(looked, Planned(method, frozenset()))
+        selected = self.select(loading.prompt, method, ratio)
+        out = self.fuse(loading, selected, method, capacity=capacity, teacher=teacher, request=request)
+        return replace(out, load_report=report)
+
+    def decode(self, pre: Prefilled, request: Request) -> Iterator[str]:
+        """Step 6: the first token (TTFT is taken here), then decoding from the fused cache;
+        returns the FusionResult."""
+        gen, clock = request.generation, request.clock
         sampler = Sampler(gen)
         assembler = TextAssembler(self.tokenizer, gen.stop)
         eos = self._eos_ids()
-        token = sampler(logits[-1])
-        ttft = _ms(t0)
+        token = sampler(pre.logits[-1])
+        clock.mark("first_token")
+        ttft = clock.since_start_ms()
         ids: list[int] = []
         finish = "length"
         while True:
@@ -340,33 +497,88 @@ class QCFuseEngine:
                 break
             if len(ids) >= gen.max_new_tokens:
                 break
-            token = sampler(decode_step(self.adapter, cache, token))
+            token = sampler(decode_step(self.adapter, pre.cache, token))
         tail = assembler.finish()
         if tail:
             yield tail
+        selector = get_selector(pre.selection.method) if pre.selection.method in SELECTORS else None
+        prompt = pre.prompt
         return FusionResult(
-            text=assembler.text, token_ids=ids, method=method,
-            ratio=ratio if selector.uses_ratio else None, ttft_ms=ttft, total_ms=_ms(t0),
-            context_tokens=prompt.context_tokens, prompt_tokens=T, recomputed_tokens=recomputed,
-            cache_hits=hits, cache_misses=misses, chunks=len(prompt.chunk_spans()), finish_reason=finish,
-            timings_ms=timings, selection=sel, store_stats=self.store.stats(),
-            plan=plan.to_dict() if plan is not None else {},
+            text=assembler.text, token_ids=ids, method=request.method,
+            ratio=request.ratio if selector is not None and selector.uses_ratio else None, ttft_ms=ttft,
+            total_ms=clock.since_start_ms(), context_tokens=prompt.context_tokens, prompt_tokens=prompt.num_tokens,
+            recomputed_tokens=pre.recomputed_tokens, cache_hits=pre.hits, cache_misses=pre.misses,
+            chunks=len(prompt.chunk_spans()), finish_reason=finish, timings_ms={**clock.stages, **request.extra},
+            selection=pre.selection, store_stats=_counters(self.store), plan=request.plan,
+            load=pre.load_report,
         )
 
-    def _plan(self, prompt: FusedPrompt, method: str, ratio: float):
-        """Load-or-recompute per chunk from measured rates (None without rates). Chunks the
-        plan recomputes lose their cache in `prompt` (so they are recomputed whole)."""
-        if self.rates is None:
-            return None
-        segs = [s for s in prompt.segments if s.kind == "chunk" and s.chunk is not None]
-        tiers = [self.prefetcher.tier_of(s.chunk.key) or "host" for s in segs]  # just built: in memory
-        p = plan_chunks(self.rates, [(len(s), t) for s, t in zip(segs, tiers)],
-                        ratio=ratio if get_selector(method).uses_ratio else 0.0,
-                        total_tokens=prompt.num_tokens, fresh_rows=int(prompt.uncached_mask().sum()),
-                        full_layers=2 if method == "cacheblend" else 0, num_layers=self.adapter.num_layers)
-        for i in p.recomputed:
-            segs[i].chunk = None
-        return p
+    # ------------------------------------------------------------------ answering
+    def answer(self, question: str, documents: Sequence[str], **kw) -> FusionResult:
+        stream = self.stream(question, documents, **kw)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(
+        self, question: str, documents: Sequence[str], *, node_ids=None, method: str | None = None,
+        ratio: float | None = None, generation: GenerationConfig | None = None, sync_stages: bool = False,
+        **gen_kw,
+    ) -> TokenStream:
+        return self.stream_pieces(lambda: self.rag_pieces(question, documents, node_ids), method=method,
+                                  ratio=ratio, generation=generation, sync_stages=sync_stages, **gen_kw)
+
+    def complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> FusionResult:
+        """Answer a raw completion prompt; known chunk texts inside it are found by content."""
+        stream = self.stream_complete(prompt, chunks, **kw)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream_complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw) -> TokenStream:
+        if chunks is None:
+            chunks = self.texts.find(prompt)
+        return self.stream_pieces(lambda: self.completion_pieces(prompt, chunks), **kw)
+
+    def stream_pieces(self, make_pieces, *, method: str | None = None, ratio: float | None = None,
+                      generation: GenerationConfig | None = None, sync_stages: bool = False, **gen_kw) -> TokenStream:
+        method = method or self.config.method
+        if method not in SELECTORS:
+            raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
+        ratio = self.config.ratio if ratio is None else ratio
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        gen = generation or GenerationConfig()
+        if gen_kw:
+            gen = replace(gen, **gen_kw)
+        return TokenStream(self._run(make_pieces, method, ratio, gen, sync_stages))
+
+    def _run(self, make_pieces, method: str, ratio: float, gen: GenerationConfig, sync_stages: bool) -> Iterator[str]:
+        """The request: steps 1-6 (pipeline.py), its state in a `Request` closed in `finally`."""
+        req = Request(method, ratio, gen, StageClock(self.adapter.device, sync_stages))
+        try:
+            pieces = make_pieces()
+            looked = self.lookup(pieces, method)
+            req.clock.mark("lookup")
+            planned = self.plan(looked, method, ratio)
+            req.method, req.plan = planned.method, planned.plan
+            req.clock.mark("plan")
+            loading = self.start_loading(looked, planned)
+            req.session = loading.session
+            req.clock.mark("load_start")
+            selected = self.select(loading.prompt, req.method, ratio)
+            req.clock.mark("select")
+            pre = self.fuse(loading, selected, req.method, capacity=gen.max_new_tokens, request=req,
+                            pieces=pieces, ratio=ratio)
+            req.clock.mark("prefill")
+            return (yield from self.decode(pre, req))
+        finally:
+            req.close()
+
+    def _streams(self, method: str) -> bool:
+        return self.prefetcher is not None and method != "full"
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -378,12 +590,18 @@ class QCFuseEngine:
         return ids
 
 
+TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
+PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
+
+
+def _counters(store) -> dict:
+    """The store's counters without touching its index (no SQLite query per answer)."""
+    fn = getattr(store, "counters", None)
+    return fn() if fn is not None else store.stats()
+
+
 def _context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
     return int(prompt.mask("chunk", "text")[rows].sum())
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3
 
 
 def _chat_frame(tokenizer, system: str) -> tuple[str, str]:

@@ -41,7 +41,8 @@ class Rates:
     prefill_ms_per_token: float  # full prefill time / tokens at `calib_tokens`
     tier_gbps: dict[str, float]  # tier -> GB/s of layer loads into the compute device
     kv_bytes_per_token: int  # K + V over all layers
-    overhead_ms: float = 0.0  # fixed per fused request (probe + select)
+    overhead_ms: float = 0.0  # fixed per fused request (probe + select) when a method has no own figure
+    select_ms: dict[str, float] = field(default_factory=dict)  # method -> measured lookup + select ms
     calib_tokens: int = 0
     device: str = ""
     model: str = ""

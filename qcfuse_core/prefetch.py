@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -187,6 +188,7 @@ class PrefetchConfig:
     # layers the loader may run ahead of the consumer (None: all). Bounding it (4) did not
     # speed up the probe on the H200 and slowed `naive` from 41 to 61 ms (2026-11-30 runs 2/4)
     window: int | None = None
+    sidecar_bytes: int = 1 << 30  # probe sidecars kept between requests (LRU beyond this)
 
     def __post_init__(self) -> None:
         if self.staging_slots < 1:
@@ -230,20 +232,20 @@ class _Src:
 
 
 class Prefetcher:
-    """`fusion.LayerSource` over a TieredStore (or in-memory chunks); reused across requests."""
+    """The shared half of layer-wise loading over a TieredStore (or in-memory chunks): the
+    side stream, a pool of reusable layer buffers and the sidecar cache. Each request gets
+    its own `LoadSession` from `start` (the `fusion.LayerSource` of that request), so a
+    request that fails or is abandoned leaves nothing behind once its session is closed."""
 
     def __init__(self, adapter: ModelAdapter, store=None, config: PrefetchConfig = PrefetchConfig()) -> None:
         self.adapter, self.store, self.config = adapter, store, config
         self.device, self.dtype = adapter.device, adapter.dtype
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._buf: torch.Tensor | None = None  # (2, L, Tcap, Hkv, D) on device
-        self._stage: list[torch.Tensor] = []  # pinned (2, Tcap_disk, Hkv, D) per slot
-        self._sidecars: dict[ChunkKey, tuple] = {}  # key -> (idx, ak, av, crit) at home
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.report = PrefetchReport()
-        self._fresh = True
+        self._free: list[_Buffers] = []  # buffers of finished sessions, reused by the next
+        self._lock = threading.Lock()
+        self._sidecars: OrderedDict[ChunkKey, tuple] = OrderedDict()  # key -> (idx, ak, av, crit) at home
+        self._sidecar_bytes = 0
 
     # -- lookup ------------------------------------------------------------------------------
     def tier_of(self, key: ChunkKey) -> str | None:
@@ -258,17 +260,19 @@ class Prefetcher:
         return "disk" if disk is not None and disk.contains(key) else None
 
     def view(self, key: ChunkKey, token_ids: torch.Tensor, *, depth: int = 0, critical: list[int] = (),
-             anchors: AnchorConfig = AnchorConfig(), keep: str = "host") -> ChunkView:
+             anchors: AnchorConfig = AnchorConfig(), keep: str | None = None) -> ChunkView:
         """A lazy chunk for `key`; with depth > 0 it carries the probe sidecar (sidecars first).
 
-        keep: where this prefetcher caches sidecars between requests - "device", "host"
-        (pinned under CUDA) or "none" (read from the store each time)."""
-        t0 = time.perf_counter()
-        self._begin()
+        keep: where this prefetcher caches sidecars between requests - "device" (default on
+        CUDA: where the probe runs, no copy per request), "host" (pinned under CUDA) or
+        "none" (read from the store each time). The cache is bounded by
+        `PrefetchConfig.sidecar_bytes` (least recently used dropped)."""
         L = self.adapter.num_layers
         if depth <= 0:
             return ChunkView(key, token_ids, L, self.store, self.device, self.dtype)
-        got = self._sidecars.get(key)
+        keep = keep or ("device" if self.cuda else "host")
+        want = (depth, tuple(critical), anchors.method)
+        got = self._cached_sidecar(key, want)
         if got is None:
             side = self.store.get_sidecar(key)
             if not _sidecar_ok(side, depth, list(critical), anchors.method):
@@ -276,50 +280,103 @@ class Prefetcher:
             m = anchors.method
             got = (side.anchors[m][:depth].to(torch.int64), side.anchors[_k_name(m)][:depth],
                    side.anchors[_v_name(m)][:depth], {l: side.layer_keys[l] for l in critical})
+            if keep == "device":
+                got = _home(got, self.device, self.dtype, pin=False)
+            elif keep == "host":
+                got = _home(got, None, None, pin=self.cuda)
             if keep != "none":
-                got = _home(got, self.device if keep == "device" else None, pin=self.cuda)
-                self._sidecars[key] = got
+                self._cache_sidecar(key, want, got)
         idx, ak, av, crit = got
         nb = self.cuda
-        view = ChunkView(key, token_ids, L, self.store, self.device, self.dtype, anchors.method, idx,
+        return ChunkView(key, token_ids, L, self.store, self.device, self.dtype, anchors.method, idx,
                          ak.to(self.device, self.dtype, non_blocking=nb), av.to(self.device, self.dtype, non_blocking=nb),
                          {l: t.to(self.device, self.dtype, non_blocking=nb) for l, t in crit.items()})
-        self.report.sidecar_ms += (time.perf_counter() - t0) * 1e3
-        self.report.order.append(f"sidecar:{key.token_hash[:8]}")
-        return view
 
-    def _begin(self) -> None:
-        """A new request's report (sidecars loaded for it are kept until its start())."""
-        if self._fresh:
-            self.report = PrefetchReport()
-            self._fresh = False
+    def _cached_sidecar(self, key: ChunkKey, want: tuple) -> tuple | None:
+        with self._lock:
+            hit = self._sidecars.get(key)
+            if hit is None or hit[0] != want:
+                return None
+            self._sidecars.move_to_end(key)
+            return hit[1]
+
+    def _cache_sidecar(self, key: ChunkKey, want: tuple, got: tuple) -> None:
+        idx, ak, av, crit = got
+        nbytes = sum(t.numel() * t.element_size() for t in (idx, ak, av, *crit.values()))
+        with self._lock:
+            old = self._sidecars.pop(key, None)
+            self._sidecar_bytes -= old[2] if old is not None else 0
+            self._sidecars[key] = (want, got, nbytes)
+            self._sidecar_bytes += nbytes
+            while self._sidecar_bytes > self.config.sidecar_bytes and len(self._sidecars) > 1:
+                _, (_, _, n) = self._sidecars.popitem(last=False)
+                self._sidecar_bytes -= n
 
     def forget_sidecars(self) -> None:
-        self._sidecars.clear()
+        with self._lock:
+            self._sidecars.clear()
+            self._sidecar_bytes = 0
 
     # -- request -----------------------------------------------------------------------------
-    def start(self, prompt: FusedPrompt) -> None:
-        """Resolve every segment's source and begin loading layer 0, 1, 2, ... of them."""
-        self.finish()
-        self._begin()
-        self._fresh = True  # the next view() / start() begins a new report
+    def start(self, prompt: FusedPrompt) -> "LoadSession":
+        """Resolve every segment's source and begin loading layer 0, 1, 2, ... of them.
+        The caller must `finish()` or `close()` the session (in a `finally`)."""
+        return LoadSession(self, prompt)
+
+    def _take_buffers(self, T: int, disk_T: int) -> "_Buffers":
+        L = self.adapter.num_layers
+        Hkv, D = self.adapter.shape.num_kv_heads, self.adapter.shape.head_dim
+        with self._lock:
+            bufs = self._free.pop() if self._free else _Buffers(None, [])
+        with torch.inference_mode():
+            if bufs.kv is None or bufs.kv.shape[2] < T or bufs.kv.shape[1] != L:
+                bufs.kv = torch.empty((2, L, T, Hkv, D), device=self.device, dtype=self.dtype)
+            if self.cuda and disk_T and (not bufs.stage or bufs.stage[0].shape[1] < disk_T):
+                bufs.stage = [torch.empty((2, disk_T, Hkv, D), dtype=self.dtype, pin_memory=True)
+                              for _ in range(self.config.staging_slots)]
+        return bufs
+
+    def _give_back(self, bufs: "_Buffers") -> None:
+        with self._lock:
+            self._free.append(bufs)
+
+
+@dataclass
+class _Buffers:
+    kv: torch.Tensor | None  # (2, L, Tcap, Hkv, D) on the compute device
+    stage: list[torch.Tensor]  # pinned (2, Tcap_disk, Hkv, D) per slot (CUDA, disk sources)
+
+
+class LoadSession:
+    """One request's layer loads: `fusion.LayerSource` for its fused prefill.
+
+    Owns the loader thread, the events and the report of that request. `finish()` joins
+    the loader and returns the report; `close()` (idempotent, also after an error) lets go
+    of everything, so the next request starts clean."""
+
+    def __init__(self, pf: Prefetcher, prompt: FusedPrompt) -> None:
+        self.pf, self.adapter, self.store, self.config = pf, pf.adapter, pf.store, pf.config
+        self.device, self.dtype, self.cuda = pf.device, pf.dtype, pf.cuda
+        self._stream = pf._stream
+        self.report = PrefetchReport()
         self._prompt = prompt
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._need = None
         T, L = prompt.num_tokens, self.adapter.num_layers
         Hkv, D = self.adapter.shape.num_kv_heads, self.adapter.shape.head_dim
         self._srcs = [self._locate(s, st) for s, st in zip(prompt.segments, prompt.starts)]
-        for s in self._srcs:
+        for s, seg in zip(self._srcs, prompt.segments):
             self.report.sources[s.kind] = self.report.sources.get(s.kind, 0) + 1
-        with torch.inference_mode():
-            if self._buf is None or self._buf.shape[2] < T or self._buf.shape[1] != L:
-                self._buf = torch.empty((2, L, T, Hkv, D), device=self.device, dtype=self.dtype)
-            disk_T = sum(s.end - s.start for s in self._srcs if s.kind == "disk")
-            if self.cuda and disk_T and (not self._stage or self._stage[0].shape[1] < disk_T):
-                self._stage = [torch.empty((2, disk_T, Hkv, D), dtype=self.dtype, pin_memory=True)
-                               for _ in range(self.config.staging_slots)]
+            if isinstance(seg.chunk, ChunkView) and seg.chunk.depth:
+                self.report.order.append(f"sidecar:{seg.chunk.key.token_hash[:8]}")
+        disk_T = sum(s.end - s.start for s in self._srcs if s.kind == "disk")
+        self._bufs = pf._take_buffers(T, disk_T)
+        self._buf, self._stage = self._bufs.kv, self._bufs.stage
         self._host_ready = [threading.Event() for _ in range(L)]
         self._credits = threading.Semaphore(self.config.window or L)  # loads allowed ahead of layer()
         self._next = 0
-        self._error = None
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
             self._base = torch.cuda.Event(enable_timing=True)
@@ -342,6 +399,8 @@ class Prefetcher:
 
     def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer` of the prompt's caches: k_pre, v (T, Hkv, D); zeros where uncached."""
+        if self._closed:
+            raise RuntimeError("this load session is closed")
         if layer != self._next:
             raise ValueError(f"layers must be asked for in order: expected {self._next}, got {layer}")
         self._next += 1
@@ -368,14 +427,10 @@ class Prefetcher:
         return k, v
 
     def finish(self) -> PrefetchReport:
-        """Join the loader; on CUDA turn the events into per-layer waits (synchronizes)."""
-        if self._thread is not None:
-            self._credits.release(self.adapter.num_layers)  # never leave the loader blocked
-            self._thread.join()
-            self._thread = None
-            if self._error is not None:
-                raise RuntimeError("prefetch failed") from self._error
-        if self.cuda and getattr(self, "_need", None) is not None and self._next:
+        """Join the loader; on CUDA turn the events into per-layer waits (synchronizes).
+        Closes the session; raises if a load failed."""
+        self._join()
+        if self.cuda and self._need is not None and self._next:
             torch.cuda.current_stream(self.device).synchronize()
             n = self._next
             need = [self._base.elapsed_time(e) for e in self._need[:n]]
@@ -383,7 +438,31 @@ class Prefetcher:
             self.report.wait_ms = [max(0.0, r - q) for q, r in zip(need, ready)] + [0.0] * (len(self._need) - n)
             self.report.compute_ms = [need[l + 1] - need[l] - self.report.wait_ms[l] for l in range(n - 1)]
             self._need = None
+        self.close()
+        if self._error is not None:
+            raise RuntimeError("prefetch failed") from self._error
         return self.report
+
+    def close(self) -> None:
+        """Let go of the loader thread and the buffers (idempotent; never raises)."""
+        if self._closed:
+            return
+        self._join()
+        self._closed = True
+        self._need = None
+        self.pf._give_back(self._bufs)
+
+    def __enter__(self) -> "LoadSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._credits.release(self.adapter.num_layers)  # never leave the loader blocked
+            self._thread.join()
+            self._thread = None
 
     # -- loading -----------------------------------------------------------------------------
     def _locate(self, seg, start: int) -> _Src:
@@ -511,11 +590,12 @@ class _Null:
         return False
 
 
-def _home(got: tuple, device: torch.device | None, pin: bool) -> tuple:
-    """Sidecar tensors moved to where this prefetcher keeps them between requests."""
+def _home(got: tuple, device: torch.device | None, dtype: torch.dtype | None, pin: bool) -> tuple:
+    """Sidecar tensors moved to where this prefetcher keeps them between requests (on the
+    compute device: already in the model's dtype, so a request's `.to()` is a no-op)."""
     def move(t: torch.Tensor) -> torch.Tensor:
         if device is not None:
-            return t.to(device)
+            return t.to(device, dtype)
         t = t.cpu()
         return t.pin_memory() if pin and not t.is_pinned() else t
 

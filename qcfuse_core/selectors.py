@@ -472,14 +472,17 @@ class CacheBlendSelector(Selector):
         def on_layer_end(state: LayerState) -> torch.Tensor | None:
             if state.layer != self.check_layer:
                 return None
-            cur = state.rows.cpu()  # (T,) every row at this layer
+            cur = state.rows.cpu()  # (T,) every row at this layer (and rows a caller appended after it)
             dev = v_deviation(state)  # (T,)
-            cand = cur[chunk_mask[cur]]
-            chosen = top_budget(cand, dev[chunk_mask[cur]], ctx.budget)
+            inside = cur < chunk_mask.numel()
+            is_chunk = torch.zeros_like(inside)
+            is_chunk[inside] = chunk_mask[cur[inside]]
+            cand = cur[is_chunk]
+            chosen = top_budget(cand, dev[is_chunk], ctx.budget)
             res = ctx.finalize(self.name, chosen)
             ctx_pos = torch.nonzero(ctx.prompt.mask("chunk", "text")).flatten()
             full_dev = torch.zeros(ctx.prompt.num_tokens)
-            full_dev[cur] = dev
+            full_dev[cur[inside]] = dev[inside]
             sel.scores = full_dev[ctx_pos]
             sel.details.update(positions=chosen, selected_scores=full_dev[chosen], budget=ctx.budget,
                                full_layers=self.check_layer + 1)

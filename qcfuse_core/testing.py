@@ -92,10 +92,22 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[0])
 
 
-def shaped_model(shape: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> ModelAdapter:
-    """A full-size model of a named shape with random weights (for timing only)."""
+def shaped_model(shape: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0,
+                 tokenizer: bool = False) -> ModelAdapter:
+    """A full-size model of a named shape with random weights (for timing only); with
+    `tokenizer`, the byte-level one (1 byte = 1 token), so text goes in without downloads."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(SHAPES)}")
     family, cfg = SHAPES[shape]
     model = _build(family, cfg, dtype, device, seed)
-    return ModelAdapter(model, name=f"random-{shape}")
+    return ModelAdapter(model, tokenizer=byte_tokenizer() if tokenizer else None, name=f"random-{shape}")
+
+
+def cache_alone(adapter: ModelAdapter, ids: torch.Tensor):
+    """A segment alone at positions 0..n-1 -> KVChunk (pre-RoPE K), as ingestion makes it
+    (for models without a tokenizer: tests and the low-level fusion API)."""
+    from qcfuse_core.ingest import prefill_alone_batch
+    from qcfuse_core.types import ChunkKey, KVChunk
+
+    (k, v), = prefill_alone_batch(adapter, [ids])
+    return KVChunk(ChunkKey.for_tokens(adapter.fingerprint(), ids), ids.clone(), k, v)

@@ -147,6 +147,7 @@ class FusionResult:
     selection: SelectionResult | None = None
     store_stats: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)  # load/recompute decision (planner.Plan.to_dict())
+    load: dict[str, Any] = field(default_factory=dict)  # layer-wise loading (prefetch.PrefetchReport.to_dict())
 
     @property
     def recompute_share(self) -> float:

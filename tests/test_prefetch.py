@@ -4,7 +4,7 @@ ChunkViews serve the qcfuse probe from sidecars exactly as full chunks would."""
 import pytest
 import torch
 
-from qcfuse_core.bench_ttft import cache_alone
+from qcfuse_core.testing import cache_alone
 from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
 from qcfuse_core.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar
 from qcfuse_core.selectors import SelectionContext, get_selector
@@ -62,13 +62,13 @@ def test_layers_equal_default_source(adapter, parts, tmp_path, tier, threaded):
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=threaded))
     for recompute in ((), (1,)):
         ref, lazy = _prompts(pf, parts, recompute, views=tier != "tensor")
-        pf.start(lazy)
+        s = pf.start(lazy)
         like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
         for l in range(adapter.num_layers):
-            k, v = pf.layer(l, like)
+            k, v = s.layer(l, like)
             rk, rv = ref.layer(l, like)
             assert torch.equal(k, rk) and torch.equal(v, rv), (tier, l, recompute)
-        rep = pf.finish()
+        rep = s.finish()
         expect = {"host": "host", "disk": "disk", "tensor": "tensor"}[tier]
         assert rep.sources[expect] == (4 if tier == "tensor" else 3) - len(recompute)
         assert rep.sources["none"] == 2 + len(recompute)  # glue + suffix (+ recomputed chunk)
@@ -92,13 +92,13 @@ def test_host_images_plain_and_fp8_mixed_with_tensors(adapter, parts, tmp_path, 
     segs += [Segment("chunk", chunk_ids[2], chunks[2]), Segment("suffix", suffix)]
     decoded = [pchunk] + [store.get(c.key) for c in chunks[:2]] + [chunks[2]]
     ref = FusedPrompt([Segment(s.kind, s.token_ids, d) for s, d in zip(segs, decoded)] + [segs[-1]])
-    pf.start(FusedPrompt(segs))
+    s = pf.start(FusedPrompt(segs))
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
     for l in range(adapter.num_layers):
-        k, v = pf.layer(l, like)
+        k, v = s.layer(l, like)
         rk, rv = ref.layer(l, like)
         assert torch.equal(k, rk) and torch.equal(v, rv), (storage, l)
-    rep = pf.finish()
+    rep = s.finish()
     assert rep.sources == {"tensor": 2, "host": 2, "none": 1}
     cached = sum(len(s) for s in segs[:-1])
     assert rep.bytes_loaded == adapter.num_layers * cached * 2 * adapter.shape.num_kv_heads * adapter.shape.head_dim * adapter.dtype.itemsize
@@ -114,9 +114,9 @@ def test_fused_prefill_through_prefetcher(adapter, parts, tmp_path):
     ref, lazy = _prompts(pf, parts, recompute=(2,))
     sel = get_selector("epic").select(SelectionContext(adapter, ref, 0.3))
     want = fused_prefill(adapter, ref, sel.rows, logits_last=None)
-    pf.start(lazy)
-    got = fused_prefill(adapter, lazy, sel.rows, logits_last=None, source=pf)
-    pf.finish()
+    s = pf.start(lazy)
+    got = fused_prefill(adapter, lazy, sel.rows, logits_last=None, source=s)
+    s.finish()
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
 
 
@@ -127,13 +127,13 @@ def test_order_sidecars_then_layers(adapter, parts, tmp_path):
         ensure_sidecar(store, adapter, c.key, max(CRITICAL) + 1, CRITICAL)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
     _, lazy = _prompts(pf, parts, depth=2)
-    pf.start(lazy)
+    s = pf.start(lazy)
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim))
     with pytest.raises(ValueError, match="in order"):
-        pf.layer(1, like)
+        s.layer(1, like)
     for l in range(adapter.num_layers):
-        pf.layer(l, like)
-    rep = pf.finish()
+        s.layer(l, like)
+    rep = s.finish()
     assert rep.order == [f"sidecar:{c.key.token_hash[:8]}" for c in parts[3]] + [f"layer:{l}" for l in range(3)]
 
 
@@ -162,15 +162,14 @@ def test_view_without_sidecar_raises(adapter, parts, tmp_path):
         Prefetcher(adapter, store).view(parts[3][0].key, parts[2][0], depth=2, critical=CRITICAL)
 
 
-def _started_with_window_1(adapter, parts, tmp_path) -> Prefetcher:
-    """A threaded prefetcher over host-tier chunks, one layer ahead at most, started."""
+def _started_with_window_1(adapter, parts, tmp_path):
+    """A threaded prefetcher's session over host-tier chunks, one layer ahead at most."""
     store = _store(tmp_path, "host")
     for c in parts[3]:
         store.put(c)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
     _, lazy = _prompts(pf, parts)
-    pf.start(lazy)
-    return pf
+    return pf.start(lazy)
 
 
 def test_loader_stays_within_its_window(adapter, parts, tmp_path):
@@ -178,18 +177,18 @@ def test_loader_stays_within_its_window(adapter, parts, tmp_path):
     compete with the probe for the interpreter lock and the copy engines)."""
     import time
 
-    pf = _started_with_window_1(adapter, parts, tmp_path)
+    s = _started_with_window_1(adapter, parts, tmp_path)
     time.sleep(0.3)  # plenty for an unthrottled loader to load all 3 layers
-    assert [o for o in pf.report.order if o.startswith("layer:")] == ["layer:0"]
+    assert [o for o in s.report.order if o.startswith("layer:")] == ["layer:0"]
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
     for l in range(adapter.num_layers):
-        pf.layer(l, like)
-    rep = pf.finish()
+        s.layer(l, like)
+    rep = s.finish()
     assert [o for o in rep.order if o.startswith("layer:")] == [f"layer:{l}" for l in range(adapter.num_layers)]
     with pytest.raises(ValueError, match="window"):
         PrefetchConfig(window=0)
 
 
 def test_finish_releases_a_loader_left_waiting(adapter, parts, tmp_path):
-    pf = _started_with_window_1(adapter, parts, tmp_path)
-    pf.finish()  # the consumer gave up before layer 0: must not hang
+    s = _started_with_window_1(adapter, parts, tmp_path)
+    s.finish()  # the consumer gave up before layer 0: must not hang

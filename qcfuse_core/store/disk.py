@@ -432,6 +432,9 @@ class DiskTier:
         return self.map_io(self.read_layer_into, jobs)
 
     def contains(self, key: ChunkKey) -> bool:
+        with self._lock:  # a verified entry of this process: no index query on the hot path
+            if key in self._located:
+                return True
         return self._lookup(key) is not None
 
     def delete(self, key: ChunkKey) -> bool:
