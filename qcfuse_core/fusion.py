@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import qcfuse_kernels as K
-from qcfuse_core.model import ModelAdapter
+from qcfuse_core.model import ModelAdapter, to_device
 from qcfuse_core.types import KVChunk
 
 
@@ -225,8 +225,8 @@ def fused_prefill(
     all_rows = torch.arange(T)
     cur = all_rows if full_layers > 0 else rows  # (R,) host copy, for bookkeeping
     # device copies made once per row set (not per layer): no host syncs in the layer loop
-    cos_all, sin_all = adapter.rope(all_rows.to(dev))  # (T, D)
-    cur_dev = cur.to(dev, non_blocking=True)
+    cos_all, sin_all = adapter.rope(torch.arange(T, device=dev))  # (T, D)
+    cur_dev = to_device(cur, dev)
     cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]  # (R, D)
     inv = K.inverse_rows(cur_dev, T)  # (T,) position -> row index or -1, shared by every layer
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
@@ -255,9 +255,9 @@ def fused_prefill(
         if nxt is not None:
             nxt = nxt.to(torch.int64).cpu()
             _check_rows(nxt, prompt)
-            h = h[_positions_in(cur, nxt).to(dev)]
+            h = h[to_device(_positions_in(cur, nxt), dev)]
             cur = nxt
-            cur_dev = cur.to(dev, non_blocking=True)
+            cur_dev = to_device(cur, dev)
             cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
             inv = K.inverse_rows(cur_dev, T)
         layer_ms.append((time.perf_counter() - t0) * 1e3)

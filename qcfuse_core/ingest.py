@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +50,12 @@ log = logging.getLogger(__name__)
 # Padded tokens per forward pass (`default_batch_tokens`). On a GPU, GEMMs reach their peak
 # rate only with thousands of rows; 16K rows keep an H200 busy while a batch's activations
 # and K/V stay small (Llama-8B: ~2 GiB of bf16 K/V, ~1.4 GiB of MLP activations).
-# On a CPU, GEMMs are near their peak at a few hundred rows already; larger batches only
-# grow the working set past the caches and the memory held, so the cap stays small there.
+# On a CPU, GEMMs are near their peak at a few hundred rows already, and the element-wise
+# steps (norms, RoPE, SiLU gate) slow down once a batch's activations outgrow the caches:
+# SmolLM2-135M bf16 on one core ran 1024- to 8192-token batches at the same rate, so the
+# smallest of them is kept (less memory held, sooner first writes).
 CUDA_BATCH_TOKENS = 16384
-CPU_BATCH_TOKENS = 2048
+CPU_BATCH_TOKENS = 1024
 
 
 # ----------------------------------------------------------------------------- batched prefill
@@ -70,14 +73,14 @@ class _Packing:
 
     @classmethod
     def of(cls, lengths: Sequence[int], device: torch.device) -> "_Packing":
-        n_max = max(lengths)
-        spans, a = [], 0
-        for n in lengths:
-            spans.append((a, a + n))
-            a += n
+        n_max, ends = max(lengths), list(accumulate(lengths))
         positions = torch.cat([torch.arange(n) for n in lengths])
-        slots = torch.cat([torch.arange(n) + i * n_max for i, n in enumerate(lengths)])
-        return cls(spans, positions.to(device), slots.to(device), len(lengths), n_max)
+        chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        idx = torch.stack([positions, chunk * n_max + positions])
+        if device.type == "cuda":  # from pinned memory the copy does not wait for queued GPU work
+            idx = idx.pin_memory()
+        idx = idx.to(device, non_blocking=True)
+        return cls(list(zip([0, *ends[:-1]], ends)), idx[0], idx[1], len(lengths), n_max)
 
     @property
     def dense(self) -> bool:
@@ -207,7 +210,9 @@ class StoreWriter:
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._thread: threading.Thread | None = None
         if not synchronous:
-            self._thread = threading.Thread(target=self._work, name="qcfuse-store-writer", daemon=True)
+            stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+            self._thread = threading.Thread(target=self._work, args=(stream,), name="qcfuse-store-writer",
+                                            daemon=True)
             self._thread.start()
 
     def submit(self, fn: Callable[..., object], *args) -> None:
@@ -248,22 +253,21 @@ class StoreWriter:
         if self._error is not None:
             raise self._error
 
-    def _ready_event(self) -> "torch.cuda.Event | None":
+    def _ready_event(self) -> torch.cuda.Event | None:
         if self._device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._device))
         return event
 
-    def _work(self) -> None:
-        stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+    def _work(self, stream: torch.cuda.Stream | None) -> None:
         for job in iter(self._jobs.get, None):
             if self._error is None:
                 self._error = _run(job, stream)
             del job  # release its tensors before waiting for the next
 
 
-def _run(job: _Job, stream: "torch.cuda.Stream | None") -> BaseException | None:
+def _run(job: _Job, stream: torch.cuda.Stream | None) -> BaseException | None:
     """Run one job -> its error, if any (re-raised by StoreWriter.close)."""
     fn, args, ready = job
     try:
@@ -275,7 +279,7 @@ def _run(job: _Job, stream: "torch.cuda.Stream | None") -> BaseException | None:
 
 
 @contextmanager
-def _on_stream(stream: "torch.cuda.Stream | None", ready: "torch.cuda.Event | None") -> Iterator[None]:
+def _on_stream(stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None) -> Iterator[None]:
     """Run the block on `stream` once `ready` has fired; wait for its work before leaving."""
     if stream is None:
         yield

@@ -232,11 +232,11 @@ class ModelAdapter:
 
     # -- per-layer operations
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(ids.to(self.device))
+        return self.model.model.embed_tokens(to_device(ids, self.device))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows)."""
-        pos = positions.to(self.device, torch.int64)[None]
+        pos = to_device(positions.to(torch.int64), self.device)[None]
         probe = torch.empty(0, device=self.device, dtype=torch.float32)
         cos, sin = self.model.model.rotary_emb(probe, pos)
         return cos[0], sin[0]
@@ -316,6 +316,17 @@ class ModelAdapter:
                 h.update(str(getattr(self.tokenizer, "chat_template", "")).encode())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without stalling the host: a host tensor goes through pinned memory
+    with an asynchronous copy. (A copy from pageable memory makes the host wait until the
+    GPU has run everything queued before it; on the request path those waits leave the GPU
+    idle while Python prepares the next kernels.) The caching host allocator keeps the
+    pinned block until the copy is done."""
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _is_plain_rms_norm(module: torch.nn.Module) -> bool:

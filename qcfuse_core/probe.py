@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import qcfuse_kernels as K
 from qcfuse_core.fusion import FusedPrompt, Segment
-from qcfuse_core.model import ModelAdapter
+from qcfuse_core.model import ModelAdapter, to_device
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def gather_context(prompt: FusedPrompt, num_layers: int, pick: AnchorPick | None
             else:
                 k = s.chunk.k[:num_layers]
                 v = s.chunk.v[:num_layers]
-                sel = local.to(k.device)
+                sel = to_device(local, k.device)
                 k, v = k[layers.to(k.device)[:, None], sel], v[layers.to(v.device)[:, None], sel]
         ks.append(k)
         vs.append(v)
@@ -203,13 +203,13 @@ def run_probe(
     # every position this probe touches goes to the device in one copy; the context keys of
     # all layers are rotated at once, outside the layer loop
     q_pos = torch.cat([pos, pos[-1] + 1 + torch.arange(Sp - S)])
-    all_pos = torch.cat([q_pos, ctx.pos.reshape(-1)]).to(dev)
+    all_pos = to_device(torch.cat([q_pos, ctx.pos.reshape(-1)]), dev)
     cos, sin = adapter.rope(all_pos)
     q_pos_dev, ctx_pos_dev = all_pos[:Sp], all_pos[Sp:].view(Lp, N)
     k_rot = K.apply_rope(ctx.k_pre.to(dev, dtype).reshape(Lp * N, *ctx.k_pre.shape[2:]), cos[Sp:], sin[Sp:])
     k_rot = k_rot.view(Lp, N, *k_rot.shape[1:])
     v = ctx.v.to(dev, dtype)
-    ids = ids.to(torch.int64).to(dev)
+    ids = to_device(ids.to(torch.int64), dev)
     if Sp > S:
         ids = torch.cat([ids, ids.new_zeros(Sp - S)])
     inputs = _ProbeInputs(ids, cos[:Sp], sin[:Sp], q_pos_dev, k_rot, v, ctx_pos_dev)

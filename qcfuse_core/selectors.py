@@ -23,7 +23,7 @@ import torch
 from qcfuse_core import critical_layers
 from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.fusion import FusedPrompt, LayerState
-from qcfuse_core.model import ModelAdapter
+from qcfuse_core.model import ModelAdapter, to_device
 from qcfuse_core.probe import ProbeResult, context_keys_at, gather_context, query_mass, run_probe
 from qcfuse_core.scoring import (
     ALLOCATIONS, BUDGET_MODES, AdaptiveBudget, adaptive_count, chunk_quotas, covered_share, rank, top_budget,
@@ -270,7 +270,7 @@ class QueryAwareSelector(Selector):
             covered = _covered(mass, cand, chosen)
         elif opts.budget == "fixed":
             n = ctx.budget
-            cand_d = cand.to(mass.device, non_blocking=True)
+            cand_d = to_device(cand, mass.device)
             order = rank(rank_by[cand_d])[: max(0, min(int(n), cand.numel()))]
             cand_mass = mass[cand_d]
             shares = torch.stack([cand_mass[order].clamp_min(0).sum(), cand_mass.clamp_min(0).sum()])
@@ -339,7 +339,7 @@ class QueryAwareSelector(Selector):
             m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale, last=query_rows)  # (N,) on the device
             acc = m if acc is None else acc + m  # same positions at every layer
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
-        mass[pos.to(acc.device, non_blocking=True)] = acc / len(layers)
+        mass[to_device(pos, acc.device)] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
 
 

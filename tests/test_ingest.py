@@ -254,3 +254,44 @@ def test_writer_fills_a_tiered_store_from_its_thread(tmp_path):
         got = store.get(c.key)
         assert got is not None and torch.equal(got.token_ids, c.token_ids)
         assert torch.equal(got.k, c.k) and torch.equal(got.v, c.v)
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without it)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
+def test_batch_equals_prefill_alone_on_cuda(arch):
+    m = tiny_model(arch)
+    m.model.to("cuda")
+    ids_list = _chunks([300, 1, 77, 512, 5])
+    _assert_alone(m, ids_list, prefill_alone_batch(m, ids_list))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_writer_stores_what_was_computed_while_compute_goes_on(tmp_path):
+    """The writer's copies wait for the compute that made the tensors and keep them alive
+    until done, while the compute thread drops its references and fills fresh memory."""
+    m = tiny_model("llama")
+    m.model.to("cuda")
+    store = open_store(tmp_path / "kv", gpu_bytes=0, use_cuda=True)
+    ids_list = _chunks([257] * 12, seed=6)
+    expect: dict[ChunkKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    with StoreWriter(device="cuda") as w:
+        for batch in plan_batches([len(i) for i in ids_list], 3 * 257):
+            made = []
+            for i, (k, v) in zip(batch, prefill_alone_batch(m, [ids_list[i] for i in batch])):
+                key = ChunkKey.for_tokens(m.fingerprint(), ids_list[i])
+                expect[key] = (k.cpu(), v.cpu())
+                made.append(KVChunk(key, ids_list[i], k, v))
+            w.submit(lambda cs: [store.put(c) for c in cs], made)
+            del made, k, v
+            junk = [torch.full((64 << 20,), float("nan"), device="cuda") for _ in range(4)]  # reuse freed blocks
+            del junk
+    for key, (k, v) in expect.items():
+        got = store.get(key)
+        assert got is not None and torch.equal(got.k.cpu(), k) and torch.equal(got.v.cpu(), v)
