@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -162,6 +163,7 @@ class RunResult:
     ttft_ms: float  # wall time of engine.answer(..., max_new_tokens=1)
     stages: dict  # FusionResult.timings_ms
     probe_ms: float = 0.0
+    context_tokens: int = 0
     recomputed_tokens: int = 0
     method: str = ""  # what the engine ran (`full` when the planner fell back)
     plan: dict | None = None
@@ -180,7 +182,7 @@ def timed_answer(engine, work: Workload, method: str, ratio: float, *, sync_stag
                       max_new_tokens=1, sync_stages=sync_stages)
     wall = (time.perf_counter() - t0) * 1e3
     sel = r.selection.details if r.selection is not None else {}
-    return RunResult(wall, dict(r.timings_ms), float(sel.get("probe_ms", 0.0)), r.recomputed_tokens, r.method,
+    return RunResult(wall, dict(r.timings_ms), float(sel.get("probe_ms", 0.0)), r.context_tokens, r.recomputed_tokens, r.method,
                      r.plan or None, int(r.load.get("sync_layer_loads", 0)), r.load.get("compute_ms") or None)
 
 
@@ -302,7 +304,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
         save_rates(rates, rpath)
         log.info("rates: %.4f ms/token, %s GB/s (saved to %s)", rates.prefill_ms_per_token,
                  {k: round(v, 2) for k, v in rates.tier_gbps.items()}, rpath)
-    context = sum(int(engine.chunk_tokens(t)[0].numel()) for t in work.texts)
+    context = fr[0].context_tokens  # chunks and the glue between them (what a ratio is a share of)
     base = dict(tier=tier, device=str(device), context_tokens=context, prompt_tokens=T, chunks=size[0],
                 chunk_tokens=size[1], query_tokens=args.query_tokens, model=adapter.name,
                 dtype=str(adapter.dtype).replace("torch.", ""), runs=args.runs, timed_call="engine.answer",
@@ -331,6 +333,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
         r["rates"] = {"prefill_ms_per_token": round(rates.prefill_ms_per_token, 5),
                       "tier_gbps": {k: round(v, 3) for k, v in rates.tier_gbps.items()}, "file": rpath.name}
     store.close()
+    shutil.rmtree(kv_root, ignore_errors=True)  # GBs of scratch caches; the rates file stays
     return rows
 
 
@@ -355,6 +358,7 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     sync(adapter.device)
     secs = time.perf_counter() - t0
     store.close()
+    shutil.rmtree(root / "kv-ingest", ignore_errors=True)
     tokens = (chunks - 1) * n
     full = [r for r in rows if r.get("method") == "full"]
     full_tps = max((r["prompt_tokens"] / r["ttft_ms_median"] * 1e3 for r in full), default=None)

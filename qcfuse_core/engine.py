@@ -182,27 +182,36 @@ class QCFuseEngine:
                 self.texts.add(t, nid)
         return [key for _, key in toks]
 
-    def _build(self, todo: dict[ChunkKey, torch.Tensor]) -> dict[ChunkKey, KVChunk]:
-        """Prefill and store the chunks in `todo` (key -> ids) -> the built chunks."""
+    def _build(self, todo: dict[ChunkKey, torch.Tensor], *, keep: bool = False) -> dict[ChunkKey, KVChunk]:
+        """Prefill and store the chunks in `todo` (key -> ids); keep: return them (with their
+        anchors) for this request, else only store them (ingestion holds no batch longer
+        than the writer's queue)."""
         from qcfuse_core import ingest
 
         if not todo:
             return {}
         keys, ids = list(todo), list(todo.values())
+        dev = self.adapter.device
+        self.critical_layers  # resolve the profile here, not on the writer thread
         built: dict[ChunkKey, KVChunk] = {}
-        with ingest.StoreWriter(synchronous=self.adapter.device.type == "cpu") as writer:
-            for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(self.adapter.device)):
-                for i, (k, v) in zip(batch, ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch])):
-                    chunk = KVChunk(keys[i], ids[i].clone(), k, v)
-                    self._add_anchors(chunk)
-                    built[keys[i]] = chunk
-                    writer.submit(self._store_chunk, chunk)
+        with ingest.StoreWriter(device=dev, synchronous=dev.type != "cuda") as writer:
+            for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(dev)):
+                kvs = ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch])
+                chunks = [KVChunk(keys[j], ids[j].clone(), k, v) for j, (k, v) in zip(batch, kvs)]
+                if keep:
+                    for c in chunks:
+                        self._add_anchors(c)
+                        built[c.key] = c
+                writer.submit(self._store_chunks, chunks)  # one job per batch (the queue's bound)
         return built
 
-    def _store_chunk(self, chunk: KVChunk) -> None:
-        self.store.put(chunk)
-        if self.prefetcher is not None:
-            self._put_probe_sidecar(chunk)
+    def _store_chunks(self, chunks: Sequence[KVChunk]) -> None:
+        """Anchors, cache and probe sidecar of freshly built chunks (on the writer)."""
+        for chunk in chunks:
+            self._add_anchors(chunk)
+            self.store.put(chunk)
+            if self.prefetcher is not None:
+                self._put_probe_sidecar(chunk)
 
     def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
         """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
@@ -213,7 +222,7 @@ class QCFuseEngine:
         chunk = self.store.get(key)
         if chunk is not None:
             return chunk, True
-        return self._build({key: ids})[key], False
+        return self._build({key: ids}, keep=True)[key], False
 
     # -- layer-wise loading (stores with sidecars)
     @property
@@ -257,9 +266,13 @@ class QCFuseEngine:
         ensure_anchors(self.adapter, chunk, max(self.critical_layers) + 1, opts.anchors)
 
     def _qcfuse_options(self):
+        """The config's selection options, parsed once per config object."""
         from qcfuse_core.selectors import QCFuseOptions
 
-        return QCFuseOptions.from_options(self.config.selection_options)
+        cached = self.__dict__.get("_opts")
+        if cached is None or cached[0] is not self.config:
+            cached = self._opts = (self.config, QCFuseOptions.from_options(self.config.selection_options))
+        return cached[1]
 
     def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
         """Ingestion of one chunk (see `build_chunks`)."""
@@ -325,7 +338,7 @@ class QCFuseEngine:
                 parts.append(Part("chunk", ids, p.node_id, key, "host" if chunk is not None else None, chunk,
                                   chunk is not None))
         missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
-        built = self._build(missing)
+        built = self._build(missing, keep=True)
         parts = [replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p
                  for p in parts]
         chunks = [p for p in parts if p.kind == "chunk" and p.key is not None]
@@ -387,7 +400,7 @@ class QCFuseEngine:
                     except KeyError:  # stored, but unreadable now: a miss, computed again
                         log.warning("chunk %s is unreadable; recomputing its cache", p.key)
                         self.store.delete(p.key)
-                        chunk, p = self._build({p.key: p.ids})[p.key], replace(p, hit=False)
+                        chunk, p = self._build({p.key: p.ids}, keep=True)[p.key], replace(p, hit=False)
                 n += 1
             segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
         prompt = FusedPrompt(segments)

@@ -63,6 +63,7 @@ class FusedPrompt:
     segments: list[Segment]
     token_ids: torch.Tensor = field(init=False)  # (T,)
     starts: list[int] = field(init=False)
+    _masks: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.segments or self.segments[-1].kind != "suffix" or len(self.segments[-1]) == 0:
@@ -78,19 +79,28 @@ class FusedPrompt:
         return int(self.token_ids.shape[0])
 
     def mask(self, *kinds: str) -> torch.Tensor:
-        """(T,) bool: positions in segments of the given kinds."""
-        m = torch.zeros(self.num_tokens, dtype=torch.bool)
-        for s, start in zip(self.segments, self.starts):
-            if s.kind in kinds:
-                m[start : start + len(s)] = True
-        return m
+        """(T,) bool: positions in segments of the given kinds (a fresh copy, built once)."""
+        key = tuple(sorted(kinds))
+        m = self._masks.get(key)
+        if m is None:
+            m = torch.zeros(self.num_tokens, dtype=torch.bool)
+            for s, start in zip(self.segments, self.starts):
+                if s.kind in kinds:
+                    m[start : start + len(s)] = True
+            self._masks[key] = m
+        return m.clone()
 
     def uncached_mask(self) -> torch.Tensor:
-        m = torch.zeros(self.num_tokens, dtype=torch.bool)
-        for s, start in zip(self.segments, self.starts):
-            if s.chunk is None:
-                m[start : start + len(s)] = True
-        return m
+        """(T,) bool: positions without a cache (a fresh copy). A prompt's segments are not
+        changed after it is built (the masks are cached)."""
+        m = self._masks.get(None)
+        if m is None:
+            m = torch.zeros(self.num_tokens, dtype=torch.bool)
+            for s, start in zip(self.segments, self.starts):
+                if s.chunk is None:
+                    m[start : start + len(s)] = True
+            self._masks[None] = m
+        return m.clone()
 
     @property
     def context_tokens(self) -> int:

@@ -189,14 +189,20 @@ class PrefetchConfig:
     # speed up the probe on the H200 and slowed `naive` from 41 to 61 ms (2026-11-30 runs 2/4)
     window: int | None = None
     sidecar_bytes: int = 1 << 30  # probe sidecars kept between requests (LRU beyond this)
-    # CUDA, memory tiers only (no disk source): every layer's copies are enqueued on the side
-    # stream when the request starts, from the request's own thread. A loader thread would
-    # hold the interpreter lock for ~10 ms of Python per request while the selection runs
-    # (H200, 10 x 1024 host tier: select 15 ms synced with the thread); the copies are
-    # asynchronous either way, and fused prefill waits on one event per layer.
+    # CUDA, memory tiers only (no disk source): no loader thread. The copies of the first
+    # `ahead` layers are enqueued on the side stream when the request starts, and asking for
+    # layer l enqueues layer l + ahead - from the request's own thread, inside the prefill
+    # loop, where the host runs ahead of the GPU anyway. A loader thread held the
+    # interpreter lock for ~10 ms of Python per request while the selection ran (H200,
+    # 10 x 1024 host tier: select 15 ms synced with it); enqueueing every layer at the start
+    # cost the start ~3 ms (640 copies). The copies are asynchronous either way, and fused
+    # prefill waits on one event per layer.
     eager_memory: bool = True
+    ahead: int = 4
 
     def __post_init__(self) -> None:
+        if self.ahead < 1:
+            raise ValueError(f"ahead must be >= 1, got {self.ahead}")
         if self.staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {self.staging_slots}")
         if self.window is not None and self.window < 1:
@@ -400,11 +406,10 @@ class LoadSession:
         row_bytes = 2 * Hkv * D * self._buf.element_size()
         self._layer_bytes = sum(s.end - s.start for s in self._srcs if s.kind != "none") * row_bytes
         self._enqueued = self.cuda and self.config.eager_memory and not any(s.kind == "disk" for s in self._srcs)
+        self._issued = 0  # layers whose copies are enqueued (eager mode)
         if self._enqueued:
             try:
-                with torch.inference_mode():
-                    for layer in range(L):
-                        self._load(layer)
+                self._issue(min(L, self.config.ahead))
             except BaseException:
                 self.close()
                 raise
@@ -425,7 +430,9 @@ class LoadSession:
             self._host_ready[layer].wait()
             if self._error is not None:
                 raise RuntimeError("prefetch failed") from self._error
-        elif not self._enqueued:
+        elif self._enqueued:
+            self._issue(min(self.adapter.num_layers, layer + 1 + self.config.ahead))
+        else:
             with torch.inference_mode():
                 self._load(layer)
         host_wait = (time.perf_counter() - t0) * 1e3
@@ -457,6 +464,13 @@ class LoadSession:
         if self._error is not None:
             raise RuntimeError("prefetch failed") from self._error
         return self.report
+
+    def _issue(self, upto: int) -> None:
+        """Eager mode: enqueue the copies of layers up to `upto` (exclusive)."""
+        with torch.inference_mode():
+            while self._issued < upto:
+                self._load(self._issued)
+                self._issued += 1
 
     def close(self) -> None:
         """Let go of the loader thread and the buffers (idempotent; never raises)."""
