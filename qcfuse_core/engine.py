@@ -105,6 +105,7 @@ class QCFuseEngine:
         self._tokens: OrderedDict[str, tuple[torch.Tensor, ChunkKey]] = OrderedDict()  # text -> ids, key
         self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
         self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
+        self._caches: list[KVCache] = []  # fused-prompt caches of finished requests, reused (CUDA)
         self.threads = configure_cpu_threads(adapter.device)
 
     @classmethod
@@ -435,7 +436,9 @@ class QCFuseEngine:
         T = prompt.num_tokens
         G = 0 if teacher is None else int(teacher.numel())
         full_prompt = prompt if not G else FusedPrompt(prompt.segments + [Segment("suffix", teacher)])
-        cache = KVCache(self.adapter, T + G + capacity)
+        cache = self._take_cache(T + G + capacity) if request is not None else KVCache(self.adapter, T + G + capacity)
+        if request is not None:
+            request.cache = cache
         report: dict = {}
         if method == "full":
             logits, kv = self.adapter.hf_forward(full_prompt.token_ids, keep=G + 1)
@@ -470,6 +473,22 @@ class QCFuseEngine:
         hits = sum(s.cache_hit for s in prompt.segments if s.kind == "chunk")
         n_chunks = sum(1 for s in prompt.segments if s.kind == "chunk" and (s.chunk is not None or s.cache_hit))
         return Prefilled(logits, cache, prompt, sel, recomputed, hits, n_chunks - hits, report)
+
+    def _take_cache(self, n: int) -> KVCache:
+        """A fused-prompt cache with room for `n` tokens: the one a finished request gave back
+        when it fits (allocating gigabytes per request costs the allocator's time)."""
+        with self._lock:
+            for i, c in enumerate(self._caches):
+                if n <= c.capacity <= 2 * n:
+                    c.length = 0
+                    return self._caches.pop(i)
+        return KVCache(self.adapter, n)
+
+    def _give_cache(self, cache: KVCache | None) -> None:
+        if cache is None or self.adapter.device.type != "cuda":  # on a CPU the allocator is cheap
+            return
+        with self._lock:
+            self._caches = [cache] + self._caches[: KV_POOL - 1]
 
     def _recover(self, prompt, report, method, capacity, teacher, request, pieces, ratio) -> Prefilled:
         log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(report["failed"]))
@@ -589,6 +608,7 @@ class QCFuseEngine:
             return (yield from self.decode(pre, req))
         finally:
             req.close()
+            self._give_cache(req.cache)
 
     def _streams(self, method: str) -> bool:
         return self.prefetcher is not None and method != "full"
@@ -605,6 +625,7 @@ class QCFuseEngine:
 
 TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
 PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
+KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)
 
 
 def _counters(store) -> dict:

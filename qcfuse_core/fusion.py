@@ -36,6 +36,9 @@ from qcfuse_core.model import ModelAdapter, to_device
 from qcfuse_core.types import KVChunk
 
 
+KINDS = ("prefix", "chunk", "text", "suffix")
+
+
 @dataclass
 class Segment:
     """One stretch of the prompt. kind: prefix | chunk | text | suffix."""
@@ -47,7 +50,7 @@ class Segment:
     cache_hit: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("prefix", "chunk", "text", "suffix"):
+        if self.kind not in KINDS:
             raise ValueError(f"unknown segment kind {self.kind!r}; valid: prefix, chunk, text, suffix")
         if self.chunk is not None and self.chunk.num_tokens != self.token_ids.shape[0]:
             raise ValueError("segment tokens and its chunk cache disagree in length")
@@ -78,28 +81,27 @@ class FusedPrompt:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def _per_token(self, values: list[int]) -> torch.Tensor:
+        """(T,) int8: each segment's value repeated over its tokens (one op per prompt)."""
+        lengths = torch.tensor([len(s) for s in self.segments])
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.int8), lengths)
+
     def mask(self, *kinds: str) -> torch.Tensor:
-        """(T,) bool: positions in segments of the given kinds (a fresh copy, built once)."""
-        key = tuple(sorted(kinds))
-        m = self._masks.get(key)
-        if m is None:
-            m = torch.zeros(self.num_tokens, dtype=torch.bool)
-            for s, start in zip(self.segments, self.starts):
-                if s.kind in kinds:
-                    m[start : start + len(s)] = True
-            self._masks[key] = m
-        return m.clone()
+        """(T,) bool: positions in segments of the given kinds (a fresh tensor)."""
+        codes = self._masks.get("kind")
+        if codes is None:
+            codes = self._masks["kind"] = self._per_token([KINDS.index(s.kind) for s in self.segments])
+        m = codes == KINDS.index(kinds[0]) if kinds else torch.zeros(self.num_tokens, dtype=torch.bool)
+        for k in kinds[1:]:
+            m |= codes == KINDS.index(k)
+        return m
 
     def uncached_mask(self) -> torch.Tensor:
-        """(T,) bool: positions without a cache (a fresh copy). A prompt's segments are not
-        changed after it is built (the masks are cached)."""
+        """(T,) bool: positions without a cache (a fresh tensor). A prompt's segments are not
+        changed after it is built (what the masks are made of is cached)."""
         m = self._masks.get(None)
         if m is None:
-            m = torch.zeros(self.num_tokens, dtype=torch.bool)
-            for s, start in zip(self.segments, self.starts):
-                if s.chunk is None:
-                    m[start : start + len(s)] = True
-            self._masks[None] = m
+            m = self._masks[None] = self._per_token([int(s.chunk is None) for s in self.segments]).bool()
         return m.clone()
 
     @property

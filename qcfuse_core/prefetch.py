@@ -402,10 +402,12 @@ class LoadSession:
                     self._buf[:, :, s.start : s.end].zero_()
         self.report.load_ms = [0.0] * L
         self.report.wait_ms = [0.0] * L
-        self._plan, self._per_layer = self._copy_plan()
+        self._enqueued = self.cuda and self.config.eager_memory and not any(s.kind == "disk" for s in self._srcs)
+        # eager mode issues layers from inside the prefill loop, where building a layer's
+        # copy list is hidden behind the GPU; the loader thread wants it ready (GIL)
+        self._plan, self._per_layer = self._copy_plan() if not self._enqueued else (None, [])
         row_bytes = 2 * Hkv * D * self._buf.element_size()
         self._layer_bytes = sum(s.end - s.start for s in self._srcs if s.kind != "none") * row_bytes
-        self._enqueued = self.cuda and self.config.eager_memory and not any(s.kind == "disk" for s in self._srcs)
         self._issued = 0  # layers whose copies are enqueued (eager mode)
         if self._enqueued:
             try:
@@ -533,6 +535,28 @@ class LoadSession:
                 plan[layer][1].extend((ks[layer], vs[layer]))
         return plan, per_layer
 
+    def _layer_copies(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One layer's (destinations, sources), every memory source included (eager mode)."""
+        dst, src = [], []
+        buf = self._buf
+        for s in self._srcs:
+            if s.kind == "tensor":
+                k, v = s.obj.k[layer], s.obj.v[layer]
+            elif s.kind in ("gpu", "host"):
+                if s.obj.layout.scale_span is not None:  # fp8: decoded per layer
+                    from qcfuse_core.store.codec import decode_layer
+
+                    kv = decode_layer(s.obj.kv(layer), s.obj.scale(layer), self.dtype)
+                    k, v = kv[0], kv[1]
+                else:
+                    ks, vs = _layer_views(s.obj)
+                    k, v = ks[layer], vs[layer]
+            else:
+                continue
+            dst += [buf[0, layer, s.start : s.end], buf[1, layer, s.start : s.end]]
+            src += [k, v]
+        return dst, src
+
     def _on_side(self):
         if not self.cuda:
             return _Null()
@@ -557,10 +581,10 @@ class LoadSession:
         nb = self.cuda
         disk_jobs: list[tuple[_Src, int]] = []  # (source, offset in staging)
         off = 0
-        dst, src = self._plan[layer]  # the plain in-memory sources
-        if self._per_layer:  # fp8 images add their decoded layer below: extend copies
-            dst, src = list(dst), list(src)
         with self._on_side():
+            dst, src = self._plan[layer] if self._plan is not None else self._layer_copies(layer)
+            if self._per_layer:  # fp8 images add their decoded layer below: extend copies
+                dst, src = list(dst), list(src)
             self.report.bytes_loaded += self._layer_bytes
             for s in self._per_layer:
                 if s.kind in ("gpu", "host"):  # fp8 images: decoded per layer
