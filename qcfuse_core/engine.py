@@ -195,7 +195,9 @@ class QCFuseEngine:
         dev = self.adapter.device
         self.critical_layers  # resolve the profile here, not on the writer thread
         built: dict[ChunkKey, KVChunk] = {}
-        with ingest.StoreWriter(device=dev, synchronous=dev.type != "cuda") as writer:
+        cuda = dev.type == "cuda"
+        with ingest.StoreWriter(device=dev, synchronous=not cuda, workers=WRITERS,
+                                max_pending=2 * WRITERS) as writer:
             for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(dev)):
                 kvs = ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch])
                 chunks = [KVChunk(keys[j], ids[j].clone(), k, v) for j, (k, v) in zip(batch, kvs)]
@@ -203,7 +205,8 @@ class QCFuseEngine:
                     for c in chunks:
                         self._add_anchors(c)
                         built[c.key] = c
-                writer.submit(self._store_chunks, chunks)  # one job per batch (the queue's bound)
+                for c in chunks:  # one job per chunk: the writers share a batch
+                    writer.submit(self._store_chunks, [c])
         return built
 
     def _store_chunks(self, chunks: Sequence[KVChunk]) -> None:
@@ -626,6 +629,7 @@ class QCFuseEngine:
 TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
 PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
 KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)
+WRITERS = 4  # store-writer threads of ingestion on CUDA (a write is mostly waiting: pinning, file, fsync)
 
 
 def _counters(store) -> dict:

@@ -197,23 +197,31 @@ class StoreWriter:
 
     synchronous: jobs run inside `submit`, which raises their errors itself (tests; a CPU,
     where a writer thread competes with the compute threads for the cores).
+
+    workers > 1: that many threads (each with its own stream) run jobs concurrently, in no
+    particular order. A chunk's write is mostly waiting - pinning host memory for the host
+    tier, the file write and its fsync - and one thread wrote only ~4K tokens/s of an 8B
+    model on the H200 while the batched prefill made ~45K (docs/benchmarks.md).
     """
 
     def __init__(self, *, max_pending: int = 2, synchronous: bool = False,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", workers: int = 1) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.synchronous = synchronous
         self._device = torch.device(device)
         self._error: BaseException | None = None
         self._closed = False
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self._thread: threading.Thread | None = None
-        if not synchronous:
+        self._threads: list[threading.Thread] = []
+        self._error_lock = threading.Lock()
+        for i in range(0 if synchronous else workers):
             stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-            self._thread = threading.Thread(target=self._work, args=(stream,), name="qcfuse-store-writer",
-                                            daemon=True)
-            self._thread.start()
+            t = threading.Thread(target=self._work, args=(stream,), name=f"qcfuse-store-writer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def submit(self, fn: Callable[..., object], *args) -> None:
         """Run `fn(*args)` after every job submitted before it."""
@@ -231,9 +239,10 @@ class StoreWriter:
         the first job's error if one failed."""
         if not self._closed:
             self._closed = True
-            if self._thread is not None:
+            for _ in self._threads:
                 self._jobs.put(None)
-                self._thread.join()
+            for t in self._threads:
+                t.join()
         self._raise_error()
 
     def __enter__(self) -> "StoreWriter":
@@ -263,7 +272,10 @@ class StoreWriter:
     def _work(self, stream: torch.cuda.Stream | None) -> None:
         for job in iter(self._jobs.get, None):
             if self._error is None:
-                self._error = _run(job, stream)
+                err = _run(job, stream)
+                if err is not None:
+                    with self._error_lock:
+                        self._error = self._error or err
             del job  # release its tensors before waiting for the next
 
 

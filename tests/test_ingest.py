@@ -295,3 +295,26 @@ def test_cuda_writer_stores_what_was_computed_while_compute_goes_on(tmp_path):
     for key, (k, v) in expect.items():
         got = store.get(key)
         assert got is not None and torch.equal(got.k.cpu(), k) and torch.equal(got.v.cpu(), v)
+
+
+def test_writer_with_several_workers_runs_every_job_once_concurrently():
+    import threading
+    import time
+
+    done, names = [], set()
+    lock = threading.Lock()
+
+    def job(i):
+        time.sleep(0.05)  # waiting, as a file write does: the workers overlap
+        with lock:
+            done.append(i)
+            names.add(threading.current_thread().name)
+
+    t0 = time.perf_counter()
+    with StoreWriter(max_pending=8, workers=4) as w:
+        for i in range(8):
+            w.submit(job, i)
+    assert sorted(done) == list(range(8)) and len(names) > 1
+    assert time.perf_counter() - t0 < 8 * 0.05  # not one after another
+    with pytest.raises(ValueError, match="workers"):
+        StoreWriter(workers=0)
