@@ -151,7 +151,7 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
                    ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
         if label != method:
             rec["variant"] = label
-        if query_aware and opts:
+        if getattr(get_selector(method), "query_aware", False) and opts:
             rec["options"] = dict(opts)
         if "mass_covered" in sel.details:
             rec["mass_covered"] = sel.details["mass_covered"]
