@@ -23,7 +23,6 @@ from typing import Any
 from langchain_core.documents import BaseDocumentTransformer, Document
 
 from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.types import ChunkKey
 from qcfuse_integrations.engines import engine_lock, shared_engine
 
 log = logging.getLogger(__name__)
@@ -79,22 +78,25 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
         """Copies of `documents` with ids and `metadata["qcfuse_chunk_key"]`; caches built."""
         if kwargs:
             raise TypeError(f"QCFuseCacheBuilder.transform_documents takes no options, got {sorted(kwargs)}")
-        engine, out = self.engine, []
-        built = reused = 0
+        engine = self.engine
         per_source: dict[str, int] = {}
+        ids, texts = [], []
+        for doc in documents:
+            source = str(doc.metadata.get(self.source_key, ""))
+            index = per_source[source] = per_source.get(source, -1) + 1
+            doc_id = doc.id if doc.id and not self.overwrite_ids else document_id(source, index, doc.page_content)
+            text = self.render(doc)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"render() gave no text for document {doc_id!r}")
+            ids.append(doc_id)
+            texts.append(text)
         with engine_lock(engine):
-            for doc in documents:
-                source = str(doc.metadata.get(self.source_key, ""))
-                index = per_source[source] = per_source.get(source, -1) + 1
-                doc_id = doc.id if doc.id and not self.overwrite_ids else document_id(source, index, doc.page_content)
-                text = self.render(doc)
-                if not isinstance(text, str) or not text:
-                    raise ValueError(f"render() gave no text for document {doc_id!r}")
-                stored = engine.store.contains(ChunkKey.for_tokens(engine.fingerprint, engine.tokenize(text)))
-                key = engine.build_chunk(text, node_id=doc_id)
-                built, reused = built + (not stored), reused + stored
-                out.append(Document(page_content=doc.page_content, id=doc_id,
-                                    metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()}))
+            stored = {t for t in texts if engine.store.contains(engine.chunk_tokens(t)[1])}
+            keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
+        built = len({t for t in texts if t not in stored})  # each new text is built once
+        reused = len(texts) - built
+        out = [Document(page_content=doc.page_content, id=doc_id, metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()})
+               for doc, doc_id, key in zip(documents, ids, keys)]
         self.last_build = BuildReport(len(out), built, reused)
         log.info("chunk caches: %d documents, %d built, %d already stored", len(out), built, reused)
         return out

@@ -36,7 +36,6 @@ from llama_index.core.utils import get_tqdm_iterable
 
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.segment import ANCHOR
-from qcfuse_core.types import ChunkKey, NodeId
 from qcfuse_integrations.engines import engine_lock, shared_engine
 
 log = logging.getLogger(__name__)
@@ -45,6 +44,9 @@ log = logging.getLogger(__name__)
 def render_for_prompt(node: BaseNode) -> str:
     """The exact text the compact / refine synthesizers put into the prompt for `node`."""
     return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+BUILD_BATCH = 64  # nodes per engine.build_chunks call (the progress bar's step)
 
 
 class QCFuseCacheBuilder(TransformComponent):
@@ -79,22 +81,17 @@ class QCFuseCacheBuilder(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         engine = self.engine
-        built = reused = short = 0
-        for node in get_tqdm_iterable(nodes, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
-            text = render_for_prompt(node)
-            if len(text) < ANCHOR:  # too short for the content index to find; not worth a cache
-                short += 1
-                continue
+        todo = [(render_for_prompt(n), n.node_id) for n in nodes]
+        short = sum(len(t) < ANCHOR for t, _ in todo)  # too short for the content index to find
+        todo = [(t, i) for t, i in todo if len(t) >= ANCHOR]
+        built = reused = 0
+        batches = [todo[i : i + BUILD_BATCH] for i in range(0, len(todo), BUILD_BATCH)]
+        for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
+            texts, ids = [t for t, _ in batch], [i for _, i in batch]
             with engine_lock(engine):
-                ids = engine.tokenize(text)
-                key = ChunkKey.for_tokens(engine.fingerprint, ids)
-                if engine.store.contains(key):
-                    engine.store.link(NodeId(node.node_id), key)
-                    engine.texts.add(text, node.node_id)
-                    reused += 1
-                else:
-                    engine.build_chunk(text, node.node_id)
-                    built += 1
+                stored = sum(engine.store.contains(engine.chunk_tokens(t)[1]) for t in texts)
+                engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
+            built, reused = built + len(texts) - stored, reused + stored
         log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)
         return nodes
 
