@@ -170,6 +170,7 @@ class RunResult:
     plan: dict | None = None
     sync_layer_loads: int = 0
     compute_ms: list[float] | None = None
+    threads: int = 0
 
 
 def timed_answer(engine, work: Workload, method: str, ratio: float, *, sync_stages: bool = False,
@@ -183,8 +184,9 @@ def timed_answer(engine, work: Workload, method: str, ratio: float, *, sync_stag
                       max_new_tokens=1, sync_stages=sync_stages)
     wall = (time.perf_counter() - t0) * 1e3
     sel = r.selection.details if r.selection is not None else {}
-    return RunResult(wall, dict(r.timings_ms), r.ttft_ms, float(sel.get("probe_ms", 0.0)), r.context_tokens, r.recomputed_tokens, r.method,
-                     r.plan or None, int(r.load.get("sync_layer_loads", 0)), r.load.get("compute_ms") or None)
+    return RunResult(wall, dict(r.timings_ms), r.ttft_ms, float(sel.get("probe_ms", 0.0)), r.context_tokens,
+                     r.recomputed_tokens, r.method, r.plan or None, int(r.load.get("sync_layer_loads", 0)),
+                     r.load.get("compute_ms") or None, r.threads)
 
 
 # ----------------------------------------------------------------------------- rates
@@ -248,8 +250,6 @@ def run(args) -> tuple[list[dict], dict | None]:
 
     for m in args.methods:  # fail before building anything
         get_selector(m)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.runs < 1 or args.warmup < 0 or args.breakdown_runs < 0:
         raise ValueError("--runs must be >= 1, --warmup and --breakdown-runs >= 0")
@@ -277,7 +277,8 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     kv_root = root / f"kv-{tier}-{size[0]}x{size[1]}"
     nbytes = kv_bytes_per_token(adapter) * size[0] * size[1]
     store = open_tier_store(kv_root, tier, nbytes, cuda)
-    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system))
+    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system,
+                                                                     threads=args.threads or None))
     t0 = time.perf_counter()
     keys = engine.build_chunks(work.texts, work.node_ids)
     build_s = time.perf_counter() - t0
@@ -346,12 +347,12 @@ def _prompt_tokens(engine, work: Workload) -> int:
 def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     """`engine.build_chunks` on fresh chunks of the largest size into a disk-backed store,
     store writes included, against the best full-prefill tokens/s measured above."""
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.engine import EngineConfig, QCFuseEngine
 
     chunks, n = args.ingest_chunks, max(sizes_of(args), key=lambda s: s[0] * s[1])[1]
     work = make_workload(adapter.tokenizer, chunks, n, 1, 0, args.seed + 1, tag="ingest")
     store = open_tier_store(root / "kv-ingest", "host", kv_bytes_per_token(adapter) * chunks * n, adapter.device.type == "cuda")
-    engine = QCFuseEngine(adapter, store=store)
+    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(threads=args.threads or None))
     engine.build_chunks(work.texts[:1], work.node_ids[:1])  # warm-up (kernels, allocator)
     sync(adapter.device)
     t0 = time.perf_counter()
@@ -407,7 +408,7 @@ def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], bd: 
         "compute_ms_per_layer": _median_lists([r.compute_ms for r in src if r.compute_ms]),
         "recomputed_tokens": int(statistics.median(r.recomputed_tokens for r in rs)),
         "sync_layer_loads": max(r.sync_layer_loads for r in rs),
-        "plan": plans[-1] if plans else None, "ran_as": ran,
+        "plan": plans[-1] if plans else None, "ran_as": ran, "threads": sorted({r.threads for r in rs}),
     }
 
 
@@ -495,7 +496,7 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--no-planner", action="store_true", help="load every chunk (no load/recompute planning)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0: torch's default); 1 avoids barrier stalls on a busy CPU")
+                   help="CPU intra-op threads for every request (0: the engine's policy, qcfuse_core/threads.py)")
     p.add_argument("--json", default=None, help="write rows + environment to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
     p.set_defaults(func=cmd_ttft)

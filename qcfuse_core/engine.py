@@ -24,11 +24,7 @@ from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
 from qcfuse_core.planner import Rates, device_name, load_rates, rates_path
 from qcfuse_core.planner import plan as plan_chunks
-try:  # TEMP until threads.py lands
-    from qcfuse_core.threads import configure_cpu_threads
-except ImportError:  # pragma: no cover
-    def configure_cpu_threads(device):
-        return {}
+from qcfuse_core.threads import configure_cpu_threads
 from qcfuse_core.pipeline import Loading, LookedUp, Part, Planned, Prefilled, Request, Selected, StageClock
 from qcfuse_core.prefetch import ChunkView, Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
@@ -50,6 +46,9 @@ class EngineConfig:
     glue: str = "\n\n"
     question_template: str = "\n\nQuestion: {question}\nAnswer in one short sentence."
     seed: int = 0
+    # CPU intra-op threads for every request (None: qcfuse_core/threads.py's policy - the
+    # user's own setting, else torch's default capped at the cores other work leaves idle)
+    threads: int | None = None
     # selector options (selectors.QCFuseOptions: critical_layers, anchor_method, anchor_share, budget, ...)
     selection_options: dict = field(default_factory=dict)
 
@@ -58,6 +57,9 @@ class EngineConfig:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         if "{question}" not in self.question_template:
             raise ValueError("question_template must contain '{question}'")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
 
 
 class TokenStream:
@@ -106,7 +108,7 @@ class QCFuseEngine:
         self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
         self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
         self._caches: list[KVCache] = []  # fused-prompt caches of finished requests, reused (CUDA)
-        self.threads = configure_cpu_threads(adapter.device)
+        configure_cpu_threads(adapter.device, threads=self.config.threads)
 
     @classmethod
     def from_pretrained(
@@ -545,7 +547,7 @@ class QCFuseEngine:
             recomputed_tokens=pre.recomputed_tokens, cache_hits=pre.hits, cache_misses=pre.misses,
             chunks=len(prompt.chunk_spans()), finish_reason=finish, timings_ms={**clock.stages, **request.extra},
             selection=pre.selection, store_stats=_counters(self.store), plan=request.plan,
-            load=pre.load_report,
+            load=pre.load_report, threads=request.threads,
         )
 
     # ------------------------------------------------------------------ answering
@@ -592,7 +594,10 @@ class QCFuseEngine:
 
     def _run(self, make_pieces, method: str, ratio: float, gen: GenerationConfig, sync_stages: bool) -> Iterator[str]:
         """The request: steps 1-6 (pipeline.py), its state in a `Request` closed in `finally`."""
+        # CPU threads are chosen per request, in the request's thread (a machine's load changes)
+        threads = configure_cpu_threads(self.adapter.device, threads=self.config.threads)["threads"]
         req = Request(method, ratio, gen, StageClock(self.adapter.device, sync_stages))
+        req.threads = threads
         try:
             pieces = make_pieces()
             looked = self.lookup(pieces, method)

@@ -135,6 +135,7 @@ class Request:
     session: Any = None  # the open LoadSession, closed in the engine's `finally`
     plan: dict[str, Any] = field(default_factory=dict)  # the planner's decision (Planned.plan)
     cache: KVCache | None = None  # the request's fused cache (given back to the engine's pool at its end)
+    threads: int = 0  # CPU intra-op threads it ran with (threads.configure_cpu_threads)
     extra: dict[str, float] = field(default_factory=dict)  # sub-measures (load_wait_ms, ...)
 
     def close(self) -> None:

@@ -148,6 +148,7 @@ class FusionResult:
     store_stats: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)  # load/recompute decision (planner.Plan.to_dict())
     load: dict[str, Any] = field(default_factory=dict)  # layer-wise loading (prefetch.PrefetchReport.to_dict())
+    threads: int = 0  # torch intra-op threads the request ran with (its device's count on a GPU)
 
     @property
     def recompute_share(self) -> float:
@@ -169,6 +170,7 @@ class FusionResult:
             "chunks": self.chunks,
             "new_tokens": len(self.token_ids),
             "finish_reason": self.finish_reason,
+            "threads": self.threads,
             "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
             "store": self.store_stats,
             **({"plan": self.plan} if self.plan else {}),

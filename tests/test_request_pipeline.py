@@ -143,3 +143,29 @@ def test_bench_ttft_times_engine_answer(tmp_path, monkeypatch, capsys):
     # per size: full 1 warm-up + 2 runs + 1 breakdown; each fused method the same
     assert len(calls) == 2 * 3 * (1 + 2 + 1)
     assert "| 2x24 | host | qcfuse | 0.30 |" in capsys.readouterr().out
+
+
+def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
+    """EngineConfig.threads is applied in the request's own thread, per request."""
+    import threading
+
+    from qcfuse_core.engine import EngineConfig
+
+    before = torch.get_num_threads()
+    try:
+        eng = QCFuseEngine(tiny, config=EngineConfig(threads=1))
+        seen = {}
+
+        def ask():
+            r = eng.answer(Q, DOCS, method="naive", max_new_tokens=1)
+            seen["threads"], seen["torch"] = r.threads, torch.get_num_threads()
+
+        t = threading.Thread(target=ask)
+        t.start()
+        t.join()
+        assert seen == {"threads": 1, "torch": 1}
+        assert eng.answer(Q, DOCS, method="full", max_new_tokens=1).to_dict()["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(threads=0)
