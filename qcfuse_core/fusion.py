@@ -171,10 +171,12 @@ class PrefillOutput:
     k_pre: torch.Tensor | None = None  # (L, T, Hkv, D) when capture_pre_rope
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float,
+           masks: list[tuple[int, int, int, torch.Tensor]] | None = None) -> torch.Tensor:
     """q (R, H, D) at positions `rows`; k, v (T, Hkv, D) -> (R, H, D).
 
-    All rows 0..T-1 -> causal SDPA; otherwise location-aware sparse attention.
+    All rows 0..T-1 -> causal SDPA; otherwise location-aware sparse attention. `masks`
+    (torch path): the row blocks' masks from `row_masks`, made once per row set.
     """
     T = k.shape[0]
     if rows.shape[0] == T:
@@ -184,26 +186,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor
         )  # (1, H, T, D)
         return out[0].transpose(0, 1)
     if K.backend() == "torch":  # no kernels: SDPA with a row mask beats the fp32 dense oracle ~5-10x on CPU
-        return torch.cat([_masked_sdpa(q[s : s + ROW_BLOCK], k, v, rows[s : s + ROW_BLOCK], scale)
-                          for s in range(0, rows.shape[0], ROW_BLOCK)])
+        masks = masks if masks is not None else row_masks(rows, k.shape[0], q.dtype, q.device)
+        return torch.cat([_masked_sdpa(q[s:e], k[:n], v[:n], m, scale) for s, e, n, m in masks])
     return K.sparse_attention(q.contiguous(), k, v, rows, scale)
 
 
 ROW_BLOCK = 256  # torch path: rows per SDPA call; each block reads keys only up to its last row
 
 
-def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (R, H, D) at sorted positions `rows` over keys 0..rows[-1] -> (R, H, D).
+def row_masks(rows: torch.Tensor, T: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int, int, torch.Tensor]]:
+    """Per block of ROW_BLOCK sorted rows: (first, end) row indices, the key count n the block
+    sees (keys after its last row are masked for all of its rows, so they are cut) and its
+    additive mask (1, 1, rows, n) in the model's dtype: 0 where visible, -inf elsewhere.
+    Built once per row set, not per layer. An additive mask is faster on a CPU than a
+    boolean one: fused prefill 724 vs 788 ms (qcfuse@0.15, SmolLM2-135M bf16, 8 x 256
+    tokens, 1 thread, medians of 8 interleaved runs)."""
+    out = []
+    for s in range(0, rows.shape[0], ROW_BLOCK):
+        r = rows[s : s + ROW_BLOCK]
+        n = int(r[-1]) + 1 if r.device.type == "cpu" else T  # no device sync for the cut
+        visible = torch.arange(n, device=device)[None, :] <= r.to(device)[:, None]  # (R, n)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        out.append((s, s + r.shape[0], n, mask[None, None]))
+    return out
 
-    Keys after the block's last row are masked for every row of the block, so they are cut
-    before SDPA (sorted rows spread over a prompt: about half the work of one masked call).
-    """
-    n = int(rows[-1]) + 1 if rows.device.type == "cpu" else k.shape[0]  # no device sync for the cut
-    k, v = k[:n], v[:n]
-    visible = torch.arange(n, device=k.device)[None, :] <= rows[:, None]  # (R, n)
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (R, H, D) over keys k, v (n, Hkv, D) under an additive mask (1, 1, R, n) -> (R, H, D)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=visible[None, None], scale=scale, enable_gqa=True,
+        attn_mask=mask, scale=scale, enable_gqa=True,
     )  # (1, H, R, D)
     return out[0].transpose(0, 1)
 
@@ -241,6 +253,7 @@ def fused_prefill(
     cur_dev = to_device(cur, dev)
     cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]  # (R, D)
     inv = K.inverse_rows(cur_dev, T)  # (T,) position -> row index or -1, shared by every layer
+    masks = _masks_for(cur, T, adapter)
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
     captured = [] if capture_pre_rope else None
     layer_ms: list[float] = []
@@ -257,7 +270,7 @@ def fused_prefill(
             kp[cur_dev] = k_new
             captured.append(kp)
         q = K.apply_rope(q_pre, cos_cur, sin_cur)
-        attn = attend(q, k_rot, v_all, cur_dev, adapter.scale)  # (R, H, D)
+        attn = attend(q, k_rot, v_all, cur_dev, adapter.scale, masks)  # (R, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
         nxt = None
         if on_layer_end is not None:
@@ -272,6 +285,7 @@ def fused_prefill(
             cur_dev = to_device(cur, dev)
             cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
             inv = K.inverse_rows(cur_dev, T)
+            masks = _masks_for(cur, T, adapter)
         layer_ms.append((time.perf_counter() - t0) * 1e3)
     if kv_out is not None:
         kv_out.length = T
@@ -279,6 +293,13 @@ def fused_prefill(
         raise ValueError(f"logits_last must be >= 1 or None, got {logits_last}")
     logits = adapter.logits(h if logits_last is None else h[-logits_last:])
     return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None)
+
+
+def _masks_for(rows: torch.Tensor, T: int, adapter: ModelAdapter):
+    """The torch path's row-block masks for a row set (None: not needed)."""
+    if rows.shape[0] == T or K.backend() != "torch":
+        return None
+    return row_masks(rows, T, adapter.dtype, adapter.device)
 
 
 def _check_rows(rows: torch.Tensor, prompt: FusedPrompt) -> None:
