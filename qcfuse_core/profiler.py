@@ -29,7 +29,7 @@ from qcfuse_core import metrics as M
 from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.datasets import load_dataset
 from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import fused_prefill
+from qcfuse_core.pipeline import Loading, Selected
 from qcfuse_core.probe import context_keys_at, gather_context, query_mass, run_probe
 from qcfuse_core.scoring import top_budget
 from qcfuse_core.selectors import SelectionContext
@@ -71,15 +71,16 @@ def prepare_example(engine: QCFuseEngine, question: str, passages, anchors: Anch
     return PreparedExample(prompt, ref[-1], mass)
 
 
-def score_set(adapter, ex: PreparedExample, layer_set, ratio: float) -> tuple[float, float]:
+def score_set(engine: QCFuseEngine, ex: PreparedExample, layer_set, ratio: float) -> tuple[float, float]:
     """Recompute the top `ratio` chunk tokens by the mean mass of `layer_set` (as the qcfuse
-    selector does with those critical layers) -> (first-token KL(full || fused), top-1 agreement)."""
+    selector does with those critical layers), fused by the engine's own step
+    -> (first-token KL(full || fused), top-1 agreement)."""
     prompt = ex.prompt
     mass = sum(ex.mass[layer] for layer in layer_set) / len(layer_set)
-    ctx = SelectionContext(adapter, prompt, ratio)
+    ctx = SelectionContext(engine.adapter, prompt, ratio)
     cand = torch.nonzero(prompt.mask("chunk")).flatten()
-    rows = ctx.finalize("profile", top_budget(cand, mass[cand], ctx.budget)).rows
-    logits = fused_prefill(adapter, prompt, rows, logits_last=1).logits[-1]
+    sel = ctx.finalize("profile", top_budget(cand, mass[cand], ctx.budget))
+    logits = engine.fuse(Loading(prompt), Selected(sel), "profile").logits[-1]
     return M.kl_divergence(ex.ref, logits), float(int(logits.argmax()) == int(ex.ref.argmax()))
 
 
@@ -87,7 +88,7 @@ def profile_example(engine: QCFuseEngine, question: str, passages, ratio: float,
                     layers: list[int]) -> dict[int, tuple[float, float]]:
     """-> {layer: (first-token KL, top-1 agreement)} for one example."""
     ex = prepare_example(engine, question, passages, anchors, layers)
-    return {layer: score_set(engine.adapter, ex, [layer], ratio) for layer in layers}
+    return {layer: score_set(engine, ex, [layer], ratio) for layer in layers}
 
 
 SEARCHES = ("singles", "greedy")
@@ -119,7 +120,7 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
     for i, ex in enumerate(examples):
         prep = prepare_example(engine, ex.question, ex.passages, anchors, layers)
         for layer in layers:
-            kl, agree = score_set(adapter, prep, [layer], ratio)
+            kl, agree = score_set(engine, prep, [layer], ratio)
             sums[layer][0] += kl
             sums[layer][1] += agree
         if search == "greedy":
@@ -143,7 +144,7 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
             for layer in layers:
                 if layer in chosen:
                     continue
-                scores = [score_set(adapter, prep, chosen + [layer], ratio) for prep in prepared]
+                scores = [score_set(engine, prep, chosen + [layer], ratio) for prep in prepared]
                 trials.append({"layers": chosen + [layer], "kl": sum(s[0] for s in scores) / n,
                                "top1_agree": sum(s[1] for s in scores) / n})
             if not trials:

@@ -46,7 +46,7 @@ def test_a_layer_set_scores_what_the_qcfuse_selector_does_with_those_critical_la
     assert torch.equal(full, prep.ref)
     kls = []
     for layer_set in ([5], [8], [5, 8], [2, 5, 8]):
-        kl, agree = score_set(adapter, prep, layer_set, 0.3)
+        kl, agree = score_set(smol_engine, prep, layer_set, 0.3)
         sel = get_selector("qcfuse").select(SelectionContext(adapter, prep.prompt, 0.3,
                                                              options={"critical_layers": layer_set}))
         logits = fused_prefill(adapter, prep.prompt, sel.rows, logits_last=1).logits[-1]
@@ -55,7 +55,7 @@ def test_a_layer_set_scores_what_the_qcfuse_selector_does_with_those_critical_la
         kls.append(kl)
     assert len(set(kls)) > 1  # the sets really select differently
     # every chunk token recomputed: the fused prefill is full prefill
-    kl_all, agree_all = score_set(adapter, prep, [5], 1.0)
+    kl_all, agree_all = score_set(smol_engine, prep, [5], 1.0)
     assert kl_all < 1e-6 and agree_all == 1.0
 
 
@@ -64,7 +64,7 @@ def test_profile_singles_and_greedy(smol_engine, toy_set):
     preps = [prepare_example(smol_engine, q, ps, AnchorConfig(), LAYERS) for q, ps, _ in QUESTIONS]
 
     def mean_kl(layer_set):
-        return sum(score_set(adapter, p, layer_set, 0.3)[0] for p in preps) / len(preps)
+        return sum(score_set(smol_engine, p, layer_set, 0.3)[0] for p in preps) / len(preps)
 
     singles = profile_layers(smol_engine, str(toy_set), limit=None, ratio=0.3, top_k=2, layers=LAYERS)
     assert singles["search"] == "singles" and singles["n"] == 2 and "steps" not in singles

@@ -204,12 +204,14 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
     data.write_text(json.dumps([{"question": ex.question, "answers": list(ex.answers),
                                  "ctxs": [{"title": "", "text": p} for p in ex.passages]}]))
     ref_dir = tmp_path / "ref"
-    built = []
-    real_fuse = smol_engine.fuse_pieces
-    monkeypatch.setattr(smol_engine, "fuse_pieces", lambda pieces, **kw: built.append(kw) or real_fuse(pieces, **kw))
+    looked, built = [], []
+    real_lookup, real_build = smol_engine.lookup, smol_engine._build
+    monkeypatch.setattr(smol_engine, "lookup", lambda pieces, method, **kw: looked.append(method) or
+                        real_lookup(pieces, method, **kw))
+    monkeypatch.setattr(smol_engine, "_build", lambda todo, **kw: built.extend(todo) or real_build(todo, **kw))
     first = bq.run(smol_engine, str(data), ["full"], [], limit=None, max_new=6, jsonl=tmp_path / "a.jsonl",
                    reference=ref_dir)
-    assert built == [{"caches": False}]  # full alone tokenizes only: no chunk cache is built
+    assert looked == ["full"] and built == []  # full alone tokenizes only: no chunk cache is built
     path = bq.reference_path(ref_dir, "toy_s", first[0]["id"])
     assert path.is_file() and sorted(p.name for p in ref_dir.rglob("*")) == sorted(["toy_s", path.name])  # no temp file
 
