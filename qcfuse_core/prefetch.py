@@ -7,6 +7,15 @@ Fused prefill asks for layer l only after it has enqueued layer l-1's compute, a
 one event per layer, so layer l's compute overlaps the loads of layers l+1, l+2, ... The
 probe and the selection overlap the first loads too.
 
+Who issues the loads: with a disk source (or on a CPU), a loader thread per request; on
+CUDA with memory tiers only, the request's own thread - the first `ahead` layers when the
+request starts, then layer l + ahead each time fused prefill asks for layer l (a loader
+thread there competed with the selection for the interpreter lock).
+
+The shared `Prefetcher` keeps what outlives a request (the side stream, reusable buffers,
+probe sidecars on the compute device); each request's loads, events and report live in its
+`LoadSession`, closed in the engine's `finally`.
+
 Per layer the prefetcher fills one buffer pair laid out as the prompt (what
 `FusedPrompt.layer` returns, and what `fusion.LayerSource` promises):
 
@@ -29,8 +38,9 @@ What must hold:
 - layers are asked for in order 0..L-1, each once per request;
 - buffers are reused across requests: a new request's loads are ordered after every piece
   of compute already enqueued (the side stream waits on the compute stream at `start`);
-- on CUDA nothing here blocks the compute thread except waiting for the loader *thread* to
-  have enqueued a layer (host tiers: microseconds; disk: the read itself).
+- on CUDA nothing here blocks the compute thread except waiting for the loader thread to
+  have enqueued a layer (disk: the read itself) or enqueueing a layer's copies itself
+  (memory tiers: tens of microseconds, inside the prefill loop, ahead of the GPU).
 
 Selection runs before the bulk arrives on `ChunkView`s: lazy stand-ins for `KVChunk` that
 serve a selector from the chunk's sidecar (anchor indices with their K/V at the probe layers,
