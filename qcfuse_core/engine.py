@@ -440,6 +440,8 @@ class QCFuseEngine:
         prompt, sel = loading.prompt, selected.selection
         T = prompt.num_tokens
         G = 0 if teacher is None else int(teacher.numel())
+        if G and loading.session is not None:
+            raise ValueError("teacher forcing needs the prompt's caches in memory (lookup with streaming=False)")
         full_prompt = prompt if not G else FusedPrompt(prompt.segments + [Segment("suffix", teacher)])
         cache = self._take_cache(T + G + capacity) if request is not None else KVCache(self.adapter, T + G + capacity)
         if request is not None:
