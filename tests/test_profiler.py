@@ -60,7 +60,6 @@ def test_a_layer_set_scores_what_the_qcfuse_selector_does_with_those_critical_la
 
 
 def test_profile_singles_and_greedy(smol_engine, toy_set):
-    adapter = smol_engine.adapter
     preps = [prepare_example(smol_engine, q, ps, AnchorConfig(), LAYERS) for q, ps, _ in QUESTIONS]
 
     def mean_kl(layer_set):
