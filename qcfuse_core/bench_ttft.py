@@ -165,6 +165,7 @@ class RunResult:
     internal_ms: float = 0.0  # FusionResult.ttft_ms: the engine's own clock (request start -> first token)
     probe_ms: float = 0.0
     context_tokens: int = 0
+    prompt_tokens: int = 0
     recomputed_tokens: int = 0
     method: str = ""  # what the engine ran (`full` when the planner fell back)
     plan: dict | None = None
@@ -185,8 +186,8 @@ def timed_answer(engine, work: Workload, method: str, ratio: float, *, sync_stag
     wall = (time.perf_counter() - t0) * 1e3
     sel = r.selection.details if r.selection is not None else {}
     return RunResult(wall, dict(r.timings_ms), r.ttft_ms, float(sel.get("probe_ms", 0.0)), r.context_tokens,
-                     r.recomputed_tokens, r.method, r.plan or None, int(r.load.get("sync_layer_loads", 0)),
-                     r.load.get("compute_ms") or None, r.threads)
+                     r.prompt_tokens, r.recomputed_tokens, r.method, r.plan or None,
+                     int(r.load.get("sync_layer_loads", 0)), r.load.get("compute_ms") or None, r.threads)
 
 
 # ----------------------------------------------------------------------------- rates
@@ -295,7 +296,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     # full prefill first: it is also the planner's prefill rate
     fr = _repeat(lambda: timed_answer(engine, work, "full", 0.0, drop=None), args, args.warmup)
     full_ms = statistics.median(r.ttft_ms for r in fr)
-    T = _prompt_tokens(engine, work)
+    T = fr[0].prompt_tokens
     if rates is None or tier not in rates.tier_gbps:
         gbps = measure_tier_gbps(engine, work, drop)
         old = rates.tier_gbps if rates is not None else {}
@@ -337,11 +338,6 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     store.close()
     shutil.rmtree(kv_root, ignore_errors=True)  # GBs of scratch caches; the rates file stays
     return rows
-
-
-def _prompt_tokens(engine, work: Workload) -> int:
-    pieces = engine.rag_pieces(work.question, work.texts)
-    return sum(int(engine.tokenize(p.text).numel()) for p in pieces)
 
 
 def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:

@@ -98,6 +98,7 @@ class QCFuseEngine:
         self.texts = text_index if text_index is not None else ChunkTextIndex()
         self._critical: list[int] | None = None
         self._critical_source = ""
+        self._opts = None  # (config, its parsed QCFuseOptions)
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
         self.config = config or EngineConfig()
@@ -208,16 +209,15 @@ class QCFuseEngine:
                         self._add_anchors(c)
                         built[c.key] = c
                 for c in chunks:  # one job per chunk: the writers share a batch
-                    writer.submit(self._store_chunks, [c])
+                    writer.submit(self._store_chunk, c)
         return built
 
-    def _store_chunks(self, chunks: Sequence[KVChunk]) -> None:
-        """Anchors, cache and probe sidecar of freshly built chunks (on the writer)."""
-        for chunk in chunks:
-            self._add_anchors(chunk)
-            self.store.put(chunk)
-            if self.prefetcher is not None:
-                self._put_probe_sidecar(chunk)
+    def _store_chunk(self, chunk: KVChunk) -> None:
+        """Anchors, cache and probe sidecar of a freshly built chunk (on a writer)."""
+        self._add_anchors(chunk)
+        self.store.put(chunk)
+        if self.prefetcher is not None:
+            self._put_probe_sidecar(chunk)
 
     def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
         """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
@@ -275,10 +275,9 @@ class QCFuseEngine:
         """The config's selection options, parsed once per config object."""
         from qcfuse_core.selectors import QCFuseOptions
 
-        cached = self.__dict__.get("_opts")
-        if cached is None or cached[0] is not self.config:
-            cached = self._opts = (self.config, QCFuseOptions.from_options(self.config.selection_options))
-        return cached[1]
+        if self._opts is None or self._opts[0] is not self.config:  # callers may replace `config`
+            self._opts = (self.config, QCFuseOptions.from_options(self.config.selection_options))
+        return self._opts[1]
 
     def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
         """Ingestion of one chunk (see `build_chunks`)."""
@@ -411,7 +410,7 @@ class QCFuseEngine:
             segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
         prompt = FusedPrompt(segments)
         lazy = any(isinstance(s.chunk, ChunkView) for s in segments)
-        session = self.prefetcher.start(prompt) if lazy and planned.method != "full" else None
+        session = self.prefetcher.start(prompt) if lazy else None
         return Loading(prompt, session)
 
     def select(self, prompt: FusedPrompt, method: str, ratio: float, options: dict | None = None) -> Selected:
@@ -450,7 +449,7 @@ class QCFuseEngine:
         if method == "full":
             logits, kv = self.adapter.hf_forward(full_prompt.token_ids, keep=G + 1)
             fill_from_hf(cache, kv)
-            rows, recomputed = torch.arange(T + G), prompt.context_tokens
+            recomputed = prompt.context_tokens
         else:
             extra = torch.arange(T, T + G)
             rows = torch.cat([sel.rows, extra]) if G else sel.rows

@@ -66,7 +66,8 @@ class FusedPrompt:
     segments: list[Segment]
     token_ids: torch.Tensor = field(init=False)  # (T,)
     starts: list[int] = field(init=False)
-    _masks: dict = field(init=False, repr=False, default_factory=dict)
+    _kinds: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) int8 KINDS index
+    _uncached: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) bool
 
     def __post_init__(self) -> None:
         if not self.segments or self.segments[-1].kind != "suffix" or len(self.segments[-1]) == 0:
@@ -88,21 +89,19 @@ class FusedPrompt:
 
     def mask(self, *kinds: str) -> torch.Tensor:
         """(T,) bool: positions in segments of the given kinds (a fresh tensor)."""
-        codes = self._masks.get("kind")
-        if codes is None:
-            codes = self._masks["kind"] = self._per_token([KINDS.index(s.kind) for s in self.segments])
-        m = codes == KINDS.index(kinds[0]) if kinds else torch.zeros(self.num_tokens, dtype=torch.bool)
-        for k in kinds[1:]:
-            m |= codes == KINDS.index(k)
+        if self._kinds is None:
+            self._kinds = self._per_token([KINDS.index(s.kind) for s in self.segments])
+        m = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for k in kinds:
+            m |= self._kinds == KINDS.index(k)
         return m
 
     def uncached_mask(self) -> torch.Tensor:
         """(T,) bool: positions without a cache (a fresh tensor). A prompt's segments are not
         changed after it is built (what the masks are made of is cached)."""
-        m = self._masks.get(None)
-        if m is None:
-            m = self._masks[None] = self._per_token([int(s.chunk is None) for s in self.segments]).bool()
-        return m.clone()
+        if self._uncached is None:
+            self._uncached = self._per_token([int(s.chunk is None) for s in self.segments]).bool()
+        return self._uncached.clone()
 
     @property
     def context_tokens(self) -> int:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import qcfuse_kernels as K
-from qcfuse_core.model import ModelAdapter
+from qcfuse_core.model import ModelAdapter, to_device
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,7 @@ class _Packing:
         n_max, ends = max(lengths), list(accumulate(lengths))
         positions = torch.cat([torch.arange(n) for n in lengths])
         chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        idx = torch.stack([positions, chunk * n_max + positions])
-        if device.type == "cuda":  # from pinned memory the copy does not wait for queued GPU work
-            idx = idx.pin_memory()
-        idx = idx.to(device, non_blocking=True)
+        idx = to_device(torch.stack([positions, chunk * n_max + positions]), device)
         return cls(list(zip([0, *ends[:-1]], ends)), idx[0], idx[1], len(lengths), n_max)
 
     @property

@@ -412,10 +412,11 @@ class LoadSession:
                     self._buf[:, :, s.start : s.end].zero_()
         self.report.load_ms = [0.0] * L
         self.report.wait_ms = [0.0] * L
-        self._enqueued = self.cuda and self.config.eager_memory and not any(s.kind == "disk" for s in self._srcs)
-        # eager mode issues layers from inside the prefill loop, where building a layer's
-        # copy list is hidden behind the GPU; the loader thread wants it ready (GIL)
-        self._plan, self._per_layer = self._copy_plan() if not self._enqueued else (None, [])
+        self._disk_jobs: list[tuple[_Src, int]] = []  # disk sources and their offsets in staging
+        for src in self._srcs:
+            if src.kind == "disk":
+                self._disk_jobs.append((src, sum(j.end - j.start for j, _ in self._disk_jobs)))
+        self._enqueued = self.cuda and self.config.eager_memory and not self._disk_jobs
         row_bytes = 2 * Hkv * D * self._buf.element_size()
         self._layer_bytes = sum(s.end - s.start for s in self._srcs if s.kind != "none") * row_bytes
         self._issued = 0  # layers whose copies are enqueued (eager mode)
@@ -521,32 +522,9 @@ class LoadSession:
             return _Src("disk", start, end, c.key)
         raise KeyError(f"chunk {c.key} is in no tier; the planner should have recomputed it")
 
-    def _copy_plan(self) -> tuple[list[tuple[list[torch.Tensor], list[torch.Tensor]]], list[_Src]]:
-        """Per layer, the (destinations, sources) of every plain in-memory source (a chunk
-        tensor, or a gpu / host image not stored in fp8), built with a few view ops per chunk
-        for all layers at once: the loader thread then issues a layer with one call instead of
-        ~a dozen view ops per chunk, and holds the GIL less while the request's selection runs.
-        Also returns the sources `_load` still handles layer by layer (fp8 images, disk)."""
-        L = self.adapter.num_layers
-        plan: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(L)]
-        per_layer: list[_Src] = []
-        for s in self._srcs:
-            if s.kind == "tensor":
-                ks, vs = s.obj.k.unbind(0), s.obj.v.unbind(0)
-            elif s.kind in ("gpu", "host") and s.obj.layout.scale_span is None:
-                ks, vs = _layer_views(s.obj)
-            else:
-                if s.kind != "none":
-                    per_layer.append(s)
-                continue
-            dk, dv = self._buf[0, :, s.start : s.end].unbind(0), self._buf[1, :, s.start : s.end].unbind(0)
-            for layer in range(L):
-                plan[layer][0].extend((dk[layer], dv[layer]))
-                plan[layer][1].extend((ks[layer], vs[layer]))
-        return plan, per_layer
-
     def _layer_copies(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One layer's (destinations, sources), every memory source included (eager mode)."""
+        """One layer's (destinations, sources) of every in-memory source: a chunk tensor, a
+        gpu / host image (its per-layer views made once per image; fp8 ones decoded here)."""
         dst, src = [], []
         buf = self._buf
         for s in self._srcs:
@@ -587,32 +565,13 @@ class LoadSession:
 
     def _load(self, layer: int) -> None:
         t0 = time.perf_counter()
-        buf = self._buf
-        nb = self.cuda
-        disk_jobs: list[tuple[_Src, int]] = []  # (source, offset in staging)
-        off = 0
         with self._on_side():
-            dst, src = self._plan[layer] if self._plan is not None else self._layer_copies(layer)
-            if self._per_layer:  # fp8 images add their decoded layer below: extend copies
-                dst, src = list(dst), list(src)
+            dst, src = self._layer_copies(layer)
             self.report.bytes_loaded += self._layer_bytes
-            for s in self._per_layer:
-                if s.kind in ("gpu", "host"):  # fp8 images: decoded per layer
-                    image = s.obj
-                    kv, sc = image.kv(layer), image.scale(layer)  # (2, n, Hkv, D) stored dtype
-                    if sc is not None:
-                        from qcfuse_core.store.codec import decode_layer
-
-                        kv = decode_layer(kv, sc, self.dtype)
-                    dst += [buf[0, layer, s.start : s.end], buf[1, layer, s.start : s.end]]
-                    src += [kv[0], kv[1]]  # contiguous: one DMA each
-                elif s.kind == "disk":
-                    disk_jobs.append((s, off))
-                    off += s.end - s.start
-            if dst:  # one call for the layer's copies: the loader thread holds the GIL less
-                torch._foreach_copy_(dst, src, non_blocking=nb)
-            if disk_jobs:
-                self._load_disk(layer, disk_jobs)
+            if dst:  # one call for the layer's copies
+                torch._foreach_copy_(dst, src, non_blocking=self.cuda)
+            if self._disk_jobs:
+                self._load_disk(layer, self._disk_jobs)
             if self.cuda:
                 self._ready[layer].record(self._stream)
         self.report.load_ms[layer] = (time.perf_counter() - t0) * 1e3

@@ -91,11 +91,11 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
             ids.append(doc_id)
             texts.append(text)
         with engine_lock(engine):
-            stored = {t for t in texts if engine.store.contains(engine.chunk_tokens(t)[1])}
+            new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
             keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
-        built = len({t for t in texts if t not in stored})  # each new text is built once
-        reused = len(texts) - built
-        out = [Document(page_content=doc.page_content, id=doc_id, metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()})
+        built, reused = len(new), len(texts) - len(new)  # a repeated text is built once
+        out = [Document(page_content=doc.page_content, id=doc_id,
+                        metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()})
                for doc, doc_id, key in zip(documents, ids, keys)]
         self.last_build = BuildReport(len(out), built, reused)
         log.info("chunk caches: %d documents, %d built, %d already stored", len(out), built, reused)

@@ -89,9 +89,9 @@ class QCFuseCacheBuilder(TransformComponent):
         for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
             texts, ids = [t for t, _ in batch], [i for _, i in batch]
             with engine_lock(engine):
-                stored = sum(engine.store.contains(engine.chunk_tokens(t)[1]) for t in texts)
+                new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
                 engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
-            built, reused = built + len(texts) - stored, reused + stored
+            built, reused = built + len(new), reused + len(texts) - len(new)  # a repeated text is built once
         log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)
         return nodes
 
