@@ -65,7 +65,7 @@ def stages(a) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             rs = [B.timed_answer(engine, work, method, ratio) for _ in range(3)]
         print(f"==== {spec}: unprofiled TTFT median {statistics.median(walls):.1f} ms; profiled "
-              f"{[round(r.ttft_ms, 1) for r in rs]}; recomputed {rs[-1].recomputed}", flush=True)
+              f"{[round(r.ttft_ms, 1) for r in rs]}; recomputed {rs[-1].recomputed_tokens}", flush=True)
         ka = prof.key_averages()
         step_rows = [e for e in ka if e.key.startswith("step:")]
         for e in sorted(step_rows, key=lambda e: STEPS.index(e.key[5:])):
