@@ -140,7 +140,7 @@ def _wrap_write_path(c: Counters) -> None:
     c.wrap(ingest, "prefill_alone_batch")
     c.wrap(QCFuseEngine, "_store_chunk")
     c.wrap(QCFuseEngine, "_add_anchors")
-    c.wrap(QCFuseEngine, "_put_probe_sidecar")
+    c.wrap(QCFuseEngine, "_probe_sidecar")
     c.wrap(tiered, "encode_chunk")
     c.wrap(entry, "alloc_host")
     c.wrap(entry.EntryImage, "checksums")

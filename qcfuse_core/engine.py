@@ -213,11 +213,14 @@ class QCFuseEngine:
         return built
 
     def _store_chunk(self, chunk: KVChunk) -> None:
-        """Anchors, cache and probe sidecar of a freshly built chunk (on a writer)."""
+        """Anchors, cache and probe sidecar of a freshly built chunk (on a writer): the
+        sidecar is written once, with the entry."""
         self._add_anchors(chunk)
-        self.store.put(chunk)
-        if self.prefetcher is not None:
-            self._put_probe_sidecar(chunk)
+        if self.prefetcher is None:
+            self.store.put(chunk)
+            return
+        anchors, layer_keys = self._probe_sidecar(chunk)
+        self.store.put(chunk, anchors=anchors, layer_keys=layer_keys)
 
     def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
         """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
@@ -244,13 +247,12 @@ class QCFuseEngine:
             self._critical, self._critical_source = critical_layers.lookup(self.adapter)
         return self._critical
 
-    def _put_probe_sidecar(self, chunk: KVChunk) -> None:
-        """Store what the probe needs of a chunk (anchors + their K/V, critical-layer K) beside it."""
+    def _probe_sidecar(self, chunk: KVChunk) -> tuple[dict, dict]:
+        """What the probe needs of a chunk (anchors + their K/V, critical-layer K)."""
         from qcfuse_core.prefetch import probe_sidecar
 
         crit = self.critical_layers
-        anchors, layer_keys = probe_sidecar(self.adapter, chunk, max(crit) + 1, crit, self._qcfuse_options().anchors)
-        self.store.put_sidecar(chunk.key, anchors=anchors, layer_keys=layer_keys)
+        return probe_sidecar(self.adapter, chunk, max(crit) + 1, crit, self._qcfuse_options().anchors)
 
     def _view(self, key: ChunkKey, ids: torch.Tensor, depth: int):
         from qcfuse_core.prefetch import ensure_sidecar
@@ -635,7 +637,7 @@ class QCFuseEngine:
 TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
 PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
 KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)
-WRITERS = 4  # store-writer threads of ingestion on CUDA (a write is mostly waiting: pinning, file, fsync)
+WRITERS = 8  # store-writer threads of ingestion on CUDA (a write is mostly waiting: pinning, copies, file)
 
 
 def _counters(store) -> dict:

@@ -49,8 +49,8 @@ WRITER = textwrap.dedent("""
         s.put(make_chunk(1))
     elif mode == "commit":  # file published under its final name, manifest not committed
         publish = disk_mod.publish
-        def publish_and_hang(tmp, final):
-            publish(tmp, final)
+        def publish_and_hang(tmp, final, *sync):
+            publish(tmp, final, *sync)
             hang()
         disk_mod.publish = publish_and_hang
         s.put(make_chunk(1))

@@ -1,12 +1,19 @@
-"""Crash-safe file writes: temporary file in the target folder, fsync, rename, fsync folder.
+"""Crash-safe file writes: temporary file in the target folder, rename (fsync when durable).
 
-A reader never sees a partial file under a final name: the data reaches the disk (fsync)
-before the rename publishes it, and the rename is atomic. A writer killed at any point
-leaves at most a `.tmp-*` file (never read, removed by `gc`) or a published file that no
-manifest row points to yet (an orphan: never read, removed by `gc`).
+A reader never sees a partial file under a final name from a killed writer: the rename is
+atomic, so a writer killed at any point leaves at most a `.tmp-*` file (never read, removed
+by `gc`) or a published file that no manifest row points to yet (an orphan: never read,
+removed by `gc`).
 
-    prepare_tmp(final, buffers)  ->  tmp          (write + fsync; unlinked on any error)
-    publish(tmp, final)                           (rename + fsync of the folder)
+    prepare_tmp(final, buffers, sync)  ->  tmp    (write [+ fsync]; unlinked on any error)
+    publish(tmp, final, sync)                     (rename [+ fsync of the folder])
+
+sync=True also survives a power loss: the data reaches the disk before the rename publishes
+it. Without it the operating system writes the file back later, and a power loss can leave
+a published file shorter than its manifest row or with lost pages - which every read
+detects (file size and per-layer checksums against the row) and treats as a miss. A KV
+cache can always be recomputed from its text, so the store does not fsync by default
+(`StoreConfig.durable`): an fsync per 128 MiB entry held ingestion to the disk's write rate.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ def write_all(fd: int, buffers: list[memoryview]) -> None:
             view = view[n:]
 
 
-def prepare_tmp(final: Path, buffers: list[memoryview]) -> Path:
+def prepare_tmp(final: Path, buffers: list[memoryview], sync: bool = True) -> Path:
     tmp = final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{final.name}"
     for attempt in range(3):  # a concurrent `gc` may prune the empty folder in between
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +52,8 @@ def prepare_tmp(final: Path, buffers: list[memoryview]) -> Path:
                 raise
     try:
         write_all(fd, buffers)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -62,9 +70,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path, sync: bool = True) -> None:
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    if sync:
+        fsync_dir(final.parent)
 
 
 def read_exact(fd: int, buffers: memoryview | list[memoryview], offset: int) -> int:

@@ -80,9 +80,10 @@ def _sqlite_full(e: sqlite3.Error) -> bool:
 class DiskTier:
     def __init__(
         self, root: Path | str, storage: str = "auto", *, capacity_bytes: int | None = None,
-        alloc: Alloc = plain_alloc, io_threads: int = 8,
+        alloc: Alloc = plain_alloc, io_threads: int = 8, durable: bool = False,
     ) -> None:
         self.root = Path(root)
+        self.durable = durable  # fsync every file before publishing it (see store/atomic.py)
         self.storage = check_storage_name(storage)
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"disk capacity must be >= 0 or None, got {capacity_bytes}")
@@ -173,9 +174,10 @@ class DiskTier:
         now = time.time()
         row = EntryRow(key.to_string(), FORMAT_VERSION, self.storage, rel, lay.file_bytes, sums,
                        lay.num_layers, lay.num_tokens, DTYPE_NAME[lay.dtype], now, now)
-        tmp = prepare_tmp(final, [memoryview(image.data.numpy())])
+        tmp = prepare_tmp(final, [memoryview(image.data.numpy())], self.durable)
         try:
-            committed, old = self.manifest.commit_entry(row, lambda: publish(tmp, final), self._entry_ok)
+            committed, old = self.manifest.commit_entry(row, lambda: publish(tmp, final, self.durable),
+                                                        self._entry_ok)
         finally:
             tmp.unlink(missing_ok=True)
         if committed:
@@ -471,10 +473,10 @@ class DiskTier:
             digest = checksum(blob)
             rel = self._rel(key, digest[:12], "sidecar")
             final = self.root / rel
-            tmp = prepare_tmp(final, [memoryview(blob)])
+            tmp = prepare_tmp(final, [memoryview(blob)], self.durable)
             row = SidecarRow(key.to_string(), FORMAT_VERSION, rel, len(blob), digest)
             try:
-                replaced = self.manifest.commit_sidecar(row, lambda: publish(tmp, final))
+                replaced = self.manifest.commit_sidecar(row, lambda: publish(tmp, final, self.durable))
             finally:
                 tmp.unlink(missing_ok=True)
             if replaced is not None:

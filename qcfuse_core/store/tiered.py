@@ -57,6 +57,7 @@ class StoreConfig:
     policy: str = "lru"
     sidecar_layers: tuple[int, ...] = ()  # layers whose K goes into the sidecar on put
     sidecar_cache_bytes: int = 256 << 20
+    durable: bool = False  # fsync each file: survives power loss (slower ingestion; store/atomic.py)
 
     def __post_init__(self) -> None:
         check_storage_name(self.storage_dtype)
@@ -90,7 +91,41 @@ def _pinned_alloc(nbytes: int) -> torch.Tensor:
     # Known cost: torch's caching host allocator rounds pinned blocks up to a power of two (a
     # 1024-token Llama-8B entry, 128 MiB + 8 KiB, takes a 256 MiB block). The host tier charges
     # that size against its capacity (`tier.charge`), so it stays honest but holds fewer entries.
+    register_pinned_pages()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+PIN_REGISTER_THREADS = 8
+_pin_lock = threading.Lock()
+_pin_registered: bool | None = None  # decided once per process
+
+
+def register_pinned_pages() -> bool:
+    """Let torch's pinned host allocator page-lock fresh blocks with cudaHostRegister on
+    PIN_REGISTER_THREADS threads instead of cudaHostAlloc (once per process; not when the
+    user configured the pinned allocator in PYTORCH_CUDA_ALLOC_CONF). On the H200 host a
+    cudaHostAlloc pinned ~2.1 GB/s and serialised the store's writer threads; registration
+    ~7.7 GB/s (docs/benchmarks.md, ingestion). -> True when the setting is in effect."""
+    global _pin_registered
+    with _pin_lock:
+        if _pin_registered is None:
+            _pin_registered = _set_pinned_register()
+        return _pin_registered
+
+
+def _set_pinned_register() -> bool:
+    import os
+
+    if "pinned" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return False  # the user's choice stands
+    setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{PIN_REGISTER_THREADS}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    try:
+        setter(setting)
+    except (RuntimeError, AttributeError, ValueError) as e:  # a torch without the option: cudaHostAlloc
+        logger.info("pinned allocator setting not applied (%s)", e)
+        return False
+    return True
 
 
 class TieredStore(ChunkStore):
@@ -103,7 +138,7 @@ class TieredStore(ChunkStore):
                     if self.cuda and config.gpu_bytes > 0 else None)
         self.host = MemoryTier("host", "cpu", config.memory_bytes, policy, pin=self.cuda)
         self.disk = DiskTier(root, config.storage_dtype, capacity_bytes=config.disk_bytes,
-                             alloc=_pinned_alloc if self.cuda else plain_alloc)
+                             alloc=_pinned_alloc if self.cuda else plain_alloc, durable=config.durable)
         self._stats = StoreStats()
         self._sidecars: OrderedDict[ChunkKey, Sidecar] = OrderedDict()
         self._sidecar_bytes = 0
@@ -230,9 +265,11 @@ class TieredStore(ChunkStore):
         return LayerBatch(out_k, out_v, offsets, found)
 
     # -- writes -----------------------------------------------------------------------------
-    def put(self, chunk: KVChunk, *, sidecar_layers: Iterable[int] | None = None) -> None:
+    def put(self, chunk: KVChunk, *, sidecar_layers: Iterable[int] | None = None,
+            anchors: dict[str, torch.Tensor] | None = None, layer_keys: dict[int, torch.Tensor] | None = None) -> None:
         """Store a chunk (idempotent); its anchors and the K of `sidecar_layers` (default: the
-        config's) go into the sidecar."""
+        config's) go into the sidecar, with `anchors` / `layer_keys` merged in: one sidecar
+        write per chunk."""
         key = chunk.key
         if not (self.disk.contains(key) or (self.disk.degraded and key in self.host)):
             image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
@@ -241,9 +278,10 @@ class TieredStore(ChunkStore):
             self._count(puts=1, bytes_written=image.nbytes if stored else 0,
                         write_failures=int(not stored))
         layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
-        if chunk.anchors or layers:
-            self.put_sidecar(key, anchors=chunk.anchors,
-                             layer_keys={l: chunk.k[l] for l in layers if l < chunk.num_layers})
+        if chunk.anchors or layers or anchors or layer_keys:
+            self.put_sidecar(key, anchors={**chunk.anchors, **(anchors or {})},
+                             layer_keys={**{l: chunk.k[l] for l in layers if l < chunk.num_layers},
+                                         **(layer_keys or {})})
 
     def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
                     layer_keys: dict[int, torch.Tensor] | None = None) -> None:
@@ -351,10 +389,10 @@ class TieredStore(ChunkStore):
 def open_store(
     path: Path | str, *, memory_bytes: int = 2 * GiB, gpu_bytes: int = 2 * GiB,
     storage_dtype: str = "auto", policy: str = "lru", disk_bytes: int | None = None,
-    sidecar_layers: Sequence[int] = (), use_cuda: bool | None = None,
+    sidecar_layers: Sequence[int] = (), use_cuda: bool | None = None, durable: bool = False,
 ) -> TieredStore:
     """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`)."""
     config = StoreConfig(memory_bytes=memory_bytes, gpu_bytes=gpu_bytes, disk_bytes=disk_bytes,
                          storage_dtype=storage_dtype, policy=policy,
-                         sidecar_layers=tuple(sidecar_layers))
+                         sidecar_layers=tuple(sidecar_layers), durable=durable)
     return TieredStore(path, config, use_cuda=use_cuda)
