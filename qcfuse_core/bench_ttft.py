@@ -293,7 +293,8 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     fp = adapter.fingerprint()
     rpath = Path(args.rates) if args.rates else rates_path(root, fp, device_name(device))
     rates = None if args.remeasure else load_rates(rpath)
-    # full prefill first: it is also the planner's prefill rate
+    # full prefill first: it is also the planner's prefill rate (a first estimate; the timed
+    # full runs are interleaved with the methods' below)
     fr = _repeat(lambda: timed_answer(engine, work, "full", 0.0, drop=None), args, args.warmup)
     full_ms = statistics.median(r.ttft_ms for r in fr)
     T = fr[0].prompt_tokens
@@ -311,25 +312,42 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     base = dict(tier=tier, device=str(device), context_tokens=context, prompt_tokens=T, chunks=size[0],
                 chunk_tokens=size[1], query_tokens=args.query_tokens, model=adapter.name,
                 dtype=str(adapter.dtype).replace("torch.", ""), runs=args.runs, timed_call="engine.answer",
-                build_chunks_s=round(build_s, 3))
-    rows = []
-    if "full" in args.methods:
-        fb = [timed_answer(engine, work, "full", 0.0, sync_stages=True) for _ in range(args.breakdown_runs)]
-        rows.append(_row(base, "full", None, fr, fb, full_ms))
+                build_chunks_s=round(build_s, 3), interleaved=True)
     configs = [(m, r, None) for m in args.methods if m != "full"
                for r in (args.ratios if get_selector(m).uses_ratio else [0.0])]
     configs += [(label, r, opts) for label, opts in (getattr(args, "variant", None) or []) for r in args.ratios]
-    for label, ratio, opts in configs:
-        method = "qcfuse" if opts is not None else label
+
+    def use(opts) -> None:
         engine.config = dataclasses.replace(engine.config, selection_options=dict(opts or {}))
         engine.rates = None if args.no_planner else rates
-        warm = _repeat(lambda: timed_answer(engine, work, method, ratio, drop=drop), args, 0, max(args.warmup, 1))
+
+    def method_of(label: str, opts) -> str:
+        return "qcfuse" if opts is not None else label
+
+    for label, ratio, opts in configs:  # warm-ups; they also measure each method's lookup + select
+        use(opts)
+        warm = _repeat(lambda: timed_answer(engine, work, method_of(label, opts), ratio, drop=drop), args, 0,
+                       max(args.warmup, 1))
         over = min(sum(w.stages.get(k, 0.0) for k in ("lookup_ms", "select_ms")) for w in warm)
         rates = dataclasses.replace(rates, select_ms={**rates.select_ms, label: max(over, rates.select_ms.get(label, 0.0))})
-        engine.rates = None if args.no_planner else rates
-        rs = _repeat(lambda: timed_answer(engine, work, method, ratio, drop=drop), args, 0)
+    # timed runs round-robin over full and every method, so a drift of the machine (clocks,
+    # other work) reaches each of them alike and the speedups compare like with like
+    timed: dict[int, list[RunResult]] = {i: [] for i in range(-1, len(configs))}
+    for _ in range(args.runs):
+        timed[-1].append(timed_answer(engine, work, "full", 0.0, drop=None))
+        for i, (label, ratio, opts) in enumerate(configs):
+            use(opts)
+            timed[i].append(timed_answer(engine, work, method_of(label, opts), ratio, drop=drop))
+    rows = []
+    full_ms = statistics.median(r.ttft_ms for r in timed[-1])
+    if "full" in args.methods:
+        fb = [timed_answer(engine, work, "full", 0.0, sync_stages=True) for _ in range(args.breakdown_runs)]
+        rows.append(_row(base, "full", None, timed[-1], fb, full_ms))
+    for i, (label, ratio, opts) in enumerate(configs):
+        use(opts)
+        method = method_of(label, opts)
         bd = [timed_answer(engine, work, method, ratio, sync_stages=True, drop=drop) for _ in range(args.breakdown_runs)]
-        row = _row(base, label, ratio if get_selector(method).uses_ratio else None, rs, bd, full_ms)
+        row = _row(base, label, ratio if get_selector(method).uses_ratio else None, timed[i], bd, full_ms)
         rows.append(row if opts is None else dict(row, options=opts))
     save_rates(rates, rpath)  # with the measured selection overheads: the engine's planner reads them
     for r in rows:

@@ -58,3 +58,27 @@ def test_bench_ttft_variants_time_qcfuse_with_other_options(tmp_path, capsys):
     for bad in ("nolabel", "x:", "x:deviation_pool", "x:colour=red", "x:deviation_pool=0.5"):
         with pytest.raises(Exception, match="variant"):
             parse_variant(bad)
+
+
+def test_bench_ttft_times_methods_round_robin(tmp_path, monkeypatch):
+    """The timed runs alternate full prefill and every method (a drift of the machine reaches
+    all of them alike); the timed call is the bench's `timed_answer` -> `engine.answer`."""
+    from qcfuse_core import bench_ttft as B
+
+    order: list[tuple[str, bool]] = []
+    real = B.timed_answer
+
+    def recording(engine, work, method, ratio, **kw):
+        order.append((method, bool(kw.get("sync_stages"))))
+        return real(engine, work, method, ratio, **kw)
+
+    monkeypatch.setattr(B, "timed_answer", recording)
+    rc = main(["bench", "ttft", "--shape", "tiny-llama", "--dtype", "fp32", "--chunks", "2", "--chunk-tokens", "16",
+               "--query-tokens", "4", "--tier", "host", "--methods", "full", "naive", "epic", "--ratios", "0.3",
+               "--runs", "3", "--warmup", "1", "--breakdown-runs", "1", "--no-planner",
+               "--store", str(tmp_path / "store"), "--json", str(tmp_path / "t.json")])
+    assert rc == 0
+    timed = [m for m, synced in order if not synced]
+    rounds = ["full", "naive", "epic"] * 3
+    assert timed[-len(rounds):] == rounds, timed
+    assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["interleaved"] is True
