@@ -293,11 +293,12 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     fp = adapter.fingerprint()
     rpath = Path(args.rates) if args.rates else rates_path(root, fp, device_name(device))
     rates = None if args.remeasure else load_rates(rpath)
-    # full prefill first: it is also the planner's prefill rate (a first estimate; the timed
-    # full runs are interleaved with the methods' below)
-    fr = _repeat(lambda: timed_answer(engine, work, "full", 0.0, drop=None), args, args.warmup)
-    full_ms = statistics.median(r.ttft_ms for r in fr)
+    # full prefill's warm-ups first: they give the planner's prefill rate (the timed full runs
+    # are interleaved with the methods' below, and refine a freshly measured rate)
+    fr = [timed_answer(engine, work, "full", 0.0, drop=None) for _ in range(max(args.warmup, 1))]
+    full_ms = min(r.ttft_ms for r in fr)
     T = fr[0].prompt_tokens
+    fresh = rates is None
     if rates is None or tier not in rates.tier_gbps:
         gbps = measure_tier_gbps(engine, work, drop)
         old = rates.tier_gbps if rates is not None else {}
@@ -340,6 +341,8 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
             timed[i].append(timed_answer(engine, work, method_of(label, opts), ratio, drop=drop))
     rows = []
     full_ms = statistics.median(r.ttft_ms for r in timed[-1])
+    if fresh:
+        rates = dataclasses.replace(rates, prefill_ms_per_token=full_ms / T)
     if "full" in args.methods:
         fb = [timed_answer(engine, work, "full", 0.0, sync_stages=True) for _ in range(args.breakdown_runs)]
         rows.append(_row(base, "full", None, timed[-1], fb, full_ms))
