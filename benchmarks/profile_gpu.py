@@ -163,7 +163,11 @@ def ingest(a) -> None:
     for where in a.where:
         root = Path(where) / "qcfuse-ingest-profile"
         shutil.rmtree(root, ignore_errors=True)
-        store = B.open_tier_store(root, "host", bpt * a.ingest_chunks * a.tokens, True)
+        if a.host_bytes is None:  # room for every chunk in the host tier (what `bench ttft` does)
+            store = B.open_tier_store(root, "host", bpt * a.ingest_chunks * a.tokens, True)
+        else:  # a host tier of this size (the store's default is 2 GiB): it fills, then recycles
+            from qcfuse_core.store import open_store
+            store = open_store(root, memory_bytes=a.host_bytes, gpu_bytes=0, use_cuda=True)
         engine = QCFuseEngine(adapter, store=store, config=EngineConfig())
         engine.build_chunks(work.texts[:1], work.node_ids[:1])
         c = Counters()
@@ -175,7 +179,7 @@ def ingest(a) -> None:
         secs = time.perf_counter() - t0
         c.undo()
         n = (a.ingest_chunks - 1) * a.tokens
-        results[where] = {"seconds": round(secs, 3), "tokens_per_s": round(n / secs), "phases": c.report()}
+        results[where] = {"host_bytes": a.host_bytes, "seconds": round(secs, 3), "tokens_per_s": round(n / secs), "phases": c.report()}
         print(f"==== build_chunks into {where}: {secs:.2f} s, {n / secs:,.0f} tokens/s", flush=True)
         for k, v in c.report().items():
             print(f"  {k:40s} {v['ms']:10.1f} ms  x{v['calls']}")
@@ -253,6 +257,7 @@ def main() -> int:
     p.add_argument("--store", default="/tmp/qcfuse-profile-store")
     p.add_argument("--ingest-chunks", type=int, default=33)
     p.add_argument("--where", nargs="+", default=["/tmp", "/dev/shm"])
+    p.add_argument("--host-bytes", type=int, default=None, help="host tier size (default: room for every chunk)")
     p.add_argument("--top", type=int, default=30)
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
