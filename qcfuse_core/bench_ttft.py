@@ -362,13 +362,15 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
 
 
 def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
-    """`engine.build_chunks` on fresh chunks of the largest size into a disk-backed store,
-    store writes included, against the best full-prefill tokens/s measured above."""
+    """`engine.build_chunks` on fresh chunks of the largest size into a store with the default
+    configuration (a 2 GiB host tier, the disk under --store), store writes included, against
+    the best full-prefill tokens/s measured above."""
     from qcfuse_core.engine import EngineConfig, QCFuseEngine
+    from qcfuse_core.store import StoreConfig, open_store
 
     chunks, n = args.ingest_chunks, max(sizes_of(args), key=lambda s: s[0] * s[1])[1]
     work = make_workload(adapter.tokenizer, chunks, n, 1, 0, args.seed + 1, tag="ingest")
-    store = open_tier_store(root / "kv-ingest", "host", kv_bytes_per_token(adapter) * chunks * n, adapter.device.type == "cuda")
+    store = open_store(root / "kv-ingest", use_cuda=adapter.device.type == "cuda")
     engine = QCFuseEngine(adapter, store=store, config=EngineConfig(threads=args.threads or None))
     engine.build_chunks(work.texts[:1], work.node_ids[:1])  # warm-up (kernels, allocator)
     sync(adapter.device)
@@ -390,7 +392,8 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     tokens = (chunks - 1) * n
     full = [r for r in rows if r.get("method") == "full"]
     full_tps = max((r["prompt_tokens"] / r["ttft_ms_median"] * 1e3 for r in full), default=None)
-    out = dict(chunks=chunks - 1, chunk_tokens=n, seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1),
+    out = dict(chunks=chunks - 1, chunk_tokens=n, host_tier_bytes=StoreConfig().memory_bytes,
+               seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1),
                prefill_only_tokens_per_s=round(tokens / compute_s, 1), store=str(root.name),
                full_prefill_tokens_per_s=round(full_tps, 1) if full_tps else None)
     if full_tps:

@@ -209,18 +209,18 @@ class QCFuseEngine:
                         self._add_anchors(c)
                         built[c.key] = c
                 for c in chunks:  # one job per chunk: the writers share a batch
-                    writer.submit(self._store_chunk, c)
+                    writer.submit(self._store_chunk, c, not keep)
         return built
 
-    def _store_chunk(self, chunk: KVChunk) -> None:
+    def _store_chunk(self, chunk: KVChunk, bulk: bool = False) -> None:
         """Anchors, cache and probe sidecar of a freshly built chunk (on a writer): the
-        sidecar is written once, with the entry."""
+        sidecar is written once, with the entry. bulk: ingestion (`TieredStore.put`)."""
         self._add_anchors(chunk)
         if self.prefetcher is None:
             self.store.put(chunk)
             return
         anchors, layer_keys = self._probe_sidecar(chunk)
-        self.store.put(chunk, anchors=anchors, layer_keys=layer_keys)
+        self.store.put(chunk, anchors=anchors, layer_keys=layer_keys, bulk=bulk)
 
     def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
         """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""

@@ -95,3 +95,50 @@ def test_ingestion_writes_each_sidecar_once_and_it_serves_the_probe(tmp_path, mo
     r = eng.answer("Which document mentions word1x3?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=2)
     assert r.cache_hits == len(DOCS) and r.cache_misses == 0
     eng.store.close()
+
+
+def test_bulk_puts_fill_the_host_tier_but_never_evict(tmp_path):
+    from store_fixtures import entry_bytes
+
+    chunks = [make_chunk(10 + i) for i in range(5)]
+    room = 2 * entry_bytes(chunks[0])  # two entries fit
+    s = store_at(tmp_path / "kv", memory_bytes=room)
+    for c in chunks[:2]:
+        s.put(c)  # request-time puts: hot
+    for c in chunks[2:]:
+        s.put(c, bulk=True)  # an ingestion after them: the tier is full
+    assert [c.key in s.host for c in chunks] == [True, True, False, False, False]
+    for c in chunks:  # every chunk is stored and reads back exactly
+        got = s.get(c.key)
+        assert got is not None and torch.equal(got.k, c.k) and torch.equal(got.v, c.v)
+    s.close()
+    s = store_at(tmp_path / "kv2", memory_bytes=room)
+    for c in chunks[:2]:
+        s.put(c, bulk=True)  # an empty tier takes bulk chunks while it has room
+    s.put(chunks[2])  # a request-time put still evicts as before
+    assert [c.key in s.host for c in chunks[:3]] == [False, True, True]
+    s.close()
+
+
+def test_ingestion_is_bulk_and_a_request_miss_is_not(tmp_path):
+    tiny = tiny_model("llama", tokenizer=True)
+    store = open_store(kv_dir(tmp_path), use_cuda=False, memory_bytes=0)
+    eng = QCFuseEngine(tiny, store=store)
+    seen: list[bool] = []
+    real = type(store).put
+
+    def recording(self, chunk, **kw):
+        seen.append(kw.get("bulk", False))
+        return real(self, chunk, **kw)
+
+    type(store).put = recording
+    try:
+        eng.build_chunks(DOCS[:2])
+        assert seen == [True, True]
+        seen.clear()
+        eng.answer("Which document mentions word2x3?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=1)
+        # the third document (and the prompt's prefix) missed: built for this request, not bulk
+        assert len(seen) >= 1 and not any(seen), seen
+    finally:
+        type(store).put = real
+        store.close()

@@ -32,12 +32,16 @@ class TierStats:
 
 
 def charge(image: EntryImage) -> int:
-    """Bytes an image really occupies: torch's pinned host allocator rounds blocks up to a
-    power of two, the CUDA caching allocator large blocks to 2 MiB; plain memory is exact."""
-    n = image.nbytes
-    if image.device.type == "cuda":
+    """Bytes an image really occupies (`charge_bytes`)."""
+    return charge_bytes(image.nbytes, image.device.type, image.data.is_pinned())
+
+
+def charge_bytes(n: int, device_type: str, pinned: bool) -> int:
+    """Bytes n bytes of image really occupy: torch's pinned host allocator rounds blocks up to
+    a power of two, the CUDA caching allocator large blocks to 2 MiB; plain memory is exact."""
+    if device_type == "cuda":
         return -(-n // (2 << 20)) * (2 << 20)
-    if image.data.is_pinned():
+    if pinned:
         return 1 << (n - 1).bit_length()
     return n
 
@@ -74,6 +78,12 @@ class MemoryTier:
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._images)
+
+    def has_room(self, nbytes: int) -> bool:
+        """An image of `nbytes` fits beside what the tier holds, evicting nothing."""
+        n = charge_bytes(nbytes, self.device.type, self.pin)
+        with self._lock:
+            return self._bytes + n <= self.capacity_bytes
 
     def get(self, key: ChunkKey, *, count: bool = True) -> EntryImage | None:
         """The image (a hit touches it for the policy); None on a miss."""

@@ -266,15 +266,23 @@ class TieredStore(ChunkStore):
 
     # -- writes -----------------------------------------------------------------------------
     def put(self, chunk: KVChunk, *, sidecar_layers: Iterable[int] | None = None,
-            anchors: dict[str, torch.Tensor] | None = None, layer_keys: dict[int, torch.Tensor] | None = None) -> None:
+            anchors: dict[str, torch.Tensor] | None = None, layer_keys: dict[int, torch.Tensor] | None = None,
+            bulk: bool = False) -> None:
         """Store a chunk (idempotent); its anchors and the K of `sidecar_layers` (default: the
         config's) go into the sidecar, with `anchors` / `layer_keys` merged in: one sidecar
-        write per chunk."""
+        write per chunk.
+
+        bulk (ingestion): the host tier takes the chunk only while it has room; a bulk load
+        never evicts what requests made hot, and once the tier is full its chunks are written
+        to disk without pinning host memory for them (page-locking fresh memory was the
+        limit of ingestion on the H200, docs/benchmarks.md)."""
         key = chunk.key
         if not (self.disk.contains(key) or (self.disk.degraded and key in self.host)):
-            image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
+            keep = not bulk or self.host.has_room(self._entry_bytes(chunk)) or self.disk.degraded
+            image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda and keep)
             stored = self.disk.write(image)  # the entry before its sidecar (see gc)
-            self.host.put(image)
+            if keep:
+                self.host.put(image)
             self._count(puts=1, bytes_written=image.nbytes if stored else 0,
                         write_failures=int(not stored))
         layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
@@ -282,6 +290,12 @@ class TieredStore(ChunkStore):
             self.put_sidecar(key, anchors={**chunk.anchors, **(anchors or {})},
                              layer_keys={**{l: chunk.k[l] for l in layers if l < chunk.num_layers},
                                          **(layer_keys or {})})
+
+    def _entry_bytes(self, chunk: KVChunk) -> int:
+        from qcfuse_core.store.entry import plan_layout
+
+        L, T, Hkv, D = chunk.k.shape
+        return plan_layout(chunk.key, self.config.storage_dtype, chunk.k.dtype, L, T, Hkv, D)[0].file_bytes
 
     def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
                     layer_keys: dict[int, torch.Tensor] | None = None) -> None:
