@@ -199,6 +199,11 @@ class QCFuseEngine:
         self.critical_layers  # resolve the profile here, not on the writer thread
         built: dict[ChunkKey, KVChunk] = {}
         cuda = dev.type == "cuda"
+        if cuda and not keep and hasattr(self.store, "prepare_bulk"):
+            sh = self.adapter.shape
+            self.store.prepare_bulk([self.store.entry_bytes(k, self.adapter.dtype, sh.num_layers, int(i.numel()),
+                                                            sh.num_kv_heads, sh.head_dim) for k, i in zip(keys, ids)],
+                                    WRITERS)
         with ingest.StoreWriter(device=dev, synchronous=not cuda, workers=WRITERS,
                                 max_pending=2 * WRITERS) as writer:
             for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(dev)):

@@ -142,3 +142,24 @@ def test_ingestion_is_bulk_and_a_request_miss_is_not(tmp_path):
     finally:
         type(store).put = real
         store.close()
+
+
+def test_prepare_bulk_is_a_no_op_without_cuda(tmp_path):
+    s = store_at(tmp_path / "kv")
+    c = make_chunk(3)
+    L, T, Hkv, D = c.k.shape
+    n = s.entry_bytes(c.key, c.k.dtype, L, T, Hkv, D)
+    from store_fixtures import entry_bytes
+
+    assert n == entry_bytes(c)
+    assert s.prepare_bulk([n] * 4, writers=2) == 0
+    s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks host memory through CUDA")
+def test_prepare_bulk_counts_writers_plus_the_host_tiers_room(tmp_path):
+    s = store_at(tmp_path / "kv", use_cuda=True, memory_bytes=4 << 20, gpu_bytes=0)
+    n = (1 << 20) + 10  # a 2 MiB block each: the tier has room for two
+    assert s.prepare_bulk([n] * 10, writers=3) == 5
+    assert s.prepare_bulk([n] * 2, writers=3) == 2  # never more than the chunks
+    s.close()
