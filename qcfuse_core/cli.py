@@ -4,6 +4,7 @@
     qcfuse ask "question" [--store DIR]     retrieve top-k, fuse, answer (--json for one object)
     qcfuse demo [--store DIR]               sample corpus, three questions, full vs fused
     qcfuse store stats|verify|gc|clear      inspect and maintain the chunk store
+    qcfuse studio [--store DIR] [--port N]  the web page (qcfuse_core/studio)
 """
 
 from __future__ import annotations
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.bench_ttft import add_commands as add_ttft_commands
 
     add_ttft_commands(sub)  # `bench ttft`, under `bench` if another module created it
+    from qcfuse_core.studio.cli import add_commands as add_studio_commands
+
+    add_studio_commands(sub)  # `studio` (the web page; FastAPI is imported only when it runs)
     return parser
 
 

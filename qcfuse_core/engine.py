@@ -30,7 +30,7 @@ from qcfuse_core.prefetch import ChunkView, Prefetcher
 from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
-from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, SelectionResult
+from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +482,7 @@ class QCFuseEngine:
             logits, rows = out.logits, out.rows
             recomputed = _context_rows(prompt, rows[rows < T])
             sel.details.setdefault("layer_ms", out.layer_ms)
+            sel.details.setdefault("row_sets", out.row_sets)
         cache.length = T
         hits = sum(s.cache_hit for s in prompt.segments if s.kind == "chunk")
         n_chunks = sum(1 for s in prompt.segments if s.kind == "chunk" and (s.chunk is not None or s.cache_hit))
@@ -555,7 +556,9 @@ class QCFuseEngine:
             recomputed_tokens=pre.recomputed_tokens, cache_hits=pre.hits, cache_misses=pre.misses,
             chunks=len(prompt.chunk_spans()), finish_reason=finish, timings_ms={**clock.stages, **request.extra},
             selection=pre.selection, store_stats=_counters(self.store), plan=request.plan,
-            load=pre.load_report, threads=request.threads,
+            load=pre.load_report, threads=request.threads, prompt_ids=prompt.token_ids,
+            spans=tuple(PromptSpan(s.kind, st, st + len(s), s.node_id, s.cache_hit)
+                        for s, st in zip(prompt.segments, prompt.starts)),
         )
 
     # ------------------------------------------------------------------ answering

@@ -168,6 +168,9 @@ class PrefillOutput:
     rows: torch.Tensor  # the final layer's row set
     layer_ms: list[float]
     k_pre: torch.Tensor | None = None  # (L, T, Hkv, D) when capture_pre_rope
+    # (first layer, rows) each time the row set changed, from layer 0: layer l recomputed the
+    # rows of the last entry whose first layer is <= l (each set is a subset of the one before)
+    row_sets: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float,
@@ -256,6 +259,7 @@ def fused_prefill(
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
     captured = [] if capture_pre_rope else None
     layer_ms: list[float] = []
+    row_sets = [(0, cur)]
     for layer in range(adapter.num_layers):
         t0 = time.perf_counter()
         x = adapter.attn_norm(layer, h)
@@ -281,6 +285,7 @@ def fused_prefill(
             _check_rows(nxt, prompt)
             h = h[to_device(_positions_in(cur, nxt), dev)]
             cur = nxt
+            row_sets.append((layer + 1, cur))
             cur_dev = to_device(cur, dev)
             cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
             inv = K.inverse_rows(cur_dev, T)
@@ -291,7 +296,7 @@ def fused_prefill(
     if logits_last is not None and logits_last < 1:
         raise ValueError(f"logits_last must be >= 1 or None, got {logits_last}")
     logits = adapter.logits(h if logits_last is None else h[-logits_last:])
-    return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None)
+    return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None, row_sets)
 
 
 def _masks_for(rows: torch.Tensor, T: int, adapter: ModelAdapter):

@@ -228,6 +228,7 @@ class PrefetchReport:
     sources: dict[str, int] = field(default_factory=dict)  # segments per source kind
     sidecar_ms: float = 0.0
     bytes_loaded: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)  # bytes_loaded per source kind
     wait_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
     compute_ms: list[float] = field(default_factory=list)
@@ -419,6 +420,10 @@ class LoadSession:
         self._enqueued = self.cuda and self.config.eager_memory and not self._disk_jobs
         row_bytes = 2 * Hkv * D * self._buf.element_size()
         self._layer_bytes = sum(s.end - s.start for s in self._srcs if s.kind != "none") * row_bytes
+        self._source_bytes: dict[str, int] = {}  # one layer's bytes per source kind
+        for s in self._srcs:
+            if s.kind != "none":
+                self._source_bytes[s.kind] = self._source_bytes.get(s.kind, 0) + (s.end - s.start) * row_bytes
         self._issued = 0  # layers whose copies are enqueued (eager mode)
         if self._enqueued:
             try:
@@ -568,6 +573,8 @@ class LoadSession:
         with self._on_side():
             dst, src = self._layer_copies(layer)
             self.report.bytes_loaded += self._layer_bytes
+            for kind, n in self._source_bytes.items():
+                self.report.bytes_by_source[kind] = self.report.bytes_by_source.get(kind, 0) + n
             if dst:  # one call for the layer's copies
                 torch._foreach_copy_(dst, src, non_blocking=self.cuda)
             if self._disk_jobs:

@@ -126,6 +126,18 @@ class SelectionResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PromptSpan:
+    """One segment of a fused prompt: positions [start, end) of `kind` (prefix | chunk |
+    text | suffix); chunks carry their node id and whether their cache existed before."""
+
+    kind: str
+    start: int
+    end: int
+    node_id: str | None = None
+    cache_hit: bool = False
+
+
 @dataclass
 class FusionResult:
     """Everything about one answer: text, timings, counts, what was recomputed."""
@@ -149,6 +161,8 @@ class FusionResult:
     plan: dict[str, Any] = field(default_factory=dict)  # load/recompute decision (planner.Plan.to_dict())
     load: dict[str, Any] = field(default_factory=dict)  # layer-wise loading (prefetch.PrefetchReport.to_dict())
     threads: int = 0  # torch intra-op threads the request ran with (its device's count on a GPU)
+    prompt_ids: torch.Tensor | None = None  # (T,) int64: the fused prompt's tokens (positions of `selection`)
+    spans: tuple[PromptSpan, ...] = ()  # its segments, in order, covering 0..T-1
 
     @property
     def recompute_share(self) -> float:

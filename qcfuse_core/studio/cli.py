@@ -1,0 +1,89 @@
+"""`qcfuse studio`: open the store (the sample corpus when it is empty), serve the page.
+
+    qcfuse studio [--store DIR] [--model DIR ...] [--port 8501]
+
+The server binds to 127.0.0.1 only; the page and its fonts are files inside the package,
+so nothing is fetched from anywhere.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+DEFAULT_PORT = 8501
+
+
+def add_commands(sub) -> None:
+    from qcfuse_core.model import cache_dir
+
+    p = sub.add_parser("studio", help="a local web page that shows what fusion did (needs qcfuse[studio])")
+    p.add_argument("--store", type=Path, default=cache_dir() / "store",
+                   help="store folder (Chroma + chunk caches); an empty one gets the sample corpus (default: %(default)s)")
+    p.add_argument("--model", action="append", default=[], metavar="DIR",
+                   help="local HF model folder to offer (repeatable; the first is loaded; default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)")
+    p.add_argument("--max-upload-mb", type=float, default=1.0, help="largest file the page may upload (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up answers before serving")
+    p.set_defaults(func=cmd_studio)
+
+
+def cmd_studio(args) -> int:
+    from qcfuse_core.studio import require_extra
+
+    require_extra()
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_upload_mb <= 0:
+        raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    import uvicorn
+    from tqdm import tqdm
+
+    from qcfuse_core.studio.app import create_app
+    from qcfuse_core.studio.service import StudioConfig, StudioService
+
+    cfg = StudioConfig(store=args.store, models=tuple(args.model), dtype=args.dtype, device=args.device,
+                       max_upload_bytes=int(args.max_upload_mb * (1 << 20)))
+    print(f"qcfuse studio: loading the model and opening {args.store}", flush=True)
+    service = StudioService(cfg)
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            for other in bars.values():  # one bar at a time: the previous stage is over
+                other.close()
+            bar = bars[stage] = tqdm(total=total, desc=f"sample corpus: {stage}", unit="chunk", file=sys.stdout)
+        bar.n = done
+        bar.refresh()
+
+    got = service.ensure_corpus(progress)
+    for bar in bars.values():
+        bar.close()
+    if got is not None:
+        print(f"the store was empty: ingested the sample corpus ({got['chunks']} chunks)", flush=True)
+    if not args.no_warmup:
+        service.warm_up()
+    app = create_app(service)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", args.port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on 127.0.0.1:{args.port} ({e.strerror}); pick another --port") from None
+    port = sock.getsockname()[1]
+    st = service.status()
+    print(f"QCFuse Studio on http://127.0.0.1:{port}  ({st['model']['name']}, {st['chunks']} chunks in "
+          f"{st['store']}; Ctrl-C stops it)", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":  # python -m qcfuse_core.studio.cli ...
+    from qcfuse_core.cli import main
+
+    sys.exit(main(["studio", *sys.argv[1:]]))

@@ -1,0 +1,495 @@
+"""StudioService: what the page asks for, over one engine and one Chroma collection.
+
+Nothing here re-implements a request: a run calls `engine.stream` once per mode (the
+engine's six steps, `sync_stages=True` so each stage shows its own device time) and reads
+everything it shows from the `FusionResult`. Model work (runs, ingestion, model switches)
+runs on the app's single worker thread, one at a time, so the TTFTs shown side by side were
+not measured while another run shared the cores.
+
+    search(question, top_k)        top-k chunks from Chroma with scores, tokens, anchors
+    run(RunSpec, emit)             one FusionResult per mode -> summaries (+ a full-prefill
+                                   reference for the agreement badge when full is not a mode)
+    details(run_id, index)         the per-token view of one mode (details.py)
+    ingest_files(files, progress)  chunk, embed into Chroma, build the chunk caches
+    models() / select_model(id)    installed models; switching loads one
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qcfuse_core.cli import DEMO_QUESTIONS  # the sample corpus's questions
+from qcfuse_core.corpus import TEXT_SUFFIXES, Chunk, chunk_id, chunks_from_file, iter_text_files, sample_corpus_dir, split_text
+from qcfuse_core.studio.details import mode_details, token_pieces, waterfall
+from qcfuse_core.studio.models import ModelEntry, installed_models
+from qcfuse_core.types import FusionResult
+
+log = logging.getLogger(__name__)
+
+PAGE_METHODS = ("qcfuse", "full", "cacheblend", "epic", "naive")  # the page's mode chips
+Emit = Callable[[str, dict], None]
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class StudioError(ValueError):
+    """A bad request, with the HTTP status the app answers it with."""
+
+    status = 422
+    kind = "invalid_request"
+
+
+class NotFound(StudioError):
+    status = 404
+    kind = "not_found"
+
+
+class TooLarge(StudioError):
+    status = 413
+    kind = "too_large"
+
+
+class Unsupported(StudioError):
+    status = 415
+    kind = "unsupported_media_type"
+
+
+# ---------------------------------------------------------------------------- config and specs
+
+
+@dataclass(frozen=True)
+class StudioConfig:
+    store: Path
+    models: tuple[str, ...] = ()  # model folders besides the embedded one; the first is loaded
+    dtype: str = "bf16"
+    device: str = "cpu"
+    chunk_chars: int = 1200  # as `qcfuse ingest`
+    max_upload_bytes: int = 1 << 20  # per file
+    max_files: int = 16
+    max_chunks: int = 8  # chunks per run
+    max_modes: int = 6
+    max_new_tokens: int = 48
+    runs_kept: int = 16  # runs whose details stay available
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_chars", "max_upload_bytes", "max_files", "max_chunks", "max_modes",
+                     "max_new_tokens", "runs_kept"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Mode:
+    method: str
+    ratio: float = 0.15
+
+    def __post_init__(self) -> None:
+        from qcfuse_core.selectors import SELECTORS
+
+        if self.method not in SELECTORS:
+            raise StudioError(f"unknown method {self.method!r}; valid: {', '.join(sorted(SELECTORS))}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
+            raise StudioError(f"ratio must be a number in [0, 1], got {self.ratio!r}")
+
+    @property
+    def label(self) -> str:
+        from qcfuse_core.selectors import get_selector
+
+        return f"{self.method} @ {self.ratio:.2f}" if get_selector(self.method).uses_ratio else self.method
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    question: str
+    chunk_ids: tuple[str, ...]
+    modes: tuple[Mode, ...]
+    max_new_tokens: int = 48
+    reference: bool = True  # run full prefill too when it is not a mode (agreement, speedup)
+
+
+@dataclass
+class Job:
+    """An ingestion in the background; `version` grows with every change (SSE polls it)."""
+
+    id: str
+    kind: str
+    state: str = "queued"  # queued | running | done | failed
+    stage: str = ""
+    done: int = 0
+    total: int = 0
+    result: dict | None = None
+    error: str | None = None
+    version: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def update(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, v)
+            self.version += 1
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            return {"id": self.id, "kind": self.kind, "state": self.state, "stage": self.stage, "done": self.done,
+                    "total": self.total, "result": self.result, "error": self.error, "version": self.version}
+
+
+@dataclass
+class _Run:
+    id: str
+    spec: RunSpec
+    results: list[FusionResult]
+    summaries: list[dict]
+    pieces: list[str]
+    num_layers: int
+    details: dict[int, dict] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- service
+
+
+class StudioService:
+    def __init__(self, config: StudioConfig, *, engine=None, collection=None) -> None:
+        self.config = config
+        self._models = installed_models(config.models)
+        if not self._models:
+            raise ImportError("no model to load: install the embedded one (make setup) or pass --model DIR")
+        self.model: ModelEntry = (next(m for m in self._models if m.source == "option")
+                                  if config.models else self._models[0])
+        self.engine = engine if engine is not None else self._open_engine(self.model)
+        if collection is None:
+            from qcfuse_integrations.chroma import open_collection
+
+            collection = open_collection(Path(config.store) / "chroma")
+        self.collection = collection
+        self._runs: OrderedDict[str, _Run] = OrderedDict()
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._lock = threading.Lock()  # the two registries above
+
+    def _open_engine(self, entry: ModelEntry):
+        from qcfuse_core.engine import open_engine
+
+        return open_engine(self.config.store, model=entry.path, dtype=self.config.dtype, device=self.config.device)
+
+    # -- status ---------------------------------------------------------------------------
+    def status(self) -> dict:
+        from qcfuse_core.selectors import SELECTORS
+
+        a = self.engine.adapter
+        return {
+            "model": {**self.model.to_dict(), "layers": a.num_layers, "device": str(a.device),
+                      "dtype": str(a.dtype).replace("torch.", "")},
+            "store": str(self.config.store),
+            "chunks": self.collection.count(),
+            "methods": list(PAGE_METHODS), "all_methods": sorted(SELECTORS),
+            "default_ratio": self.engine.config.ratio,
+            "examples": list(DEMO_QUESTIONS) if self._has_sample() else [],
+            "limits": {"max_upload_bytes": self.config.max_upload_bytes, "max_files": self.config.max_files,
+                       "max_chunks": self.config.max_chunks, "max_modes": self.config.max_modes,
+                       "suffixes": list(TEXT_SUFFIXES)},
+        }
+
+    def _has_sample(self) -> bool:
+        got = self.collection.get(where={"source": SAMPLE_MARKER}, limit=1, include=[])
+        return bool(got["ids"])
+
+    # -- search ---------------------------------------------------------------------------
+    def search(self, question: str, top_k: int = 4) -> list[dict]:
+        """Top-k chunks for `question` (cosine similarity), each with its token pieces and its
+        layer-0 anchors when this model's cache of it exists."""
+        from qcfuse_integrations.embedder import get_embedder
+
+        question = _question(question)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
+            raise StudioError(f"top_k must be an integer in [1, 50], got {top_k!r}")
+        n = self.collection.count()
+        if n == 0:
+            return []
+        res = self.collection.query(query_embeddings=[get_embedder().embed_one(question)], n_results=min(top_k, n),
+                                    include=["documents", "metadatas", "distances"])
+        out = []
+        for cid, text, meta, dist in zip(res["ids"][0], res["documents"][0], res["metadatas"][0], res["distances"][0]):
+            out.append({"id": cid, "source": (meta or {}).get("source", ""), "score": round(1.0 - float(dist), 4),
+                        "text": text, **self._chunk_view(text)})
+        return out
+
+    def _chunk_view(self, text: str) -> dict:
+        from qcfuse_core.selectors import QCFuseOptions
+
+        ids, key = self.engine.chunk_tokens(text)
+        anchors: list[int] = []
+        store = self.engine.store
+        cached = store.contains(key)
+        if cached and hasattr(store, "get_sidecar"):
+            side = store.get_sidecar(key)
+            method = QCFuseOptions.from_options(self.engine.config.selection_options).anchor_method
+            a = side.anchors.get(method) if side is not None else None
+            if a is not None and a.dim() == 2 and a.shape[0]:
+                anchors = [int(i) for i in a[0].tolist()]
+        return {"tokens": token_pieces(self.engine.tokenizer, ids.tolist()), "anchors": anchors, "cached": cached}
+
+    def chunk_texts(self, chunk_ids: Sequence[str]) -> list[str]:
+        """Texts of the chunks, in the order given; NotFound names the unknown ids."""
+        if not chunk_ids:
+            raise StudioError("chunk_ids is empty: pick at least one chunk")
+        if len(chunk_ids) > self.config.max_chunks:
+            raise StudioError(f"at most {self.config.max_chunks} chunks per run, got {len(chunk_ids)}")
+        if len(set(chunk_ids)) != len(chunk_ids):
+            raise StudioError("chunk_ids has duplicates")
+        got = self.collection.get(ids=list(chunk_ids), include=["documents"])
+        found = dict(zip(got["ids"], got["documents"]))
+        unknown = [c for c in chunk_ids if c not in found]
+        if unknown:
+            raise NotFound(f"unknown chunk id(s): {', '.join(map(repr, unknown))}")
+        return [found[c] for c in chunk_ids]
+
+    # -- runs -----------------------------------------------------------------------------
+    def check_run(self, spec: RunSpec) -> list[str]:
+        """Validate a run before it is queued -> the chunk texts."""
+        _question(spec.question)
+        if not spec.modes:
+            raise StudioError("modes is empty: pick at least one mode")
+        if len(spec.modes) > self.config.max_modes:
+            raise StudioError(f"at most {self.config.max_modes} modes per run, got {len(spec.modes)}")
+        if not 1 <= spec.max_new_tokens <= 256:
+            raise StudioError(f"max_new_tokens must be in [1, 256], got {spec.max_new_tokens}")
+        return self.chunk_texts(spec.chunk_ids)
+
+    def run(self, spec: RunSpec, emit: Emit | None = None) -> dict:
+        """Every mode through `engine.stream`, in order. Events (emit): mode {index, label},
+        delta {index, text}, result {index, ...summary}, reference {...}; returns the run."""
+        emit = emit or (lambda event, data: None)
+        docs = self.check_run(spec)
+        engine = self.engine
+        results: list[FusionResult] = []
+        peaks: list[dict] = []
+        for i, mode in enumerate(spec.modes):
+            emit("mode", {"index": i, "method": mode.method, "ratio": mode.ratio, "label": mode.label})
+            r, peak = self._answer(engine, spec, docs, mode, lambda d, i=i: emit("delta", {"index": i, "text": d}))
+            results.append(r)
+            peaks.append(peak)
+            emit("result", {"index": i, **_summary(r, mode, peak)})
+        full = next((r for r, m in zip(results, spec.modes) if m.method == "full"), None)
+        reference = None
+        if full is None and spec.reference:
+            emit("reference", {"state": "running"})
+            full, _ = self._answer(engine, spec, docs, Mode("full"), lambda d: None)
+            reference = {"answer": full.text, "ttft_ms": round(full.ttft_ms, 3)}
+            emit("reference", {"state": "done", **reference})
+        summaries = []
+        for i, (r, mode, peak) in enumerate(zip(results, spec.modes, peaks)):
+            s = {"index": i, **_summary(r, mode, peak)}
+            if full is not None:
+                s["speedup_vs_full"] = round(full.ttft_ms / r.ttft_ms, 3) if r.ttft_ms > 0 else None
+                s["agreement"] = agreement(r, full)
+            summaries.append(s)
+        pieces = token_pieces(engine.tokenizer, results[0].prompt_ids.tolist())
+        run = _Run(uuid.uuid4().hex[:12], spec, results, summaries, pieces, engine.adapter.num_layers)
+        with self._lock:
+            self._runs[run.id] = run
+            while len(self._runs) > self.config.runs_kept:
+                self._runs.popitem(last=False)
+        return {"run_id": run.id, "question": spec.question, "chunk_ids": list(spec.chunk_ids),
+                "model": self.model.id, "results": summaries, "reference": reference}
+
+    def _answer(self, engine, spec: RunSpec, docs: list[str], mode: Mode, on_delta) -> tuple[FusionResult, dict]:
+        dev = engine.adapter.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        stream = engine.stream(spec.question, docs, node_ids=list(spec.chunk_ids), method=mode.method,
+                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens)
+        for delta in stream:
+            on_delta(delta)
+        if dev.type == "cuda":
+            peak = {"peak_bytes": int(torch.cuda.max_memory_allocated(dev)), "peak_kind": "device (allocated)"}
+        else:  # a CPU has no per-request peak: the process's high-water mark (it never falls)
+            peak = {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+                    "peak_kind": "process RSS (high-water mark)"}
+        return stream.result, peak
+
+    def details(self, run_id: str, index: int) -> dict:
+        with self._lock:
+            run = self._runs.get(run_id)
+        if run is None:
+            raise NotFound(f"unknown run {run_id!r} (runs kept: the last {self.config.runs_kept})")
+        if not 0 <= index < len(run.results):
+            raise NotFound(f"run {run_id} has modes 0..{len(run.results) - 1}, not {index}")
+        got = run.details.get(index)
+        if got is None:
+            r = run.results[index]
+            pieces = run.pieces if torch.equal(r.prompt_ids, run.results[0].prompt_ids) else \
+                token_pieces(self.engine.tokenizer, r.prompt_ids.tolist())
+            got = {"run_id": run_id, **run.summaries[index], **mode_details(r, pieces, run.num_layers)}
+            run.details[index] = got
+        return got
+
+    # -- ingestion ------------------------------------------------------------------------
+    def ensure_corpus(self, progress: Progress | None = None) -> dict | None:
+        """An empty store gets the sample corpus; a store with chunks is left as it is."""
+        if self.collection.count() > 0:
+            return None
+        chunks = [c for f in iter_text_files([sample_corpus_dir()]) for c in chunks_from_file(f, self.config.chunk_chars)]
+        return self.ingest_chunks(chunks, progress)
+
+    def prepare_files(self, files: Sequence[tuple[str, bytes]]) -> list[tuple[str, str]]:
+        """Check uploads -> (name, text): a text/markdown suffix, the size limit, UTF-8, not empty."""
+        if not files:
+            raise StudioError("no files uploaded")
+        if len(files) > self.config.max_files:
+            raise TooLarge(f"at most {self.config.max_files} files per upload, got {len(files)}")
+        out = []
+        for name, data in files:
+            name = Path(name or "").name
+            if not name:
+                raise StudioError("an uploaded file has no name")
+            if Path(name).suffix.lower() not in TEXT_SUFFIXES:
+                raise Unsupported(f"{name}: only text and markdown files ({', '.join(TEXT_SUFFIXES)}) can be ingested")
+            if len(data) > self.config.max_upload_bytes:
+                raise TooLarge(f"{name} is {len(data):,} bytes; the limit is {self.config.max_upload_bytes:,} bytes per file")
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise StudioError(f"{name} is not UTF-8 text (bad byte at offset {e.start})") from None
+            if not text.strip():
+                raise StudioError(f"{name} is empty")
+            out.append((name, text))
+        return out
+
+    def ingest_files(self, files: Sequence[tuple[str, str]], progress: Progress | None = None) -> dict:
+        """Chunks as `qcfuse ingest` makes them (same ids for the same file name and text)."""
+        chunks = [Chunk(chunk_id(name, t), t, name) for name, text in files for t in split_text(text, self.config.chunk_chars)]
+        return self.ingest_chunks(chunks, progress)
+
+    def ingest_chunks(self, chunks: list[Chunk], progress: Progress | None = None) -> dict:
+        """Embed the new chunks into Chroma, then build every chunk's cache (idempotent)."""
+        from qcfuse_integrations.embedder import get_embedder
+
+        progress = progress or (lambda stage, done, total: None)
+        existing = set(self.collection.get(ids=[c.id for c in chunks], include=[])["ids"]) if chunks else set()
+        new = [c for c in chunks if c.id not in existing]
+        embedder = get_embedder()
+        progress("embedding", 0, len(new))
+        for i in range(0, len(new), EMBED_BATCH):
+            batch = new[i : i + EMBED_BATCH]
+            self.collection.add(ids=[c.id for c in batch], documents=[c.text for c in batch],
+                                embeddings=embedder.embed([c.text for c in batch]),
+                                metadatas=[{"source": c.source} for c in batch])
+            progress("embedding", i + len(batch), len(new))
+        progress("caches", 0, len(chunks))
+        for i in range(0, len(chunks), CACHE_BATCH):  # a few chunks per call: progress moves
+            batch = chunks[i : i + CACHE_BATCH]
+            self.engine.build_chunks([c.text for c in batch], [c.id for c in batch])
+            progress("caches", i + len(batch), len(chunks))
+        return {"chunks": len(chunks), "new_in_chroma": len(new), "chunk_ids": [c.id for c in chunks],
+                "sources": sorted({c.source for c in chunks})}
+
+    def new_job(self, kind: str) -> Job:
+        job = Job(uuid.uuid4().hex[:12], kind)
+        with self._lock:
+            self._jobs[job.id] = job
+            while len(self._jobs) > JOBS_KEPT:
+                self._jobs.popitem(last=False)
+        return job
+
+    def job(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+    def run_ingest_job(self, job: Job, files: list[tuple[str, str]]) -> None:
+        """The job's body (on the worker): never raises, the job records the outcome."""
+        job.update(state="running")
+        try:
+            res = self.ingest_files(files, lambda stage, done, total: job.update(stage=stage, done=done, total=total))
+            job.update(state="done", result=res)
+        except Exception as e:  # recorded for the page; the server keeps running
+            log.exception("ingestion failed")
+            job.update(state="failed", error=f"{type(e).__name__}: {e}")
+
+    # -- models ---------------------------------------------------------------------------
+    def models(self) -> dict:
+        return {"current": self.model.id, "models": [m.to_dict() for m in self._models]}
+
+    def select_model(self, model_id: str) -> dict:
+        """Load another installed model (once per process); its chunk caches are built as the
+        runs need them (the first run on a new model shows them as misses)."""
+        entry = next((m for m in self._models if m.id == model_id), None)
+        if entry is None:
+            raise NotFound(f"unknown model {model_id!r}; installed: {', '.join(m.id for m in self._models)}")
+        if entry.id != self.model.id:
+            t0 = time.perf_counter()
+            engine, old = self._open_engine(entry), self.engine
+            self.engine, self.model = engine, entry
+            old.store.close()
+            log.info("switched to %s in %.1f s", entry.name, time.perf_counter() - t0)
+        return self.status()["model"]
+
+    def warm_up(self) -> None:
+        """One tiny answer per kind of prefill, so the first run's TTFT is not the process's
+        first-call cost (lazy initialisation, allocator growth)."""
+        if self.collection.count() == 0:
+            return
+        docs = self.collection.get(limit=2, include=["documents"])["documents"]
+        for method in ("full", "qcfuse"):
+            self.engine.answer("warm-up", docs, method=method, max_new_tokens=1)
+
+
+SAMPLE_MARKER = "03-zephyr-institute.md"  # a sample-corpus file: its chunks mean the examples fit
+EMBED_BATCH = 32
+CACHE_BATCH = 4
+JOBS_KEPT = 32
+QUESTION_CHARS = 2000
+
+
+def _question(q: Any) -> str:
+    if not isinstance(q, str) or not q.strip():
+        raise StudioError("question is empty")
+    if len(q) > QUESTION_CHARS:
+        raise StudioError(f"question is {len(q)} characters; the limit is {QUESTION_CHARS}")
+    return q.strip()
+
+
+def _summary(r: FusionResult, mode: Mode, peak: dict) -> dict:
+    """What the page's answer card shows, straight from the FusionResult."""
+    load = r.load or {}
+    return {
+        "method": mode.method, "ratio": mode.ratio, "label": mode.label,
+        "ran_as": r.method,  # `full` when the planner decided fusing could not win
+        "answer": r.text, "ttft_ms": round(r.ttft_ms, 3), "total_ms": round(r.total_ms, 3),
+        "stages": waterfall(r), "timings_ms": {k: round(v, 3) for k, v in r.timings_ms.items()},
+        "context_tokens": r.context_tokens, "prompt_tokens": r.prompt_tokens,
+        "recomputed_tokens": r.recomputed_tokens, "recompute_share": round(r.recompute_share, 4),
+        "cache_hits": r.cache_hits, "cache_misses": r.cache_misses, "chunks": r.chunks,
+        "new_tokens": len(r.token_ids), "finish_reason": r.finish_reason, "threads": r.threads,
+        "memory": {"kv_bytes_loaded": int(load.get("bytes_loaded", 0)),
+                   "kv_bytes_by_tier": {k: int(v) for k, v in load.get("bytes_by_source", {}).items()},
+                   "load_wait_ms": round(float(load.get("total_wait_ms", 0.0)), 3), **peak},
+    }
+
+
+def agreement(r: FusionResult, full: FusionResult) -> dict:
+    """Does this answer match full prefill's? Same text (whitespace-normalised), same first
+    token, and how many leading tokens the two share."""
+    a, b = r.token_ids, full.token_ids
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    same = " ".join(r.text.split()) == " ".join(full.text.split())
+    return {"same_text": same, "first_token_same": bool(a and b and a[0] == b[0]), "common_prefix_tokens": common,
+            "full_tokens": len(b), "share": round(common / max(len(a), len(b)), 4) if max(len(a), len(b)) else 1.0}
