@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_PORT = 8501
+BACKLOG = 2048  # uvicorn's default
 
 
 def add_commands(sub) -> None:
@@ -75,6 +76,7 @@ def cmd_studio(args) -> int:
         sock.bind(("127.0.0.1", args.port))
     except OSError as e:
         raise ValueError(f"cannot listen on 127.0.0.1:{args.port} ({e.strerror}); pick another --port") from None
+    sock.listen(BACKLOG)  # from here on connections wait in the backlog until the server takes them
     port = sock.getsockname()[1]
     st = service.status()
     print(f"QCFuse Studio on http://127.0.0.1:{port}  ({st['model']['name']}, {st['chunks']} chunks in "

@@ -1,6 +1,6 @@
 // QCFuse Studio: ask a question, pick the retrieved chunks, run several cache modes side by
 // side, and open the details of one to see which tokens fusion recomputed and why.
-import { useCallback, useEffect, useState } from "react";
+import { useCallback, useEffect, useRef, useState } from "react";
 
 import { Answers, type Card } from "./Answers";
 import { api, type ChunkHit, type Details as DetailsData, type Job, type ModelInfo, type RunResponse, type Status, streamRun } from "./api";
@@ -30,21 +30,24 @@ export function App() {
   const [detailsIndex, setDetailsIndex] = useState<number | null>(null);
   const [details, setDetails] = useState<DetailsData | null>(null);
 
+  const searchSeq = useRef(0); // only the latest search's answer is shown
   const search = useCallback(async (q: string, k: number) => {
     if (!q.trim()) {
       setError("type a question first");
       return;
     }
+    const seq = ++searchSeq.current;
     setError(null);
     setSearching(true);
     try {
       const res = await api.search(q, k);
+      if (seq !== searchSeq.current) return;
       setChunks(res.chunks);
       setSelected(new Set(res.chunks.map((c) => c.id)));
     } catch (e) {
-      setError((e as Error).message);
+      if (seq === searchSeq.current) setError((e as Error).message);
     } finally {
-      setSearching(false);
+      if (seq === searchSeq.current) setSearching(false);
     }
   }, []);
 
@@ -229,13 +232,13 @@ export function App() {
             <p className="muted hint">Pick modes and press run: each mode answers from the same chunks, one after another, and
               shows its time to first token. Full prefill is the reference the others are compared with.</p>
           )}
+          {detailsIndex !== null && (
+            details ? <Details key={`${run?.run_id}-${detailsIndex}`} details={details} chunks={chunks}
+                               onClose={() => { setDetailsIndex(null); setDetails(null); }} />
+              : <p className="muted details-loading">loading details…</p>
+          )}
         </section>
       </main>
-      {detailsIndex !== null && (
-        details ? <Details key={`${run?.run_id}-${detailsIndex}`} details={details} chunks={chunks}
-                           onClose={() => { setDetailsIndex(null); setDetails(null); }} />
-          : <p className="muted details-loading">loading details…</p>
-      )}
       <footer className="muted">
         Everything runs on this machine: the page, its fonts and the model are local files. Stage timings are the
         engine's own (synchronised at each stage boundary); peak memory on a CPU is the process's high-water mark.

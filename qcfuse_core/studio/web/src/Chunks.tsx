@@ -24,10 +24,10 @@ export function Chunks({ chunks, selected, onToggle }: Props) {
               <span className="score" title="cosine similarity to the question">{c.score.toFixed(3)}</span>
             </label>
             <p className="chunk-text">
-              {c.tokens.map((t, j) => (
+              {c.tokens.map((_, j) => (
                 <span key={j} className={anchors.has(j) ? "anchor" : undefined}
                       title={anchors.has(j) ? "anchor (layer 0): stands for this chunk in the probe" : undefined}>
-                  {t}
+                  {prose(c.tokens, j)}
                 </span>
               ))}
             </p>
@@ -39,4 +39,14 @@ export function Chunks({ chunks, selected, onToggle }: Props) {
       })}
     </ol>
   );
+}
+
+/** A chunk's text as prose: a single line break inside a paragraph (hard-wrapped source) reads
+ * as a space; blank lines stay paragraph breaks. Only the display changes, not the tokens. */
+function prose(tokens: string[], j: number): string {
+  const t = tokens[j];
+  if (!t.includes("\n") || t.includes("\n\n")) return t;
+  const before = j > 0 && tokens[j - 1].endsWith("\n");
+  const after = j + 1 < tokens.length && tokens[j + 1].startsWith("\n");
+  return before || after ? t : t.replace("\n", " ");
 }

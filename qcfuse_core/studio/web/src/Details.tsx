@@ -76,7 +76,7 @@ export function Details({ details, chunks, onClose }: Props) {
 function selectionNote(d: DetailsData): string {
   if (d.method === "full" || d.ran_as === "full") return "Full prefill: every token recomputed at every layer (the reference).";
   if (d.critical_layers.length)
-    return `The probe ran the question against the prefix and the chunks' anchors and read the attention at critical layers ${d.critical_layers.join(", ")}; the tokens it chose were recomputed at every layer.`;
+    return `The probe ran the question against the prefix and the chunks' anchors and read the attention at critical layers ${[...d.critical_layers].sort((a, b) => a - b).join(", ")}; the tokens it chose were recomputed at every layer.`;
   if (d.row_sets.length > 1)
     return `Every token was recomputed at layers 0–${d.row_sets[1].from_layer - 1}; after layer ${d.row_sets[1].from_layer - 1} the rows narrowed to those whose values deviated most.`;
   if (d.method === "naive") return "Naive concatenation: only glue and the question are computed; every chunk token comes from its cache.";

@@ -1,0 +1,279 @@
+"""The studio's JSON API through FastAPI's test client, on the embedded model and the sample
+corpus: every endpoint, what its numbers are made of, and bad inputs (a clear 4xx; the
+server keeps answering)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the studio extra is not installed: pip install 'qcfuse[studio]'")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from qcfuse_core.studio.app import create_app  # noqa: E402
+from qcfuse_core.studio.service import StudioConfig, StudioService  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+Q = "Who founded the Zephyr Institute, and in which year?"
+UPLOAD_LIMIT = 8192
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = StudioService(StudioConfig(store=tmp_path_factory.mktemp("studio-store"), max_upload_bytes=UPLOAD_LIMIT,
+                                     max_files=3))
+    got = svc.ensure_corpus()
+    assert got is not None and got["chunks"] == 12  # the sample corpus: one chunk per document
+    assert svc.ensure_corpus() is None  # a store with chunks is left as it is
+    return svc
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with TestClient(create_app(service)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def top(client):
+    res = client.post("/api/search", json={"question": Q, "top_k": 3})
+    assert res.status_code == 200, res.text
+    return res.json()["chunks"]
+
+
+@pytest.fixture(scope="module")
+def run(client, top):
+    body = {"question": Q, "chunk_ids": [c["id"] for c in top], "max_new_tokens": 8,
+            "modes": [{"method": "qcfuse", "ratio": 0.15}, {"method": "full"}, {"method": "cacheblend", "ratio": 0.2}]}
+    res = client.post("/api/run", json=body)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def _error(res, status: int, *words: str) -> str:
+    assert res.status_code == status, (res.status_code, res.text)
+    msg = res.json()["error"]["message"]
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def test_status_and_models(client, service):
+    st = client.get("/api/status").json()
+    assert st["chunks"] == 12
+    assert st["model"]["id"] == "embedded" and st["model"]["layers"] == 30
+    assert st["methods"] == ["qcfuse", "full", "cacheblend", "epic", "naive"]
+    assert st["examples"]  # the sample corpus is in the store
+    models = client.get("/api/models").json()
+    assert models["current"] == "embedded"
+    assert "embedded" in [m["id"] for m in models["models"]]
+    again = client.post("/api/models/select", json={"id": "embedded"})  # the loaded one: nothing to do
+    assert again.status_code == 200 and again.json()["id"] == "embedded"
+
+
+def test_search_ranks_the_right_chunk_first_with_tokens_and_anchors(client, service, top):
+    assert [c["source"] for c in top][0] == "03-zephyr-institute.md"
+    scores = [c["score"] for c in top]
+    assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
+    for c in top:
+        assert "".join(c["tokens"]) == c["text"]  # the pieces are the chunk's own tokens, in order
+        ids, key = service.engine.chunk_tokens(c["text"])
+        assert len(c["tokens"]) == ids.numel()
+        assert c["cached"] and c["anchors"] == sorted(set(c["anchors"]))
+        assert c["anchors"][:4] == [0, 1, 2, 3]  # the chunk-local sinks come first
+        assert all(0 <= a < ids.numel() for a in c["anchors"])
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def test_run_results_are_the_engines(run, top):
+    res = run["results"]
+    assert [r["method"] for r in res] == ["qcfuse", "full", "cacheblend"]
+    assert run["reference"] is None  # full is a mode: no extra reference run
+    full = res[1]
+    for r in res:
+        assert r["answer"] and r["new_tokens"] <= 8 and r["ttft_ms"] > 0
+        assert r["chunks"] == 3 and r["context_tokens"] == full["context_tokens"]
+        stages = r["stages"]
+        assert [s["name"] for s in stages] == ["lookup", "load", "probe", "select", "fuse", "first token"]
+        total = sum(s["ms"] for s in stages)
+        assert total <= r["ttft_ms"] + 0.01 and r["ttft_ms"] - total < 1.0  # consecutive intervals up to the TTFT
+        for a, b in zip(stages, stages[1:]):
+            assert abs(a["start_ms"] + a["ms"] - b["start_ms"]) < 0.01
+        assert r["speedup_vs_full"] == pytest.approx(full["ttft_ms"] / r["ttft_ms"], rel=1e-3)
+        mem = r["memory"]
+        assert sum(mem["kv_bytes_by_tier"].values()) == mem["kv_bytes_loaded"]
+        assert mem["peak_bytes"] > 0
+    assert full["recomputed_tokens"] == full["context_tokens"]
+    assert full["memory"]["kv_bytes_loaded"] == 0  # HF's own forward reads no chunk cache
+    assert full["agreement"]["same_text"] and full["agreement"]["share"] == 1.0
+    fused = res[0]
+    assert (fused["cache_hits"], fused["cache_misses"]) == (3, 0)  # built at ingestion
+    assert fused["stages"][2]["ms"] > 0  # qcfuse's probe
+    assert set(fused["memory"]["kv_bytes_by_tier"]) <= {"tensor", "host", "disk", "gpu"}
+    assert fused["memory"]["kv_bytes_by_tier"].get("host", 0) + fused["memory"]["kv_bytes_by_tier"].get("disk", 0) > 0
+
+
+def test_details_are_the_selection_the_engine_makes(client, service, run, top):
+    """The recomputed positions shown are the final rows of the same request run again
+    through engine.answer (selection is deterministic), restricted to the context."""
+    d = client.get(f"/api/runs/{run['run_id']}/details/0").json()
+    L = d["num_layers"]
+    assert d["method"] == "qcfuse" and d["critical_layers"] and d["score_kind"] == "attention mass"
+    assert len(d["recomputed_positions"]) == run["results"][0]["recomputed_tokens"]
+    again = service.engine.answer(Q, [c["text"] for c in top], node_ids=[c["id"] for c in top], method="qcfuse",
+                                  ratio=0.15, max_new_tokens=1)
+    ctx = {p for s in again.spans if s.kind in ("chunk", "text") for p in range(s.start, s.end)}
+    assert d["recomputed_positions"] == sorted(set(again.selection.rows.tolist()) & ctx)
+    assert [t["pos"] for t in d["tokens"]] == sorted(ctx)
+    assert all(t["depth"] in (0, L) for t in d["tokens"])  # qcfuse: one row set for every layer
+    assert d["row_sets"] == [{"from_layer": 0, "to_layer": L, "context_rows": len(d["recomputed_positions"])}]
+    # chunk boundaries and text: each chunk's pieces join to its text, in retrieval order
+    chunks = [s for s in d["segments"] if s["kind"] == "chunk"]
+    assert [s["node_id"] for s in chunks] == [c["id"] for c in top]
+    for s, c in zip(chunks, top):
+        assert "".join(t["text"] for t in d["tokens"] if t["seg"] == s["index"]) == c["text"]
+        assert s["cache_hit"]
+        anchors = [t["pos"] - s["start"] for t in d["tokens"] if t["seg"] == s["index"] and t["anchor"]]
+        assert anchors == c["anchors"]  # the probe's layer-0 anchors are the stored ones
+    glue = [t for t in d["tokens"] if d["segments"][t["seg"]]["kind"] == "text"]
+    assert glue and all(t["depth"] == L for t in glue)  # glue has no cache: always recomputed
+    scored = [t["score"] for t in d["tokens"] if t["score"] is not None]
+    assert len(scored) == len(d["tokens"]) and sum(scored) > 0
+
+
+def test_details_of_full_and_cacheblend_show_their_layers(client, run):
+    full = client.get(f"/api/runs/{run['run_id']}/details/1").json()
+    L = full["num_layers"]
+    assert full["recomputed_positions"] == [t["pos"] for t in full["tokens"]]
+    assert full["score_kind"] is None and not full["anchor_positions"]
+    cb = client.get(f"/api/runs/{run['run_id']}/details/2").json()
+    n_ctx = len(cb["tokens"])
+    assert cb["score_kind"] == "V deviation"
+    assert cb["row_sets"] == [{"from_layer": 0, "to_layer": 2, "context_rows": n_ctx},
+                              {"from_layer": 2, "to_layer": L, "context_rows": len(cb["recomputed_positions"])}]
+    depths = {t["depth"] for t in cb["tokens"]}
+    assert depths == {2, L}  # layers 0-1 recompute everything, then the chosen rows only
+    assert len(cb["recomputed_positions"]) == run["results"][2]["recomputed_tokens"] < n_ctx
+
+
+def test_run_streams_deltas_then_the_run(client, top):
+    body = {"question": "How tall is the Cape Wrayth lighthouse?", "chunk_ids": [top[0]["id"], top[2]["id"]],
+            "modes": [{"method": "naive"}, {"method": "epic", "ratio": 0.3}], "max_new_tokens": 6}
+    events = []
+    with client.stream("POST", "/api/run/stream", json=body) as res:
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in res.iter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                events.append((event, json.loads(line[5:])))
+    names = [e for e, _ in events]
+    assert names[0] == "mode" and names[-1] == "done" and "error" not in names
+    assert names.count("result") == 2 and names.count("reference") == 2  # full is not a mode: a reference ran
+    done = events[-1][1]
+    for r in done["results"]:
+        deltas = "".join(d["text"] for e, d in events if e == "delta" and d["index"] == r["index"])
+        assert deltas == r["answer"]
+        assert "agreement" in r and r["speedup_vs_full"] > 0
+    assert done["reference"]["ttft_ms"] > 0
+    naive = done["results"][0]
+    assert naive["recomputed_tokens"] < naive["context_tokens"]
+
+
+# ---------------------------------------------------------------------------- ingestion
+
+
+def _wait(client, job_id: str, timeout: float = 120.0) -> dict:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        job = client.get(f"/api/jobs/{job_id}").json()
+        if job["state"] in ("done", "failed"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} did not finish in {timeout} s")
+
+
+def test_upload_is_chunked_embedded_cached_and_found(client, service):
+    text = ("# The Quillon Observatory\n\nThe Quillon Observatory stands on Mount Ebbe above Marrow Bay. "
+            "It was built in 1911 by the astronomer Tomas Reyne and houses a brass refractor telescope.")
+    res = client.post("/api/ingest", files=[("files", ("quillon.md", text.encode(), "text/markdown"))])
+    assert res.status_code == 202, res.text
+    job = res.json()
+    assert job["kind"] == "ingest" and job["result"]["files"] == ["quillon.md"]
+    with client.stream("GET", f"/api/jobs/{job['id']}/events") as ev:
+        lines = [line for line in ev.iter_lines() if line.startswith("event:")]
+    assert lines[-1] == "event: done" and "event: progress" in lines
+    done = _wait(client, job["id"])
+    assert done["state"] == "done" and done["result"]["chunks"] == 1 and done["result"]["sources"] == ["quillon.md"]
+    assert client.get("/api/status").json()["chunks"] == 13
+    hits = client.post("/api/search", json={"question": "Who built the Quillon Observatory?", "top_k": 2}).json()["chunks"]
+    assert hits[0]["source"] == "quillon.md" and hits[0]["id"] == done["result"]["chunk_ids"][0]
+    assert hits[0]["cached"]  # its cache was built by the job
+    key = service.engine.chunk_tokens(hits[0]["text"])[1]
+    assert service.engine.store.contains(key)
+    again = _wait(client, client.post("/api/ingest", files=[("files", ("quillon.md", text.encode()))]).json()["id"])
+    assert again["result"]["new_in_chroma"] == 0  # the same file again changes nothing
+    assert client.get("/api/status").json()["chunks"] == 13
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_get_a_clear_4xx_and_the_server_keeps_running(client, top, run):
+    ids = [top[0]["id"]]
+    ok = {"question": Q, "chunk_ids": ids, "modes": [{"method": "naive"}], "max_new_tokens": 2}
+    _error(client.post("/api/search", json={"question": "   "}), 422, "question is empty")
+    _error(client.post("/api/search", json={"question": Q, "top_k": 0}), 422, "top_k")
+    _error(client.post("/api/run", json={**ok, "question": ""}), 422, "question is empty")
+    _error(client.post("/api/run", json={**ok, "chunk_ids": ["no-such-chunk"]}), 404, "unknown chunk id", "no-such-chunk")
+    _error(client.post("/api/run", json={**ok, "chunk_ids": []}), 422, "chunk_ids")
+    _error(client.post("/api/run", json={**ok, "chunk_ids": ids + ids}), 422, "duplicates")
+    _error(client.post("/api/run", json={**ok, "modes": [{"method": "turbo"}]}), 422, "unknown method 'turbo'", "qcfuse")
+    _error(client.post("/api/run", json={**ok, "modes": [{"method": "qcfuse", "ratio": 1.5}]}), 422, "ratio", "less than or equal to 1")
+    _error(client.post("/api/run", json={**ok, "modes": [{"method": "qcfuse", "ratio": -0.1}]}), 422, "ratio")
+    _error(client.post("/api/run", json={**ok, "modes": []}), 422, "modes")
+    _error(client.post("/api/run", json={**ok, "max_new_tokens": 0}), 422, "max_new_tokens")
+    _error(client.post("/api/run", content=b"{not json", headers={"content-type": "application/json"}), 422)
+    _error(client.post("/api/run/stream", json={**ok, "chunk_ids": ["nope"]}), 404, "nope")  # before any event
+    _error(client.get("/api/runs/0123456789ab/details/0"), 404, "unknown run")
+    _error(client.get(f"/api/runs/{run['run_id']}/details/7"), 404, "modes 0..2")
+    _error(client.get("/api/jobs/nope"), 404, "unknown job")
+    _error(client.post("/api/models/select", json={"id": "gpt-9"}), 404, "unknown model", "embedded")
+    _error(client.get("/api/nothing-here"), 404, "no such endpoint")
+    # uploads
+    big = b"a" * (UPLOAD_LIMIT + 1)
+    _error(client.post("/api/ingest", files=[("files", ("big.md", big))]), 413, "big.md", f"{UPLOAD_LIMIT:,}")
+    _error(client.post("/api/ingest", files=[("files", ("latin1.txt", "caf\xe9 au lait".encode("latin-1")))]),
+           422, "latin1.txt", "not UTF-8")
+    _error(client.post("/api/ingest", files=[("files", ("paper.pdf", b"%PDF-1.7"))]), 415, "paper.pdf", ".md")
+    _error(client.post("/api/ingest", files=[("files", ("blank.md", b"  \n\n"))]), 422, "blank.md is empty")
+    _error(client.post("/api/ingest", files=[("files", (f"f{i}.md", b"x")) for i in range(4)]), 413, "at most 3 files")
+    _error(client.post("/api/ingest"), 422, "files")
+    # still serving, with nothing changed
+    assert client.get("/api/status").json()["chunks"] in (12, 13)
+    res = client.post("/api/run", json=ok)
+    assert res.status_code == 200 and res.json()["results"][0]["answer"]
+
+
+def test_page_is_served_and_refers_only_to_local_files(client):
+    res = client.get("/")
+    assert res.status_code == 200 and "<div id=\"root\">" in res.text
+    import re
+
+    refs = re.findall(r'(?:src|href)="([^"]+)"', res.text)
+    assert refs and all(r.startswith("/assets/") or r.startswith("data:") for r in refs), refs
+    for r in refs:
+        if r.startswith("/assets/"):
+            asset = client.get(r)
+            assert asset.status_code == 200
+            body = asset.text if r.endswith((".js", ".css")) else ""
+            assert "fonts.googleapis" not in body and "cdn." not in body

@@ -1,0 +1,272 @@
+"""`qcfuse studio` end to end: the real command on an empty store (it ingests the sample
+corpus, offline), and the page in Chromium through Playwright: ask, run two modes, open the
+details, upload a file and find its chunk. What the page shows is checked against the API.
+
+Chromium is the operating system's (`apt-get install chromium`), never a download. Without
+it the browser tests skip with the reason, unless CI is set (then they fail: `.ci/run`
+installs it). Screenshots at 1280x800 and 390x844 go to $QCFUSE_TEST_ARTIFACTS (default
+build/test-artifacts/studio).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the studio extra is not installed: pip install 'qcfuse[studio]'")
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 300
+
+
+def artifacts_dir() -> Path:
+    d = Path(os.environ.get("QCFUSE_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts" / "studio")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def find_chromium() -> str | None:
+    explicit = os.environ.get("QCFUSE_CHROMIUM")
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _need_browser(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set but {reason}; .ci/run installs it (apt-get install chromium)")
+    pytest.skip(f"{reason} (apt-get install chromium to run the browser tests)")
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`qcfuse studio` on an empty store and a free port, offline; stopped at the end."""
+    store = tmp_path_factory.mktemp("studio-empty-store")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)  # conftest's setting for kernel tests: a user's server has none
+    proc = subprocess.Popen([sys.executable, "-m", "qcfuse_core.cli", "studio", "--store", str(store), "--port", "0",
+                             "--max-upload-mb", "0.5"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "QCFuse Studio on http://" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    t0 = time.monotonic()
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
+            proc.kill()
+            raise AssertionError("qcfuse studio did not start:\n" + "".join(lines[-40:]))
+    url = re.search(r"http://127\.0\.0\.1:\d+", next(x for x in lines if "QCFuse Studio on" in x)).group(0)
+    yield {"url": url, "log": lines, "store": store}
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def get(server, path: str):
+    with urllib.request.urlopen(server["url"] + path, timeout=60) as res:
+        return json.loads(res.read())
+
+
+def test_cli_starts_offline_on_the_sample_corpus(server):
+    log = "".join(server["log"])
+    assert "the store was empty: ingested the sample corpus (12 chunks)" in log
+    st = get(server, "/api/status")
+    assert st["chunks"] == 12 and st["store"] == str(server["store"])
+    assert st["model"]["name"] == "SmolLM2-135M-Instruct" and st["examples"]
+    with urllib.request.urlopen(server["url"] + "/", timeout=30) as res:
+        assert "<div id=\"root\">" in res.read().decode()
+
+
+# ---------------------------------------------------------------------------- the page
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = find_chromium()
+    if path is None:
+        _need_browser("no Chromium found")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need_browser("Playwright's Python package is not installed")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path)  # Playwright passes --no-sandbox (chromium_sandbox=False)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = ctx.new_page()
+    pg.requests, pg.errors = [], []
+    pg.on("request", lambda r: pg.requests.append(r.url))
+    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+    pg.set_default_timeout(180_000)  # runs on a shared 2-core machine
+    yield pg
+    ctx.close()
+
+
+def js_fixed(x: float, digits: int = 1) -> str:
+    """Number.prototype.toFixed: the exact double, ties away from zero (not Python's even)."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.split("\n\n"):
+        ev = re.search(r"^event: (.*)$", block, re.M)
+        data = re.search(r"^data: (.*)$", block, re.M)
+        if ev and data:
+            out.append((ev.group(1), json.loads(data.group(1))))
+    return out
+
+
+def only_local(pg, server, expected_errors: tuple[str, ...] = ()) -> None:
+    """Every request the page made went to the studio; no script errors."""
+    outside = [u for u in pg.requests if not u.startswith(server["url"] + "/")]
+    assert not outside, f"requests left the machine: {outside}"
+    errors = [e for e in pg.errors if not any(x in e for x in expected_errors)]
+    assert not errors, errors
+
+
+def shot(pg, name: str, **kw) -> Path:
+    path = artifacts_dir() / name
+    pg.screenshot(path=str(path), **kw)
+    print(f"screenshot: {path}")
+    return path
+
+
+def test_run_two_modes_and_the_details_match_the_api(page, server):
+    q = "How tall is the Cape Wrayth lighthouse?"
+    page.goto(server["url"])
+    page.wait_for_selector("[data-testid=chunk-card]")  # the example question, retrieved on load
+    page.fill("[data-testid=question-input]", q)
+    page.click("[data-testid=search-button]")
+    page.wait_for_selector("[data-testid=chunk-card]:first-child[data-source='10-lighthouse.md']")
+    cards = page.locator("[data-testid=chunk-card]")
+    chunk_ids = [cards.nth(i).get_attribute("data-chunk-id") for i in range(cards.count())]
+    assert len(chunk_ids) == 4
+    assert [page.get_attribute(f"[data-testid=mode-{m}]", "aria-pressed") for m in ("qcfuse", "full", "cacheblend")] == \
+        ["true", "true", "false"]  # two modes by default
+
+    with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
+        page.click("[data-testid=run-button]")
+    page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
+    events = sse_events(got.value.text())
+    assert events[-1][0] == "done", events[-1]
+    run = events[-1][1]
+    assert run["chunk_ids"] == chunk_ids and [r["method"] for r in run["results"]] == ["qcfuse", "full"]
+
+    for r in run["results"]:
+        card = page.locator(f"[data-testid=answer-card][data-index='{r['index']}']")
+        assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
+        assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
+        assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
+    shot(page, "studio-1280x800.png")
+
+    # details of qcfuse: the highlighted tokens are exactly the API's recomputed positions
+    page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")
+    page.wait_for_selector("[data-testid=details-panel]")
+    api = get(server, f"/api/runs/{run['run_id']}/details/0")
+    tokens = page.locator("[data-testid=details-panel] [data-testid=token]")
+    assert tokens.count() == len(api["tokens"])
+
+    def highlighted() -> list[int]:
+        return page.eval_on_selector_all("[data-testid=details-panel] [data-testid=token][data-hl='1']",
+                                         "els => els.map(e => Number(e.dataset.pos))")
+
+    assert page.inner_text("[data-testid=layer-value]") == str(api["num_layers"] - 1)
+    assert highlighted() == api["recomputed_positions"]
+    assert len(api["recomputed_positions"]) == run["results"][0]["recomputed_tokens"]
+    assert page.inner_text("[data-testid=layer-rows]") == str(len(api["recomputed_positions"]))
+    page.focus("[data-testid=layer-slider]")
+    page.keyboard.press("Home")  # layer 0: qcfuse recomputes the same rows at every layer
+    assert page.inner_text("[data-testid=layer-value]") == "0"
+    assert highlighted() == api["recomputed_positions"]
+    page.keyboard.press("End")
+    page.evaluate("document.activeElement.blur()")
+    heat = page.locator("[data-testid=details-panel] [data-testid=heat-strip]")
+    assert heat.count() == 4  # one per chunk: the probe's attention mass
+    assert page.locator("[data-testid=waterfall] .wf-row").count() == 6
+    assert f"{js_fixed(run['results'][0]['ttft_ms'])} ms" in page.inner_text("[data-testid=waterfall] h3")
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, "studio-1280x800-details.png")
+    shot(page, "studio-1280-full.png", full_page=True)
+
+    # full prefill recomputes every context token
+    page.click("[data-testid=answer-card][data-method=full] [data-testid=details-button]")
+    page.wait_for_selector("[data-testid=details-panel][data-index='1']")
+    full = get(server, f"/api/runs/{run['run_id']}/details/1")
+    assert highlighted() == full["recomputed_positions"] == [t["pos"] for t in full["tokens"]]
+
+    # a phone-width screen: one column, nothing wider than the screen
+    page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")
+    page.wait_for_selector("[data-testid=details-panel][data-index='0']")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.evaluate("window.scrollTo(0, 0)")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    shot(page, "studio-390x844.png")
+    shot(page, "studio-390-full.png", full_page=True)
+    only_local(page, server)
+
+
+def test_upload_a_file_and_find_its_chunk(page, server, tmp_path):
+    doc = tmp_path / "quillon-observatory.md"
+    doc.write_text("# The Quillon Observatory\n\nThe Quillon Observatory stands on Mount Ebbe above Marrow Bay. "
+                   "It was built in 1911 by the astronomer Tomas Reyne and houses a brass refractor telescope.\n")
+    page.goto(server["url"])
+    page.wait_for_selector("[data-testid=chunk-card]")
+    page.set_input_files("[data-testid=upload-input]", str(doc))
+    page.wait_for_selector("[data-testid=upload-status][data-state=done]")
+    assert "quillon-observatory.md" in page.inner_text("[data-testid=upload-status]")
+    assert page.inner_text("[data-testid=store-info]").startswith("13 chunks")
+    q = "Who built the Quillon Observatory?"
+    page.fill("[data-testid=question-input]", q)
+    with page.expect_response(lambda r: r.url.endswith("/api/search") and q in (r.request.post_data or "")) as got:
+        page.click("[data-testid=search-button]")
+    hits = got.value.json()["chunks"]
+    assert hits[0]["source"] == "quillon-observatory.md"
+    first = page.locator("[data-testid=chunk-card]:first-child")
+    page.wait_for_selector(f"[data-testid=chunk-card]:first-child[data-chunk-id='{hits[0]['id']}']")
+    assert first.get_attribute("data-source") == "quillon-observatory.md"
+    assert "Tomas Reyne" in first.inner_text()
+
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8: refused with the reason, nothing ingested
+    page.set_input_files("[data-testid=upload-input]", str(bad))
+    page.wait_for_selector("[data-testid=upload-status][data-state=failed]")
+    assert "not UTF-8" in page.inner_text("[data-testid=upload-status]")
+    assert get(server, "/api/status")["chunks"] == 13
+    only_local(page, server, expected_errors=("status of 422",))  # the browser logs the refused upload
