@@ -55,6 +55,21 @@ def _need_browser(reason: str):
     pytest.skip(f"{reason} (apt-get install chromium to run the browser tests)")
 
 
+def test_without_chromium_the_browser_tests_skip_locally_and_fail_in_ci(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCFUSE_CHROMIUM", str(tmp_path / "no-chromium"))
+    assert find_chromium() is None
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no Chromium found.*apt-get install chromium"):
+        _need_browser("no Chromium found")
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="CI is set but no Chromium found"):
+        _need_browser("no Chromium found")
+    fake = tmp_path / "chromium"
+    fake.write_text("")
+    monkeypatch.setenv("QCFUSE_CHROMIUM", str(fake))
+    assert find_chromium() == str(fake)
+
+
 # ---------------------------------------------------------------------------- the server
 
 
