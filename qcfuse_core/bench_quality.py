@@ -42,27 +42,91 @@ from qcfuse_core import metrics as M
 from qcfuse_core.datasets import Example, dataset_name, load_dataset
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step
-from qcfuse_core.pipeline import Planned
+from qcfuse_core.pipeline import Loading, Planned
 from qcfuse_core.selectors import SELECTORS, get_selector
 from qcfuse_core.store import MemoryStore
 
 log = logging.getLogger(__name__)
 
 ROW_KEYS = ("dataset", "method", "ratio", "n", "f1", "em", "contains", "rouge_l", "agree_exact", "agree_rouge_l",
-            "kl_first_token", "gold_nll", "recompute_share", "ttft_ms")
+            "kl_first_token", "answer_kl", "gold_nll", "recompute_share", "ttft_ms")
 DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
 
 
-def _greedy(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, max_new: int) -> str:
+def _greedy_seq(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, max_new: int,
+                keep_logits: bool = False) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """Greedy decoding from `cache` -> (answer ids, scored sequence, logits).
+
+    The scored sequence is every token the decoding chose: the answer ids, plus the
+    end-of-answer token when it stopped on one; with keep_logits, logits[i] (vocab,) is the
+    distribution that chose seq[i] (full prefill's distribution along its own answer, which
+    the answer-level KL compares a method's with)."""
     eos = engine._eos_ids()
     ids: list[int] = []
+    logits = [first_logits] if keep_logits else []
     token = int(torch.argmax(first_logits))
     while token not in eos and len(ids) < max_new:
         ids.append(token)
         if len(ids) == max_new:
             break
-        token = int(torch.argmax(decode_step(engine.adapter, cache, token)))
+        step = decode_step(engine.adapter, cache, token)
+        if keep_logits:
+            logits.append(step)
+        token = int(torch.argmax(step))
+    seq = ids + ([token] if token in eos else [])
+    return ids, seq, logits
+
+
+def _greedy(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, max_new: int) -> str:
+    ids, _, _ = _greedy_seq(engine, cache, first_logits, max_new)
     return engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def forced_logits(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, seq: list[int]) -> torch.Tensor:
+    """Teacher forcing of `seq` on a prompt cache -> (len(seq), vocab): row i is the
+    distribution over seq[i] given the prompt and seq[:i]. The cache is left at the prompt's
+    length (decoding can start from it again). Equals a fused prefill of [prompt ; seq] with
+    the seq rows recomputed (`engine.fuse(..., teacher=seq)`): those rows attend to the same
+    per-layer cache (tests/test_quality_bench.py)."""
+    start = cache.length
+    rows = [first_logits.float()]
+    for t in seq[:-1]:
+        rows.append(decode_step(engine.adapter, cache, int(t)).float())
+    cache.length = start
+    return torch.stack(rows)
+
+
+def answer_kl(full_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """(n, vocab) x 2 -> (n,) KL(full || method) per answer position, in nats."""
+    p = torch.log_softmax(full_logits.float(), -1)
+    q = torch.log_softmax(logits.float(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def round_trip(prompt: FusedPrompt, storage: str) -> FusedPrompt:
+    """The prompt with every cached segment's K/V encoded in storage dtype `storage` and
+    decoded back (what a store in that dtype hands the fused prefill). Anchors are not
+    copied: selection runs on the exact prompt, as a tiered store's probe reads its sidecar
+    (anchors and critical-layer K kept in the chunk's own dtype)."""
+    from dataclasses import replace
+
+    from qcfuse_core.store.codec import STORAGE_NAMES, check_storage_name, decode_layer, encode_layer
+    from qcfuse_core.types import KVChunk
+
+    dtype = STORAGE_NAMES[check_storage_name(storage)]
+    if dtype is None:
+        return prompt
+    segs = []
+    for seg in prompt.segments:
+        c = seg.chunk
+        if isinstance(c, KVChunk):
+            k, v = torch.empty_like(c.k), torch.empty_like(c.v)
+            for layer in range(c.num_layers):
+                kv, scale = encode_layer(c.k[layer], c.v[layer], dtype)
+                k[layer], v[layer] = decode_layer(kv, scale, c.k.dtype)
+            seg = replace(seg, chunk=KVChunk(c.key, c.token_ids, k, v))
+        segs.append(seg)
+    return FusedPrompt(segs)
 
 
 def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
@@ -77,7 +141,7 @@ def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
 
 def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dict, max_new: int,
                 gold_tokens: int = 64, *, variants: list[tuple[str, str, float | None, dict]] | None = None,
-                target: str = "gold", reference: Path | None = None) -> list[dict]:
+                target: str = "gold", reference: Path | None = None, storage: str = "auto") -> list[dict]:
     """All methods on one example -> per (method, ratio) records.
 
     variants: explicit (label, method, ratio, options) runs instead of methods x ratios
@@ -86,6 +150,12 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     fidelity score for the whole answer, not just its first token; costs one more forward).
     reference: a file holding full prefill's outputs for this question (read when its key -
     model fingerprint, prompt + gold token ids, max_new - matches, else computed and written).
+    storage: the chunk caches go through that storage dtype's codec before the fused prefill
+    ("fp8", "bf16"; "auto" = exact); the records' method names get ":" + storage.
+
+    Every method's record has `answer_kl`: the mean over full prefill's greedy answer (its
+    tokens and the end-of-answer token) of KL(full || method) per token, each method's
+    cache teacher-forced along full's answer; `answer_kl_tokens` lists the per-token values.
     """
     if target not in ("gold", "full"):
         raise ValueError(f"target must be 'gold' or 'full', got {target!r}")
@@ -104,9 +174,11 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     T = prompt.num_tokens
     full_sel = engine.select(prompt, "full", 1.0)
     full_answer = None
+    full_seq = full_seq_logits = None
     if target == "full":  # full prefill's greedy answer first: it is the teacher-forced target
         pre = engine.fuse(loading, full_sel, "full", capacity=max_new)
-        full_answer = _greedy(engine, pre.cache, pre.logits[-1], max_new)
+        ids, full_seq, lg = _greedy_seq(engine, pre.cache, pre.logits[-1], max_new, keep_logits=True)
+        full_answer, full_seq_logits = engine.tokenizer.decode(ids, skip_special_tokens=True).strip(), torch.stack(lg)
         del pre
         gold = engine.tokenize(full_answer)[:gold_tokens] if full_answer else engine.tokenize(ex.answers[0])[:1]
     else:
@@ -124,37 +196,49 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
         logits = pre.logits  # (G+1, vocab): positions T-1 .. T+G-1
         full_ms = (time.perf_counter() - t1) * 1e3
         if full_answer is None:
-            full_answer = _greedy(engine, pre.cache, logits[0], max_new)
+            ids, full_seq, lg = _greedy_seq(engine, pre.cache, logits[0], max_new, keep_logits=True)
+            full_answer, full_seq_logits = engine.tokenizer.decode(ids, skip_special_tokens=True).strip(), torch.stack(lg)
         ref = dict(key=key, first_logits=logits[0].clone(), gold_nll=M.nll(logits[:G], gold), answer=full_answer,
-                   ms=full_ms)
+                   ms=full_ms, answer_seq=torch.tensor(full_seq, dtype=torch.int64), answer_logits=full_seq_logits)
         del logits, pre
         if reference is not None:
             _save_reference(reference, ref)
     else:
         common["full_from_reference"] = True
     full_first, full_answer = ref["first_logits"], ref["answer"]
-    records = [dict(common, method="full", ratio=None, kl_first_token=0.0, gold_nll=ref["gold_nll"],
-                    recompute_share=1.0, ttft_ms=ref["ms"], **_text_scores(full_answer, ex, full_answer))]
+    full_seq, full_seq_logits = ref["answer_seq"].tolist(), ref["answer_logits"]
+    records = [dict(common, method="full", ratio=None, kl_first_token=0.0, answer_kl=0.0, answer_tokens=len(full_seq),
+                    gold_nll=ref["gold_nll"], recompute_share=1.0, ttft_ms=ref["ms"],
+                    **_text_scores(full_answer, ex, full_answer))]
+    fuse_loading = loading if storage == "auto" else Loading(round_trip(prompt, storage))
+    suffix = "" if storage == "auto" else ":" + storage
     # 3. every other method (or variant)
     for label, method, ratio, opts in variants:
         t2 = time.perf_counter()
         # the engine's own steps; the selection never sees the gold tokens (teacher-forced after it)
         selected = engine.select(prompt, method, ratio or 0.0, options=opts)
         select_ms = (time.perf_counter() - t2) * 1e3
-        pre = engine.fuse(loading, selected, method, capacity=max_new, teacher=gold)
+        pre = engine.fuse(fuse_loading, selected, method, capacity=max_new, teacher=gold)
         ttft = (time.perf_counter() - t2) * 1e3
         tail = pre.logits  # positions T-1 .. T+G-1
+        per_token = answer_kl(full_seq_logits, forced_logits(engine, pre.cache, tail[0], full_seq))
         answer = _greedy(engine, pre.cache, tail[0], max_new)
         sel = selected.selection
-        rec = dict(common, method=method, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
+        rec = dict(common, method=method + suffix, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
+                   answer_kl=float(per_token.mean()), answer_tokens=len(full_seq),
+                   answer_kl_tokens=[round(float(x), 6) for x in per_token],
                    gold_nll=M.nll(tail[:G], gold), recompute_share=pre.recomputed_tokens / max(1, prompt.context_tokens),
                    ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
+        if storage != "auto":
+            rec["storage"] = storage
         if label != method:
             rec["variant"] = label
         if getattr(get_selector(method), "query_aware", False) and opts:
             rec["options"] = dict(opts)
         if "mass_covered" in sel.details:
             rec["mass_covered"] = sel.details["mass_covered"]
+        if "target_mass" in sel.details:
+            rec["target_mass"] = sel.details["target_mass"]
         records.append(rec)
     return records
 
@@ -172,6 +256,9 @@ def _load_reference(path: Path, key: str) -> dict | None:
         ref = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file is recomputed, not trusted
         log.warning("unreadable full-prefill reference %s (%s); recomputing", path, e)
+        return None
+    if "answer_logits" not in ref:
+        log.info("full-prefill reference %s predates the answer-level metric; recomputing", path)
         return None
     if ref.get("key") != key:
         log.info("full-prefill reference %s is for another prompt or model; recomputing", path)
@@ -193,7 +280,7 @@ def reference_path(root: Path, dataset: str, ex_id: str) -> Path:
 
 def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | None, offset: int = 0,
         options: dict | None = None, max_new: int = 32, jsonl: Path | None = None,
-        reference: Path | None = None) -> list[dict]:
+        reference: Path | None = None, storage: str = "auto") -> list[dict]:
     """Run the benchmark on one dataset file; records stream to `jsonl` (appended; done ids
     skipped). reference: a folder of full-prefill references (see the module doc)."""
     unknown = [m for m in methods if m not in SELECTORS]
@@ -215,7 +302,7 @@ def run(engine: QCFuseEngine, dataset: str, methods, ratios, *, limit: int | Non
         t0 = time.perf_counter()
         ref = reference_path(reference, name, ex.id) if reference is not None else None
         recs = [dict(r, dataset=name) for r in run_example(engine, ex, methods, ratios, options or {}, max_new,
-                                                           reference=ref)]
+                                                           reference=ref, storage=storage)]
         log.info("%s %s: %d records in %.1f s", name, ex.id, len(recs), time.perf_counter() - t0)
         if jsonl is not None:
             with jsonl.open("a") as f:
@@ -280,7 +367,7 @@ def merge_rerun(old: list[dict], new: list[dict], methods: set[str], rename: dic
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["dataset", "method", "ratio", "n", "kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l",
+    head = ["dataset", "method", "ratio", "n", "kl_first_token", "answer_kl", "gold_nll", "agree_exact", "agree_rouge_l",
             "contains", "f1", "em", "rouge_l", "recompute_share", "ttft_ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -293,7 +380,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_KEYS = ("kl_first_token", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
+SUMMARY_KEYS = ("kl_first_token", "answer_kl", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
 
 
 def summarize(rows: list[dict], records: list[dict] | None = None, n_boot: int = 2000, seed: int = 0) -> dict:

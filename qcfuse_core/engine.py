@@ -27,7 +27,7 @@ from qcfuse_core.planner import plan as plan_chunks
 from qcfuse_core.threads import configure_cpu_threads
 from qcfuse_core.pipeline import Loading, LookedUp, Part, Planned, Prefilled, Request, Selected, StageClock
 from qcfuse_core.prefetch import ChunkView, Prefetcher
-from qcfuse_core.selectors import SELECTORS, SelectionContext, get_selector
+from qcfuse_core.selectors import PROBING_METHODS, SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
 from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, PromptSpan, SelectionResult
@@ -398,7 +398,7 @@ class QCFuseEngine:
     def start_loading(self, looked: LookedUp, planned: Planned) -> Loading:
         """Step 3: the fused prompt (sidecars of the loaded chunks for the probe) and, on a
         tiered store, the load session streaming their layers."""
-        probe = planned.method == "qcfuse"
+        probe = planned.method in PROBING_METHODS
         depth = max(self.critical_layers) + 1 if probe else 0
         segments, n = [], 0
         for p in looked.parts:
@@ -424,7 +424,7 @@ class QCFuseEngine:
         """Step 4: the method's rows. Selection options default to the engine's config; the
         critical layers the engine resolved once are passed on."""
         opts = dict(self.config.selection_options if options is None else options)
-        filled = method == "qcfuse" and opts.get("critical_layers") is None
+        filled = method in PROBING_METHODS and opts.get("critical_layers") is None
         if filled:
             opts["critical_layers"] = self.critical_layers
         sel = get_selector(method).select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,

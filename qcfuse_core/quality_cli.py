@@ -1,6 +1,7 @@
 """CLI commands for selection quality: `qcfuse profile-layers` and `qcfuse bench quality`.
 
     qcfuse profile-layers --dataset PATH [--model DIR] [--limit N] [--ratio R] [--out FILE]
+    qcfuse calibrate-budget --dataset PATH [--limit N] [--shares S...] [--out FILE]
     qcfuse bench quality --dataset PATH [PATH...] --methods M... --ratios R... [--limit N]
                          --json OUT [--jsonl RECORDS] [--plot OUT.png] [--aggregate-only]
                          [--reference DIR]
@@ -52,6 +53,19 @@ def add_commands(sub) -> None:
     _selection_args(p)
     p.set_defaults(func=cmd_profile_layers)
 
+    c = sub.add_parser("calibrate-budget", help="calibrate the adaptive budget's target mass to mean recompute shares")
+    c.add_argument("--dataset", required=True, help="calibration split (not a reporting set), e.g. musique_train.json")
+    c.add_argument("--limit", type=int, default=None, help="questions (default: all)")
+    c.add_argument("--offset", type=int, default=0)
+    c.add_argument("--shares", nargs="+", type=float, default=None,
+                   help="mean recompute shares to calibrate (default: 0.1 0.15 0.2 0.3)")
+    c.add_argument("--floor", type=float, default=0.05)
+    c.add_argument("--ceiling", type=float, default=0.5)
+    c.add_argument("--out", default=None, help="calibration JSON (default: the user calibration dir, by fingerprint)")
+    _model_args(c)
+    _selection_args(c)
+    c.set_defaults(func=cmd_calibrate_budget)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="every method on the same prompts vs full prefill and gold")
@@ -72,6 +86,10 @@ def add_commands(sub) -> None:
     q.add_argument("--reference", default=None, metavar="DIR",
                    help="keep full prefill's outputs per question here and reuse them on reruns "
                         "(a rerun of other methods then skips full prefill)")
+    q.add_argument("--storage", default="auto", choices=("auto", "bf16", "fp16", "fp8"),
+                   help="chunk caches round-trip through this storage dtype's codec before fusing (the store's "
+                        "`storage_dtype`; selection reads the exact caches, as a store's probe sidecar); "
+                        "records are named METHOD:STORAGE")
     q.add_argument("--aggregate-only", action="store_true", help="only rebuild --json/--plot from --jsonl")
     _model_args(q)
     _selection_args(q)
@@ -125,6 +143,24 @@ def cmd_profile_layers(args) -> int:
     return 0
 
 
+def cmd_calibrate_budget(args) -> int:
+    from qcfuse_core import adaptive
+
+    logging.getLogger("qcfuse_core").setLevel(logging.INFO)
+    engine = _open(args)
+    opts = {"anchor_method": args.anchor_method, "anchor_share": args.anchor_share}
+    if args.critical_layers:
+        opts["critical_layers"] = args.critical_layers
+    cal = adaptive.calibrate(engine, args.dataset, shares=tuple(args.shares or adaptive.DEFAULT_SHARES),
+                             limit=args.limit, offset=args.offset, floor=args.floor, ceiling=args.ceiling, options=opts)
+    path = adaptive.save_calibration(cal, Path(args.out) if args.out else None, engine.adapter)
+    print("mean share  target mass  mean share at target")
+    for s, t in cal["targets"].items():
+        print(f"{float(s):>10.3f}  {t:>11.4f}  {cal['mean_share_at_target'][s]:>20.4f}")
+    print(f"{cal['n']} questions -> {path}")
+    return 0
+
+
 def cmd_bench_quality(args) -> int:
     from qcfuse_core import bench_quality as bq
 
@@ -137,7 +173,7 @@ def cmd_bench_quality(args) -> int:
         for ds in args.dataset:
             bq.run(engine, ds, methods, args.ratios, limit=args.limit, offset=args.offset,
                    options=_options(args), max_new=args.max_new_tokens, jsonl=jsonl,
-                   reference=Path(args.reference) if args.reference else None)
+                   reference=Path(args.reference) if args.reference else None, storage=args.storage)
     if not jsonl.is_file():
         raise FileNotFoundError(f"no per-example records at {jsonl}")
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]

@@ -141,6 +141,10 @@ def v_deviation(state: LayerState) -> torch.Tensor:
     return (state.v_fresh.float() - state.v_cached[state.rows].float()).pow(2).sum(dim=(1, 2)).cpu()
 
 
+PROBING_METHODS = frozenset({"qcfuse", "adaptive", "oracle"})
+"""Methods that probe the query against anchors at the critical layers (the engine loads
+their chunks' probe sidecars and resolves the critical layers for them)."""
+
 DEVIATION_LAYER = 1  # the layer whose fresh-vs-cached V deviation `deviation_pool` reads (as CacheBlend)
 QUERY_ROWS = 0
 """Default suffix rows scored: 0 = every suffix row, as the paper averages. The last 8 rows
@@ -491,3 +495,9 @@ class CacheBlendSelector(Selector):
 
         sel.on_layer_end = on_layer_end
         return sel
+
+
+# the selection bound and the calibrated adaptive budget live in their own modules; importing
+# them registers `oracle` and `adaptive`
+from qcfuse_core import adaptive as _adaptive  # noqa: E402,F401
+from qcfuse_core import oracle as _oracle  # noqa: E402,F401
