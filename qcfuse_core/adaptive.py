@@ -123,6 +123,7 @@ def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0,
         mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.selection.scores.float().cpu()
         cand = torch.nonzero(prompt.mask("chunk")).flatten()
         out.append((mass[cand], prompt.context_tokens, int(prompt.mask("text").sum())))
+        log.info("calibration question %s: %d context tokens", ex.id, prompt.context_tokens)
     return out
 
 

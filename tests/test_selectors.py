@@ -262,7 +262,7 @@ def test_epic_random_naive(setup):
 
 
 def test_unknown_names_and_bad_options_raise():
-    with pytest.raises(ValueError, match="cacheblend, epic, full, naive, qcall, qcfuse, qclast, random"):
+    with pytest.raises(ValueError, match="adaptive, cacheblend, epic, full, naive, oracle, qcall, qcfuse, qclast, random"):
         get_selector("magic")
     with pytest.raises(ValueError, match="fixed, adaptive"):
         QCFuseOptions(budget="greedy")
