@@ -158,16 +158,23 @@ def calibrate(engine, dataset: str, *, shares=DEFAULT_SHARES, limit: int | None 
     masses = question_masses(engine, dataset, limit=limit, offset=offset, options=options)
     if not masses:
         raise ValueError(f"no questions in {dataset}")
-    targets, achieved = {}, {}
+    if not any(True for _ in shares):
+        raise ValueError("no shares to calibrate")
+    targets, achieved, skipped = {}, {}, []
     for s in shares:
-        t = solve_target(masses, float(s), floor, ceiling)
+        try:
+            t = solve_target(masses, float(s), floor, ceiling)
+        except ValueError as e:  # the other shares are still worth their questions' probes
+            log.warning("%s; skipped", e)
+            skipped.append(float(s))
+            continue
         targets[f"{s:g}"] = round(t, 6)
         achieved[f"{s:g}"] = round(mean_share(masses, round(t, 6), floor, ceiling), 5)
     adapter = engine.adapter
     return {
         "model": adapter.name, "fingerprints": [adapter.fingerprint()], "match": [],
         "critical_layers": list(engine.critical_layers), "floor": floor, "ceiling": ceiling, "n": len(masses),
-        "targets": targets, "mean_share_at_target": achieved,
+        "targets": targets, "mean_share_at_target": achieved, "unreachable_shares": skipped,
         "source": f"qcfuse calibrate-budget --dataset {Path(dataset).name} --offset {offset} --limit {len(masses)}",
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -151,8 +151,9 @@ def test_calibrate_matches_the_requested_mean_share(setup, tmp_path):
                       {"title": "", "text": "The valley holds several towns and a long, slow river. " * 3}]}
             for i in range(2)]
     data.write_text(json.dumps(rows))
-    cal = adaptive.calibrate(engine, str(data), shares=(0.15, 0.3), options={"critical_layers": [1]})
+    cal = adaptive.calibrate(engine, str(data), shares=(0.15, 0.3, 0.01), options={"critical_layers": [1]})
     assert cal["n"] == 2 and set(cal["targets"]) == {"0.15", "0.3"}
+    assert cal["unreachable_shares"] == [0.01]  # below the 0.05 floor: skipped, the others kept
     masses = adaptive.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
     tol = max(1 / c for _, c, _ in masses)  # one token of the shortest context
     for s in (0.15, 0.3):
