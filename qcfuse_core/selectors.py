@@ -151,7 +151,7 @@ QUERY_ROWS = 0
 (for the engine's prompt: the answer cue "short sentence." and the chat markers, whose last
 row yields the first token) were tried on the calibration split musique_train: first-token KL
 at 0.3 fell 20% on 24 questions but rose 6% on 24 others, and agreement with full's answer
-fell (docs/benchmarks.md, "Scoring variants") - so the option stays an off-by-default ablation."""
+fell (docs/quality-history.md, "Scoring variants") - so the option stays an off-by-default ablation."""
 
 
 @dataclass(frozen=True)
