@@ -119,8 +119,9 @@ def parse_size(text: str) -> tuple[int, int]:
     return size
 
 
-def open_tier_store(root: Path, tier: str, nbytes: int, cuda: bool):
-    """A tiered store at `root` that keeps entries in `tier` only (plus the disk copy)."""
+def open_tier_store(root: Path, tier: str, nbytes: int, cuda: bool, storage_dtype: str = "auto"):
+    """A tiered store at `root` that keeps entries in `tier` only (plus the disk copy),
+    chunks written in `storage_dtype` (fp8: half of bf16's bytes)."""
     from qcfuse_core.store import open_store
 
     room = 3 * nbytes + (256 << 20)  # pinned blocks round up to powers of two (docs/benchmarks.md)
@@ -128,7 +129,7 @@ def open_tier_store(root: Path, tier: str, nbytes: int, cuda: bool):
     host = room if tier in ("gpu", "host") else 0
     if tier == "gpu" and not cuda:
         raise ValueError("--tier gpu needs a CUDA device")
-    return open_store(root, memory_bytes=host, gpu_bytes=gpu, use_cuda=cuda)
+    return open_store(root, memory_bytes=host, gpu_bytes=gpu, use_cuda=cuda, storage_dtype=storage_dtype)
 
 
 def drop_page_cache(folder: Path) -> int:
@@ -277,7 +278,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     cuda = device.type == "cuda"
     kv_root = root / f"kv-{tier}-{size[0]}x{size[1]}"
     nbytes = kv_bytes_per_token(adapter) * size[0] * size[1]
-    store = open_tier_store(kv_root, tier, nbytes, cuda)
+    store = open_tier_store(kv_root, tier, nbytes, cuda, getattr(args, "storage_dtype", "auto"))
     engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system,
                                                                      threads=args.threads or None))
     t0 = time.perf_counter()
@@ -499,6 +500,8 @@ def add_ttft_parser(bench_sub) -> None:
     p.add_argument("--query-tokens", type=int, default=32)
     p.add_argument("--prefix-tokens", type=int, default=16, help="tokens of the system prompt (the prefix's text)")
     p.add_argument("--tier", nargs="+", default=["host"], choices=["gpu", "host", "disk"])
+    p.add_argument("--storage-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp8"],
+                   help="dtype the store writes chunks in (fp8-e4m3 with per-head scales: half of bf16)")
     p.add_argument("--methods", nargs="+", default=["full", "qcfuse", "cacheblend", "naive"])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
     p.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
