@@ -234,3 +234,13 @@ def test_round_trip_goes_through_the_codec(setup):
         assert not torch.equal(b.chunk.k, a.chunk.k) and b.chunk.anchors == {}
     with pytest.raises(ValueError, match="storage dtype"):
         round_trip(prompt, "int4")
+
+
+def test_the_embedded_model_ships_its_calibration(smol, monkeypatch, tmp_path):
+    """The packaged calibration (musique_train) resolves for the embedded model at the two
+    reported shares, without a user file."""
+    monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path))  # (the model is loaded already)
+    cal, source = adaptive.lookup_calibration(smol)
+    assert cal is not None and source.startswith("packaged calibration SmolLM2-135M-Instruct")
+    t15, t30 = adaptive.target_for(cal, 0.15), adaptive.target_for(cal, 0.3)
+    assert 0 < t15 < t30 <= 1 and cal["mean_share_at_target"]["0.15"] == pytest.approx(0.15, abs=1e-3)
