@@ -244,3 +244,21 @@ def test_the_embedded_model_ships_its_calibration(smol, monkeypatch, tmp_path):
     assert cal is not None and source.startswith("packaged calibration SmolLM2-135M-Instruct")
     t15, t30 = adaptive.target_for(cal, 0.15), adaptive.target_for(cal, 0.3)
     assert 0 < t15 < t30 <= 1 and cal["mean_share_at_target"]["0.15"] == pytest.approx(0.15, abs=1e-3)
+
+
+def test_adaptive_serves_through_engine_answer_and_oracle_refuses_streamed_caches(tmp_path, monkeypatch):
+    """`adaptive` is a serving method: engine.answer on a tiered store (layers streamed) runs
+    it with the calibrated target; `oracle` needs every cache in memory and says so."""
+    from qcfuse_core.engine import EngineConfig, open_engine
+
+    m = tiny_model("llama", tokenizer=True)
+    monkeypatch.setattr("qcfuse_core.engine._ADAPTERS", {("None", "None", "cpu"): m})
+    monkeypatch.setattr(adaptive, "lookup_calibration",
+                        lambda a: ({"targets": {"0.1": 0.5, "0.3": 0.9}, "floor": 0.05, "ceiling": 0.5}, "test"))
+    engine = open_engine(tmp_path / "store", config=EngineConfig(selection_options={"critical_layers": [1]}))
+    docs = ["The mill by the river was built in 1840 by a miller. " * 2, "A long, slow river runs through the valley. " * 2]
+    engine.build_chunks(docs, ["a", "b"])
+    res = engine.answer("Who built the mill?", docs, node_ids=["a", "b"], method="adaptive", ratio=0.2, max_new_tokens=2)
+    assert res.method == "adaptive" and res.cache_hits == 2 and 0 < res.recomputed_tokens < res.context_tokens
+    with pytest.raises(ValueError, match="in memory"):
+        engine.answer("Who built the mill?", docs, node_ids=["a", "b"], method="oracle", ratio=0.2, max_new_tokens=2)
