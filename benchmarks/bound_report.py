@@ -91,6 +91,17 @@ def report(records: list[dict], lost_records: list[dict] | None = None) -> dict:
                 row["share_fixed_mean"] = round(float(sq.mean()), 4)
                 row["share_adaptive"] = dict(mean=round(float(sa.mean()), 4), sd=round(float(sa.std()), 4),
                                              min=round(float(sa.min()), 4), max=round(float(sa.max()), 4))
+            if a in labels and naive is not None:  # the fixed budget at adaptive's realised mean share
+                sa = col(qs, ids, a, "recompute_share")
+                fixed = [(abs(float(l.split("@")[1]) - float(sa.mean())), l) for l in labels if l.startswith("qcfuse@")]
+                gap, near = min(fixed) if fixed else (1.0, None)
+                if near is not None and gap <= 0.02:
+                    kq, ka = col(qs, ids, near, "kl_first_token"), col(qs, ids, a, "kl_first_token")
+                    row["matched_fixed"] = dict(
+                        label=near, share=round(float(col(qs, ids, near, "recompute_share").mean()), 4),
+                        gap_closed=round(float(1 - kq.mean() / naive.mean()), 4),
+                        gap_closed_adaptive=round(float(1 - ka.mean() / naive.mean()), 4),
+                        adaptive_minus_fixed_ci=boot(lambda i: float((kq[i].mean() - ka[i].mean()) / naive[i].mean()), n))
             if row:
                 d[f"ratio {r:g}"] = row
         out[ds] = d

@@ -95,9 +95,14 @@ def plot(q_all, t_all, path: Path, sets) -> None:
         for j, (metric, title) in enumerate((("kl_first_token", "first-token KL(full || method)"),
                                              ("gold_nll", "gold NLL (nats / token)"))):
             ax = axes[i][j]
-            for m in METHODS:
-                pts = sorted((t[k], row[metric], row["ratio"]) for k, row in q.items()
-                             if row["method"] == m and k in t and row.get(metric) is not None)
+            if "full" in t:  # the reference: KL 0 (off a log axis), its TTFT a line
+                ax.axvline(t["full"], color=COLORS["full"], ls="--", lw=1, label="full prefill")
+                if metric == "gold_nll" and "full" in q:
+                    ax.axhline(q["full"]["gold_nll"], color=COLORS["full"], ls=":", lw=1)
+            for m in METHODS[:-1]:
+                pts = sorted(((t[k], row[metric], row["ratio"]) for k, row in q.items()
+                              if row["method"] == m and k in t and row.get(metric) is not None),
+                             key=lambda p: p[2] or 0)
                 if not pts:
                     continue
                 xs, ys, rs = zip(*pts)
