@@ -188,3 +188,67 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]
     finally:
         cancel.set()
         await asyncio.shield(done.wait())
+
+
+def default_model_name(model: str | None) -> str:
+    """The model's name without loading it (tracing metadata asks before the first call)."""
+    from pathlib import Path
+
+    from qcfuse_core.model import DEFAULT_MODEL_NAME
+
+    return Path(model).name if model else DEFAULT_MODEL_NAME
+
+
+@dataclass
+class Call:
+    """One generation through an integration: the prompt as the framework rendered it, how its
+    chunks were matched, and the engine's result once decoding finished. Lives in the call
+    (never on the component), so concurrent calls cannot see each other's statistics."""
+
+    prompt: str
+    chat: bool  # the prompt is a complete chat-template rendering (no frame is added)
+    options: GenerationOptions
+    explicit: dict = field(default_factory=dict)  # {text: node id} the caller knows are in the prompt
+    chunks: list = field(default_factory=list)
+    learned: int = 0
+    unmatched: bool = False
+    result: Any = None  # FusionResult
+    # an explicit chunk channel (LangChain's documents= / doc_ids=): prompt -> chunk pieces,
+    # replacing what content matching found
+    locate: Callable[[str], list] | None = None
+
+    def stream(self, engine: QCFuseEngine):
+        """Match the prompt's chunks (learning.py), then open the engine's token stream."""
+        from qcfuse_core.segment import split_prompt
+        from qcfuse_integrations.learning import learner_for
+
+        match = learner_for(engine).match(self.prompt, self.explicit)
+        self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
+        if self.locate is not None:
+            self.chunks = self.locate(self.prompt)
+        if self.chat:
+            return engine.stream_pieces(lambda: split_prompt(self.prompt, self.chunks), **self.options.engine_kwargs())
+        return engine.stream_complete(self.prompt, self.chunks, **self.options.engine_kwargs())
+
+    def deltas(self, engine: QCFuseEngine) -> Iterator[str]:
+        """Text deltas; `result` is set once they are exhausted."""
+        stream = self.stream(engine)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+        self.result = stream.result
+
+    def stats(self, engine: QCFuseEngine) -> dict[str, Any]:
+        """The FusionResult's numbers (no answer text), which chunks matched, token counts and
+        the engine's matching counters (learning.py)."""
+        from qcfuse_integrations.learning import learner_for
+
+        r = self.result
+        stats = r.to_dict()
+        stats.pop("answer", None)
+        stats.update(chunk_ids=[c.node_id for c in self.chunks], learned_renderings=self.learned,
+                     unmatched=self.unmatched, prompt_tokens=r.prompt_tokens, completion_tokens=len(r.token_ids),
+                     total_tokens=r.prompt_tokens + len(r.token_ids),
+                     unmatched_prompts=learner_for(engine).counters()["unmatched_prompts"])
+        return stats
