@@ -30,7 +30,7 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -269,12 +269,21 @@ _LEARNERS: "weakref.WeakKeyDictionary[QCFuseEngine, Learner]" = weakref.WeakKeyD
 _REGISTRY = threading.Lock()
 
 
+# retrievals seen by the hooks, replayed to a learner made later: a chain's retriever runs
+# before its model opens the engine on the first call
+_SEEN: deque[tuple[tuple[tuple[str, str | None], ...], bool]] = deque(maxlen=RECENT)
+
+
 def learner_for(engine: QCFuseEngine) -> Learner:
     with _REGISTRY:
         got = _LEARNERS.get(engine)
-        if got is None:
-            got = _LEARNERS[engine] = Learner(engine)
-        return got
+        if got is not None:
+            return got
+        got = _LEARNERS[engine] = Learner(engine)
+        replay = list(_SEEN)
+    for items, build in replay:
+        got.see(items, build=build)
+    return got
 
 
 def learners() -> list[Learner]:
@@ -284,7 +293,9 @@ def learners() -> list[Learner]:
 
 def see_everywhere(items: Sequence[tuple[str, str | None]], *, build: bool = True) -> None:
     """A retrieval seen by a framework hook: every engine in use learns it."""
-    items = list(items)
+    items = tuple(items)
+    with _REGISTRY:
+        _SEEN.append((items, build))
     for learner in learners():
         learner.see(items, build=build)
 

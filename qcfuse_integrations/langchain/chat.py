@@ -116,7 +116,7 @@ class ChatQCFuse(EngineBacked, BaseChatModel):
         return params
 
     def _model_name(self) -> str:
-        return self._engine.adapter.name if self._engine is not None else default_model_name(self.model)
+        return default_model_name(self.model)  # the folder's name (the embedded model's own name)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Our model's tokenizer (LangChain's default downloads GPT-2's, which fails offline)."""
