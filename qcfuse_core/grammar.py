@@ -94,12 +94,27 @@ class JsonSchemaConstraint:
     matcher_eos: int | None = None
 
 
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists its properties
+    and says nothing else (as OpenAI's strict mode): a model may not pad the answer with keys
+    the caller's class would drop, running out of tokens before the JSON closes."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: ({name: closed(sub) for name, sub in v.items()} if k in ("properties", "$defs", "definitions")
+               and isinstance(v, Mapping) else closed(v)) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_constraint(tokenizer, schema: Mapping[str, Any] | None) -> Callable[[], JsonSchemaConstraint]:
     """A factory of fresh constraints for `schema` (None: any JSON object), for this tokenizer."""
     llg = _llguidance()
     if schema is not None and not isinstance(schema, Mapping):
         raise TypeError(f"schema must be a JSON-schema dict, got {type(schema).__name__}")
-    grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(dict(schema) if schema else {"type": "object"}),
+    grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema) if schema else {"type": "object"}),
                                                      defaults=JSON_STYLE)
     err = llg.LLMatcher.validate_grammar(grammar)
     if err:
