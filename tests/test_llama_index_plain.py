@@ -87,9 +87,15 @@ def test_chat_without_documents_answers_as_full_prefill(store):
     assert llm.metadata.is_chat_model
 
 
-def test_simple_chat_engine_answers():
-    engine = VectorStoreIndex.from_documents([Document(text=t) for t in TEXTS]).as_chat_engine(chat_mode="simple")
-    assert str(engine.chat("Say hi"))
+def test_chat_engines_answer(fusion):
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in TEXTS])
+    assert str(index.as_chat_engine(chat_mode="simple").chat("Say hi"))
+    engine = index.as_chat_engine(chat_mode="condense_plus_context", similarity_top_k=2)
+    engine.chat("Who founded the Zephyr Institute?")
+    assert fusion.last["chunks"] == 2  # the retrieved context, found inside the chat turn
+    reply = engine.stream_chat("And in which year?")
+    assert "".join(reply.response_gen)
+    assert fusion.last["chunks"] == 2  # the answer's call, not the condense call before it
 
 
 def test_parameters_and_unknown_keywords(store):
