@@ -13,6 +13,7 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
         stored:   "Halden lies on the north coast.\\n\\nIts harbour ..."
         prompt:   "... Halden lies on the north coast. Its harbour ..."     (whitespace)
         prompt:   "... Halden lies on the north coast.\\n\\nIts ha"          (truncated)
+        prompt:   "['Halden lies on the north coast.\\\\n\\\\nIts harbour ...']"  (a list repr)
 
                     the prompt's own rendering of such a text is registered (under the text's
                     id) and computed by this call: a miss now, a hit next time. A cache is
@@ -183,7 +184,9 @@ class Learner:
                     taken.append((at, at + len(text)))
                     learned += 1
                 continue
-            span = _rendering(norm, where, text)
+            escaped = repr(text)[1:-1]  # a Python repr of the text (LlamaIndex's simple_summarize)
+            at = prompt.find(escaped) if escaped != text and len(escaped) >= MIN_SPAN else -1
+            span = (at, at + len(escaped)) if at >= 0 else _rendering(norm, where, text)
             if span is None or _overlaps(taken, *span):
                 continue
             engine.texts.add(prompt[span[0]:span[1]], node_id)

@@ -112,3 +112,14 @@ def test_generation_options_speak_the_frameworks_names():
         check_options({"n": 2}, ("b", "a"), "X")
     with pytest.raises(ValueError, match="ratio"):
         GenerationOptions.resolve({}, {"ratio": 2.0})
+
+
+def test_a_list_repr_of_retrieved_texts_is_learned(engine):
+    """LlamaIndex's simple_summarize pastes str(list of texts): newlines escaped."""
+    learner = Learner(engine)
+    texts = [DOCS[0] + "\n\n" + DOCS[1], DOCS[2] + "\nIt's the last one."]
+    learner.see([(t, f"t{i}") for i, t in enumerate(texts)], build=False)
+    prompt = f"Context information is below.\n{texts!s}\nQuery: which?"
+    m = learner.match(prompt)
+    assert [c.node_id for c in m.chunks] == ["t0", "t1"]
+    assert [c.text for c in m.chunks] == [repr(t)[1:-1] for t in texts]
