@@ -23,7 +23,7 @@ a stream ends with one empty chunk carrying them.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -295,13 +295,16 @@ def _to_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 def _text_of(blocks: list) -> str:
-    """The text of content blocks; other kinds (images, audio) are refused, not dropped."""
+    """The text of content blocks (tool-call blocks come from `tool_calls`); other kinds
+    (images, audio) are refused, not dropped."""
     parts = []
     for b in blocks:
         if isinstance(b, str):
             parts.append(b)
         elif isinstance(b, dict) and b.get("type") == "text":
             parts.append(b.get("text", ""))
+        elif isinstance(b, dict) and b.get("type") in ("tool_use", "tool_call"):
+            continue  # an assistant's call as a content block: rendered from message.tool_calls
         else:
             kind = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise ValueError(f"ChatQCFuse takes text only; got a {kind!r} content block")

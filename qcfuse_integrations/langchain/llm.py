@@ -163,11 +163,11 @@ class QCFuseLLM(EngineBacked, BaseLLM):
         options = GenerationOptions.resolve(defaults, call_kw)
         documents, doc_ids = tuple(kwargs.get("documents") or ()), tuple(kwargs.get("doc_ids") or ())
         engine = self.engine
-        locate = None
-        if documents or doc_ids:
-            def locate(text: str) -> list:
-                return locate_chunks(engine, text, doc_ids=doc_ids, documents=documents)
-        return Call(prompt, False, options, locate=locate)
+
+        def explicit(text: str) -> list:  # the explicit chunk channel replaces content matching
+            return locate_chunks(engine, text, doc_ids=doc_ids, documents=documents)
+
+        return Call(prompt, False, options, locate=explicit if documents or doc_ids else None)
 
     def _llm_output(self, infos: list[dict]) -> dict[str, Any]:
         usage = {k: sum(i[k] for i in infos) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
