@@ -65,7 +65,8 @@ class Learner:
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, str | None] = OrderedDict()  # text -> node id
-        self._pending: dict[str, Future] = {}  # text -> its background build
+        self._pending: dict[str, Future] = {}  # text -> its latest background build
+        self._pending_ids: dict[str, str | None] = {}  # text -> the id that build links it to
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-learn")
         self._last_retrieval = 0.0
         self._warned = False
@@ -96,7 +97,7 @@ class Learner:
                 self._recent[text] = node_id
                 self._recent.move_to_end(text)
                 self._counts["retrieved_texts"] += 1
-                if build and text not in self._pending:
+                if build and self._pending_ids.get(text, ...) != node_id:  # a new id is linked too
                     todo.append((text, node_id))
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
@@ -104,8 +105,9 @@ class Learner:
             if not todo:
                 return None
             future = self._pool.submit(self._build, todo)
-            for text, _ in todo:
-                self._pending[text] = future
+            for text, node_id in todo:
+                self._pending[text] = future  # the latest build of the text (jobs run in order)
+                self._pending_ids[text] = node_id
         return future
 
     def _build(self, items: list[tuple[str, str | None]]) -> None:
@@ -120,8 +122,10 @@ class Learner:
             log.exception("building the caches of %d retrieved text(s) failed", len(items))
         finally:
             with self._lock:
-                for text, _ in items:
-                    self._pending.pop(text, None)
+                for text, node_id in items:
+                    if self._pending_ids.get(text, ...) == node_id:  # no later job for this text
+                        self._pending.pop(text, None)
+                        self._pending_ids.pop(text, None)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every background build started so far is done (tests, shutdown)."""

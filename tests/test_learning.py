@@ -123,3 +123,14 @@ def test_a_list_repr_of_retrieved_texts_is_learned(engine):
     m = learner.match(prompt)
     assert [c.node_id for c in m.chunks] == ["t0", "t1"]
     assert [c.text for c in m.chunks] == [repr(t)[1:-1] for t in texts]
+
+
+def test_the_latest_retrieval_names_a_text_seen_under_two_ids(engine):
+    """The same text retrieved under another id while its first build is queued: both builds
+    run (the second only links), and the content index names it by the later id."""
+    learner = Learner(engine)
+    learner.see([(DOCS[0], "old")])
+    learner.see([(DOCS[0], "new")])
+    learner.wait()
+    assert [c.node_id for c in learner.match(f"Context:\n{DOCS[0]}\nQuestion?").chunks] == ["new"]
+    assert learner.counters()["background_builds"] == 1  # computed once
