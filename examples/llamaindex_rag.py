@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
     from qcfuse_integrations.llama_index import (
-        QCFuseCacheBuilder, QCFuseEmbedding, QCFuseLLM, QCFuseNodePostprocessor, chroma_vector_store,
+        FusionStats, QCFuseCacheBuilder, QCFuseEmbedding, QCFuseLLM, QCFuseNodePostprocessor, chroma_vector_store,
     )
 
     store = Path(args.store)
@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     query_engine = index.as_query_engine(llm=llm, similarity_top_k=args.top_k, response_mode="compact",
                                          node_postprocessors=[QCFuseNodePostprocessor(store_dir=str(store))])
     results = []
+    fusion = FusionStats.attach()  # the LLM calls' statistics, from the instrumentation events
     for question in args.question or QUESTIONS:
         response = query_engine.query(question)
-        stats = dict(llm.last_stats or {})
+        stats = dict(fusion.last or {})
         sources = [Path(n.node.metadata.get("file_name", n.node.node_id)).name for n in response.source_nodes]
         # 3. report
         print(f"\nQ: {question}\nA: {str(response).strip()}")

@@ -79,6 +79,10 @@ class TokenStream:
             self.result = stop.value
             raise
 
+    def close(self) -> None:
+        """Stop early: the request ends (its state released) without decoding the rest."""
+        self._gen.close()
+
 
 class QCFuseEngine:
     """Ingestion and the request pipeline (qcfuse_core/pipeline.py) over one model and store.
@@ -381,7 +385,10 @@ class QCFuseEngine:
 
     def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
         """Step 2: load or recompute each chunk, from measured rates, before any loading.
-        Without rates every cached chunk is loaded."""
+        Without rates every cached chunk is loaded. A prompt without a chunk cache to
+        reuse (a plain chat turn) is answered by full prefill: there is nothing to fuse."""
+        if method != "full" and not any(p.key is not None for p in looked.chunks):
+            return Planned("full", frozenset())
         if self.rates is None or method == "full" or not looked.chunks:
             return Planned(method, frozenset())
         selector = get_selector(method)
@@ -522,9 +529,9 @@ class QCFuseEngine:
         """Step 6: the first token (TTFT is taken here), then decoding from the fused cache;
         returns the FusionResult."""
         gen, clock = request.generation, request.clock
-        sampler = Sampler(gen)
-        assembler = TextAssembler(self.tokenizer, gen.stop)
         eos = self._eos_ids()
+        sampler = Sampler(gen, prompt=pre.prompt.token_ids, eos=sorted(eos))
+        assembler = TextAssembler(self.tokenizer, gen.stop)
         token = sampler(pre.logits[-1])
         clock.mark("first_token")
         ttft = clock.since_start_ms()

@@ -1,15 +1,30 @@
 """Token sampling and stop handling for decoding from a fused cache.
 
 `Sampler` turns logits into a token id (greedy, or temperature / top-k / top-p with a seeded
-generator). `TextAssembler` turns a growing list of token ids into safe text deltas: it holds
+generator), after the repetition penalty and an optional token mask (`Constraint`: a grammar
+matcher that allows only tokens keeping the output valid, e.g. JSON for a schema). `TextAssembler` turns a growing list of token ids into safe text deltas: it holds
 back text that could still become a stop string and incomplete UTF-8, and reports a hit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class Constraint(Protocol):
+    """Per-request token mask (grammar.py): which tokens may come next, fed every accepted token."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """(vocab_size,) bool: the tokens that keep the output valid now."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_finished(self) -> bool:
+        """The output is complete: only end-of-sequence may follow."""
 
 
 @dataclass(frozen=True)
@@ -20,6 +35,9 @@ class GenerationConfig:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    repetition_penalty: float = 1.0  # 1 -> off; >1 divides positive logits of seen tokens (HF's rule)
+    # a new Constraint per request (the grammar's state is the request's), None -> unconstrained
+    constraint: Callable[[], Constraint] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -32,16 +50,47 @@ class GenerationConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if isinstance(self.stop, str) or any(not s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 class Sampler:
-    def __init__(self, cfg: GenerationConfig) -> None:
+    """One request's sampling state: its generator, the tokens seen, its constraint.
+
+    prompt: the prompt's token ids (the repetition penalty counts them as seen, as HF does).
+    eos: end-of-sequence ids, allowed by a constraint only once its output is complete.
+    """
+
+    def __init__(self, cfg: GenerationConfig, prompt: Sequence[int] | torch.Tensor = (),
+                 eos: Sequence[int] = ()) -> None:
         self.cfg = cfg
         self.gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
+        self.seen: set[int] = set()
+        if cfg.repetition_penalty != 1.0:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            self.seen.update(int(i) for i in ids)
+        self.constraint = cfg.constraint() if cfg.constraint is not None else None
+        self.eos = list(eos)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits (vocab,) fp32 -> token id."""
+        token = self._pick(logits)
+        if self.cfg.repetition_penalty != 1.0:
+            self.seen.add(token)
+        if self.constraint is not None and token not in self.eos:
+            self.constraint.accept(token)
+        return token
+
+    def _pick(self, logits: torch.Tensor) -> int:
         cfg = self.cfg
+        if cfg.repetition_penalty != 1.0 and self.seen:
+            logits = logits.float().clone()
+            idx = torch.tensor(sorted(self.seen), dtype=torch.int64, device=logits.device)
+            idx = idx[idx < logits.numel()]
+            vals = logits[idx]
+            logits[idx] = torch.where(vals > 0, vals / cfg.repetition_penalty, vals * cfg.repetition_penalty)
+        if self.constraint is not None:
+            logits = self._masked(logits)
         if cfg.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / cfg.temperature
@@ -55,6 +104,18 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
             probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with every token the constraint forbids at -inf (EOS only once it is complete)."""
+        V = logits.numel()
+        if self.constraint.is_finished():
+            allowed = torch.zeros(V, dtype=torch.bool)
+            allowed[[e for e in self.eos if e < V]] = True
+        else:
+            allowed = self.constraint.allowed(V).cpu()
+        if not allowed.any():
+            raise RuntimeError("the output constraint allows no token (grammar and tokenizer disagree)")
+        return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 class TextAssembler:

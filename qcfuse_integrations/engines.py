@@ -1,4 +1,4 @@
-"""One QCFuseEngine per (store folder, model, dtype, device) per process, and its lock.
+"""One QCFuseEngine per (store folder, model, dtype, device) per process.
 
 Frameworks construct their components freely (LlamaIndex's LLM, ingestion step and
 postprocessor; LangChain's LLM and transformer, per chain, per request, on copy). They must
@@ -6,22 +6,20 @@ share one engine per store: loading a model per component wastes memory, and one
 keeps one view of the store and the content index.
 
     shared_engine(store_dir, model, dtype, device) -> QCFuseEngine   (cached per process)
-    engine_lock(engine)                            -> threading.RLock (one per engine)
 
-The engine is not thread-safe (one model, one KV cache per generation): every caller that
-runs it - sync decode, async decode worker threads, cache builders - holds `engine_lock`.
+The engine serves concurrent callers without a lock around a generation: everything of one
+request (its KV cache, load session, sampler) lives in its `Request`, and the engine's shared
+caches guard their own updates.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from pathlib import Path
 
 from qcfuse_core.engine import QCFuseEngine, open_engine
 
 _ENGINES: dict[tuple[str, str, str, str], QCFuseEngine] = {}
-_LOCKS: "weakref.WeakKeyDictionary[QCFuseEngine, threading.RLock]" = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -51,17 +49,11 @@ def shared_engine(
         return _ENGINES[key]
 
 
-def engine_lock(engine: QCFuseEngine) -> threading.RLock:
-    """The lock held for the whole of one generation or build on `engine`."""
-    with _REGISTRY_LOCK:
-        lock = _LOCKS.get(engine)
-        if lock is None:
-            lock = _LOCKS[engine] = threading.RLock()
-        return lock
-
-
 def forget_engines() -> None:
     """Close and drop the cached engines (tests; a process that deleted a store folder)."""
+    from qcfuse_integrations.learning import forget_learners
+
+    forget_learners()  # their background builds finish first
     with _REGISTRY_LOCK:
         for engine in _ENGINES.values():
             engine.store.close()

@@ -6,6 +6,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--standard-integration", action="store_true",
+                     help="run langchain-tests' chat-model integration suite on the embedded model "
+                          "(tests/test_langchain_standard_integration.py; over 15 minutes on 2 CPU cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--standard-integration"):
+        return
+    skip = pytest.mark.skip(reason="langchain-tests' integration suite runs with --standard-integration "
+                                   "(over 15 minutes on 2 CPU cores)")
+    for item in items:
+        if item.get_closest_marker("standard_integration") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smol():
     """The embedded SmolLM2-135M-Instruct in fp32 (converted once into the cache dir)."""

@@ -198,8 +198,10 @@ def test_identity_and_tokens(example, llm, prompts):
 def test_bad_options_raise(llm, prompts):
     with pytest.raises(ValueError, match="unknown method 'nope'; valid: .*full"):
         llm.invoke(prompts[0], method="nope")
-    with pytest.raises(TypeError, match="unknown call options \\['max_tokens'\\]; valid: "):
-        llm.invoke(prompts[0], max_tokens=3)
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['max_tokenz'\]; valid: .*max_tokens"):
+        llm.invoke(prompts[0], max_tokenz=3)
+    short = llm.generate([prompts[0]], max_tokens=2).generations[0][0]  # LangChain's usual name
+    assert short.generation_info["new_tokens"] == 2 and short.generation_info["finish_reason"] == "length"
     with pytest.raises(ValueError):
         QCFuseLLM(ratio=1.5)
 

@@ -31,13 +31,13 @@ from qcfuse_integrations.llama_index import (  # noqa: E402
     QCFuseCacheBuilder,
     QCFuseEmbedding,
     QCFuseLLM,
+    FusionStats,
     QCFuseNodePostprocessor,
     chroma_vector_store,
     render_for_prompt,
     retrieved_nodes,
 )
 from qcfuse_core.segment import split_prompt  # noqa: E402
-from qcfuse_integrations.llama_index.llm import find_chunks  # noqa: E402
 from qcfuse_integrations.llama_index.postprocessor import set_retrieved_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +92,14 @@ def postprocessor(example) -> QCFuseNodePostprocessor:
     return QCFuseNodePostprocessor(store_dir=str(example.store))
 
 
+@pytest.fixture
+def fusion():
+    """The LLM calls' statistics, as the instrumentation's end events carry them."""
+    handler = FusionStats.attach()
+    yield handler
+    handler.detach()
+
+
 # ---------------------------------------------------------------------- no model needed
 
 
@@ -129,17 +137,6 @@ def test_unframed_pieces_splits_a_templated_prompt():
     assert [p.kind for p in split_prompt("just a question", [])] == ["suffix"]
 
 
-def test_find_chunks_registers_retrieved_texts_the_index_does_not_know():
-    engine = SimpleNamespace(texts=ChunkTextIndex())
-    known, unknown = "Known chunk text, long enough to index.", "Never built chunk text, also long enough."
-    engine.texts.add(known, "n-known")
-    prompt = f"Context:\n{known}\n\n{unknown}\nQuery: ?"
-    assert [c.node_id for c in find_chunks(engine, prompt, {})] == ["n-known"]
-    found = find_chunks(engine, prompt, {unknown: "n-new", "not in the prompt at all, but long": "n-absent"})
-    assert [(c.text, c.node_id) for c in found] == [(known, "n-known"), (unknown, "n-new")]
-    assert [c.node_id for c in find_chunks(engine, prompt, {})] == ["n-known", "n-new"]  # stays registered
-
-
 async def test_async_postprocessing_keeps_ids_in_the_query_task():
     """The base class would run _postprocess_nodes via to_thread, in a copied context."""
     set_retrieved_nodes(None)
@@ -167,7 +164,7 @@ def test_example_end_to_end(example):
     assert "ingested 12 documents" in example.output and "cache hits" in example.output
     for r in example.results:
         assert r["answer"] and r["chunks"] == 2 and r["cache_misses"] == 0
-        assert len(r["node_ids"]) == 2 and None not in r["node_ids"]  # content matching found every node
+        assert len(r["chunk_ids"]) == 2 and None not in r["chunk_ids"]  # content matching found every node
     assert r2["cache_hits"] > 0
     assert 0 < r1["recomputed_tokens"] < r1["context_tokens"]
     # a second run over the same store ingests nothing and still hits
@@ -182,18 +179,18 @@ def test_metadata_comes_from_the_model(example):
     llm = make_llm(example, max_new_tokens=20)
     meta = llm.metadata
     assert meta.context_window == llm.engine.adapter.model.config.max_position_embeddings
-    assert meta.num_output == 20 and "SmolLM2" in meta.model_name and not meta.is_chat_model
+    assert meta.num_output == 20 and "SmolLM2" in meta.model_name and meta.is_chat_model
     assert make_llm(example).engine is llm.engine  # one engine per (store, model) per process
 
 
-async def test_aquery_and_async_streaming(example, index):
+async def test_aquery_and_async_streaming(example, index, fusion):
     llm = make_llm(example)
     qe = index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[postprocessor(example)])
     response = await qe.aquery(Q_FOUNDER)
     assert str(response).strip() == example.results[0]["answer"]  # greedy: same as the sync query
-    stats = llm.last_stats
-    assert stats["node_ids"] == [n.node.node_id for n in response.source_nodes]  # the postprocessor's ids
-    assert stats["explicit_ids"] == 2 and stats["cache_hits"] == 2
+    stats = fusion.last  # the aquery's own call, not a stale one
+    assert stats["chunk_ids"] == [n.node.node_id for n in response.source_nodes]
+    assert stats["cache_hits"] == 2
 
     streaming = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=True,
                                       node_postprocessors=[postprocessor(example)])
@@ -202,13 +199,13 @@ async def test_aquery_and_async_streaming(example, index):
     assert text.strip() == example.results[0]["answer"]
 
 
-def test_sync_streaming(example, index):
+def test_sync_streaming(example, index, fusion):
     llm = make_llm(example)
     qe = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=True)
     response = qe.query(Q_FOUNDER)
     deltas = list(response.response_gen)
     assert len(deltas) > 1 and "".join(deltas).strip() == example.results[0]["answer"]
-    assert llm.last_stats["cache_hits"] == 2
+    assert fusion.last["cache_hits"] == 2
 
 
 async def test_acomplete_decodes_in_a_worker_thread(example):
@@ -250,25 +247,22 @@ async def test_chat_through_the_chat_template(example, index):
     assert "".join(r.delta or "" for r in streamed) == reply.message.content
 
 
-async def test_never_built_chunks_are_computed_stored_and_hit_next_time(example):
+async def test_never_built_chunks_are_computed_stored_and_hit_next_time(example, fusion):
     llm = make_llm(example, max_new_tokens=4)
     docs = [Document(text="The Orrin ferry crosses from Port Halden to the Skerry Isles twice a day in summer.", id_="ferry"),
             Document(text="Skerry Isles pottery is glazed with ash from burnt kelp, which gives it a green colour.", id_="pots")]
     fresh = VectorStoreIndex.from_documents(docs, embed_model=QCFuseEmbedding())  # no QCFuseCacheBuilder
     q = "How often does the Orrin ferry sail?"
 
+    built = llm.learner.counters()["background_builds"]
     plain = fresh.as_query_engine(llm=llm, similarity_top_k=2)
-    await plain.aquery(q)
-    assert llm.last_stats["chunks"] == 0  # unknown text, no ids: simply computed
+    response = await plain.aquery(q)  # the retrieval event: both nodes built in the background
+    stats = fusion.last
+    assert stats["chunk_ids"] == [n.node.node_id for n in response.source_nodes]  # learned under aquery
+    assert stats["chunks"] == 2 and llm.learner.counters()["background_builds"] == built + 2
 
-    with_ids = fresh.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[postprocessor(example)])
-    response = await with_ids.aquery(q)
-    stats = llm.last_stats
-    assert stats["node_ids"] == [n.node.node_id for n in response.source_nodes]  # ids reached the LLM under aquery
-    assert stats["cache_misses"] == 2 and stats["cache_hits"] == 0  # computed on the fly and stored
-
-    plain.query(q)  # next time: stored and registered, found by content alone
-    assert llm.last_stats["cache_hits"] == 2 and llm.last_stats["cache_misses"] == 0
+    plain.query(q)  # next time: stored and registered
+    assert fusion.last["cache_hits"] == 2 and fusion.last["cache_misses"] == 0
 
 
 def test_builder_is_idempotent(example):
@@ -284,18 +278,21 @@ def test_builder_is_idempotent(example):
     assert all(engine.store.resolve(n.node_id) is not None for n in nodes)  # the new ids are linked
 
 
-def test_other_model_store_not_reused_and_full_recompute_equals_full(example, index):
+def test_other_model_store_not_reused_and_full_recompute_equals_full(example, index, fusion):
     """float32 is another fingerprint (the store was built in bfloat16), and exact enough for
     greedy answers to agree between fused prefill with every row recomputed and HF's forward."""
     everything = make_llm(example, dtype="float32", method="random", ratio=1.0)
     assert everything.engine.fingerprint != make_llm(example).engine.fingerprint
+    texts = [render_for_prompt(n.node) for n in index.as_retriever(similarity_top_k=2).retrieve(Q_FOUNDER)]
+    keys = [everything.engine.chunk_tokens(t)[1] for t in texts]  # keys carry the model's fingerprint
+    assert not any(everything.engine.store.contains(k) for k in keys)  # the bfloat16 caches do not count
     a = index.as_query_engine(llm=everything, similarity_top_k=2).query(Q_FOUNDER)
-    stats = everything.last_stats
-    assert stats["chunks"] == 2 and stats["cache_hits"] == 0 and stats["cache_misses"] == 2  # not reused
+    stats = fusion.last
+    assert stats["chunks"] == 2 and all(everything.engine.store.contains(k) for k in keys)  # built for float32
     assert stats["recomputed_tokens"] == stats["context_tokens"]
     full = make_llm(example, dtype="float32", method="full")
     b = index.as_query_engine(llm=full, similarity_top_k=2).query(Q_FOUNDER)
-    assert (full.last_stats["cache_hits"], full.last_stats["cache_misses"]) == (0, 0)  # full needs no cache
+    assert (fusion.last["cache_hits"], fusion.last["cache_misses"]) == (0, 0)  # full needs no cache
     assert str(a) == str(b)
     index.as_query_engine(llm=everything, similarity_top_k=2).query(Q_FOUNDER)
-    assert everything.last_stats["cache_hits"] == 2  # its own caches, stored by the first query
+    assert fusion.last["cache_hits"] == 2  # its own caches, stored by the first query

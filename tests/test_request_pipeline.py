@@ -169,3 +169,23 @@ def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="threads"):
         EngineConfig(threads=0)
+
+
+@pytest.mark.parametrize("method", ["qcfuse", "cacheblend", "epic", "naive"])
+def test_a_prompt_without_a_cached_chunk_is_answered_by_full_prefill(engine, method):
+    """A chat turn rendered by a framework (no prefix piece, no chunk) is answered, never refused,
+    and the answer is full prefill's; so is a completion prompt holding no known chunk."""
+    from qcfuse_core.types import Piece
+
+    turn = [Piece("suffix", "<|user|>Say hi to the island of Veloria.<|assistant|>")]
+    full = engine.stream_pieces(lambda: turn, method="full", max_new_tokens=6)
+    want = [*full] and full.result
+    stream = engine.stream_pieces(lambda: turn, method=method, ratio=0.3, max_new_tokens=6)
+    for _ in stream:
+        pass
+    got = stream.result
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.method == "full" and got.chunks == 0 and got.cache_hits == 0
+    plain = engine.complete("Say hi to the island of Veloria.", method=method, ratio=0.3, max_new_tokens=6)
+    assert plain.token_ids == engine.complete("Say hi to the island of Veloria.", method="full",
+                                              max_new_tokens=6).token_ids

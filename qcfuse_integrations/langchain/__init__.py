@@ -1,7 +1,9 @@
-"""LangChain integration: QCFuseLLM, QCFuseCacheBuilder, QCFuseEmbeddings.
+"""LangChain integration: ChatQCFuse, QCFuseLLM, QCFuseCacheBuilder, QCFuseEmbeddings.
 
-    builder = QCFuseCacheBuilder(llm.engine)          # after the splitter, before Chroma
-    chain = retriever | format_docs | prompt | llm    # chunk texts are found by content
+    llm = ChatQCFuse(store_dir=store)                 # or QCFuseLLM for a completion LLM
+    chain = retriever | format_docs | prompt | llm    # retrieved texts are learned (callbacks),
+                                                      # built, and found by content
+    builder = QCFuseCacheBuilder(llm.engine)          # optional: build caches at ingestion
 
 Needs the optional extra: pip install 'qcfuse[langchain]'.
 """
@@ -13,13 +15,15 @@ try:
 except ImportError as e:
     raise ImportError(f"the LangChain integration needs langchain-core; install it with:\n    {LANGCHAIN_PIP}") from e
 
+from qcfuse_integrations.langchain import retrieval  # noqa: E402,F401  (registers the retrieval hook)
+from qcfuse_integrations.langchain.chat import ChatQCFuse  # noqa: E402
 from qcfuse_integrations.langchain.chunks import format_docs, locate_chunks, with_documents  # noqa: E402
 from qcfuse_integrations.langchain.embeddings import QCFuseEmbeddings  # noqa: E402
-from qcfuse_integrations.engines import engine_lock, shared_engine  # noqa: E402
+from qcfuse_integrations.engines import shared_engine  # noqa: E402
 from qcfuse_integrations.langchain.llm import QCFuseLLM  # noqa: E402
 from qcfuse_integrations.langchain.transformer import QCFuseCacheBuilder, document_id  # noqa: E402
 
 __all__ = [
-    "LANGCHAIN_PIP", "QCFuseCacheBuilder", "QCFuseEmbeddings", "QCFuseLLM", "document_id", "engine_lock",
+    "ChatQCFuse", "LANGCHAIN_PIP", "QCFuseCacheBuilder", "QCFuseEmbeddings", "QCFuseLLM", "document_id",
     "format_docs", "locate_chunks", "shared_engine", "with_documents",
 ]

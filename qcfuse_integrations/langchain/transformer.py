@@ -23,7 +23,7 @@ from typing import Any
 from langchain_core.documents import BaseDocumentTransformer, Document
 
 from qcfuse_core.engine import QCFuseEngine
-from qcfuse_integrations.engines import engine_lock, shared_engine
+from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,8 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
                 raise ValueError(f"render() gave no text for document {doc_id!r}")
             ids.append(doc_id)
             texts.append(text)
-        with engine_lock(engine):
-            new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
-            keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
+        new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
+        keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
         built, reused = len(new), len(texts) - len(new)  # a repeated text is built once
         out = [Document(page_content=doc.page_content, id=doc_id,
                         metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()})

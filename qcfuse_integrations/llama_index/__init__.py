@@ -1,6 +1,10 @@
 """QCFuse for LlamaIndex (optional extra: pip install 'qcfuse[llama-index]').
 
-    llm = QCFuseLLM(store_dir=store)                      # answers from fused chunk caches
+    Settings.llm = QCFuseLLM(store_dir=store)             # answers from fused chunk caches; the
+                                                          # retrieved nodes' caches are built and
+                                                          # found by content, nothing else needed
+    stats = FusionStats.attach()                          # per-call statistics (stats.last)
+    # optional, for speed at the first query: build caches at ingestion, prefetch them
     pipeline = IngestionPipeline(transformations=[SentenceSplitter(), QCFuseCacheBuilder(store_dir=store),
                                                   QCFuseEmbedding()], vector_store=chroma_vector_store(...))
     engine = index.as_query_engine(llm=llm, node_postprocessors=[QCFuseNodePostprocessor(store_dir=store)])
@@ -19,8 +23,10 @@ from qcfuse_integrations.llama_index.chroma import chroma_vector_store
 from qcfuse_integrations.llama_index.embedding import QCFuseEmbedding
 from qcfuse_integrations.llama_index.llm import QCFuseLLM
 from qcfuse_integrations.llama_index.postprocessor import QCFuseNodePostprocessor, retrieved_nodes
+from qcfuse_integrations.llama_index.retrieval import FusionStats
 
 __all__ = [
+    "FusionStats",
     "QCFuseCacheBuilder",
     "QCFuseEmbedding",
     "QCFuseLLM",

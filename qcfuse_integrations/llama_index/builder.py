@@ -36,7 +36,7 @@ from llama_index.core.utils import get_tqdm_iterable
 
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.segment import ANCHOR
-from qcfuse_integrations.engines import engine_lock, shared_engine
+from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,8 @@ class QCFuseCacheBuilder(TransformComponent):
         batches = [todo[i : i + BUILD_BATCH] for i in range(0, len(todo), BUILD_BATCH)]
         for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
             texts, ids = [t for t, _ in batch], [i for _, i in batch]
-            with engine_lock(engine):
-                new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
-                engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
+            new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
+            engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
             built, reused = built + len(new), reused + len(texts) - len(new)  # a repeated text is built once
         log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)
         return nodes

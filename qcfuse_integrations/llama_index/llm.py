@@ -1,33 +1,35 @@
-"""QCFuseLLM: a LlamaIndex `CustomLLM` answering from fused chunk caches.
+"""QCFuseLLM: a LlamaIndex chat model answering from fused chunk caches.
 
-Drop-in: `index.as_query_engine(llm=QCFuseLLM(store_dir=...))`. Per call:
+Drop-in: `Settings.llm = QCFuseLLM(store_dir=...)`. Per call:
 
-    1. find     chunk texts inside the prompt: the content index (texts registered at
-                ingestion) plus the nodes QCFuseNodePostprocessor recorded for this query
-                (a recorded node the index does not know is registered now: computed and
-                stored by this call, a hit next time)
-    2. frame    completion: the engine wraps the prompt in the model's chat template;
-                chat: the messages are rendered with the chat template here
-    3. decode   the engine's fused prefill + decode, holding the engine's lock; async calls
-                run it in a worker thread that hands text deltas to the event loop through
-                an asyncio.Queue
-    4. report   the FusionResult's statistics go into the response's `additional_kwargs["qcfuse"]`
-                (streams: on a final empty-delta response) and into `last_result`
+    1. prompt   chat: the messages through the model's chat template (or the user's
+                `messages_to_prompt`); completion: the user's `completion_to_prompt`, else
+                the engine wraps the prompt in the chat template
+    2. find     chunk texts inside the prompt (learning.py): texts registered at ingestion or
+                learned from retrievals (retrieval.py: every retriever's nodes are built in
+                the background), re-rendered retrieved texts, and the nodes
+                QCFuseNodePostprocessor recorded for this query
+    3. decode   the engine's fused prefill + decode; async calls decode in a worker thread
+                that hands text deltas to the event loop (base.iterate_in_thread)
+    4. report   the statistics go into every response's `additional_kwargs["qcfuse"]` and
+                `raw` (`raw["usage"]`: token counts that TokenCountingHandler reads), so they
+                reach the instrumentation's LLM end events too (streams: the last response)
 
-Chunks are located by content, never trusted by id: a postprocessor id only names a chunk
-whose rendered text occurs verbatim in the prompt.
+Tools (`chat_with_tools`, `predict_and_call`, agents) go through the chat template
+(qcfuse_integrations/chat.py); `structured_predict` / `as_structured_llm` decode under the
+output class's JSON schema (qcfuse_core/grammar.py). Keyword arguments: max_tokens (or
+max_new_tokens), temperature, top_p, top_k, repetition_penalty, stop, seed, method, ratio,
+node_ids; any other raises TypeError listing these.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Optional, Union
 
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -41,51 +43,36 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
-from qcfuse_core.engine import QCFuseEngine, TokenStream
-from qcfuse_core.segment import ANCHOR, split_prompt
-from qcfuse_core.selectors import SELECTORS
-from qcfuse_core.types import FusionResult, Piece
-from qcfuse_integrations.engines import engine_lock, shared_engine
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_integrations import chat as turns
+from qcfuse_integrations.base import (
+    ENGINE_FIELDS, FUSION_OPTIONS, GENERATION_OPTIONS, Call, EngineBacked, GenerationOptions, check_method,
+    check_options, iterate_in_thread,
+)
 from qcfuse_integrations.llama_index.postprocessor import retrieved_nodes
 
-log = logging.getLogger(__name__)
-
-_LAST: ContextVar[tuple[FusionResult, dict[str, Any]] | None] = ContextVar("qcfuse_last_call", default=None)
-
-# Per-call keyword arguments accepted by complete/chat (and their streaming/async forms).
-_CALL_KWARGS = ("method", "ratio", "max_new_tokens", "temperature", "stop", "node_ids")
+CALL_OPTIONS = (*GENERATION_OPTIONS, *FUSION_OPTIONS, "node_ids", "formatted", "tools", "tool_choice",
+                "response_format")
 
 
-def _check_method(method: str) -> str:
-    if method not in SELECTORS:  # read at call time: other modules register selectors
-        raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
-    return method
-
-
-@dataclass
-class _Request:
-    """One call, resolved to plain values before any engine work (and before any thread hop)."""
-
-    prompt: str
-    chat: bool  # True: `prompt` is already the full chat-template rendering
-    explicit: Mapping[str, str]  # {rendered node text: node id} from the postprocessor / caller
-    gen: dict[str, Any]  # method, ratio, max_new_tokens, temperature, stop
-    chunks: list[Piece] = field(default_factory=list)
-
-
-class QCFuseLLM(CustomLLM):
+class QCFuseLLM(EngineBacked, FunctionCallingLLM):
     """A local HF decoder answering from query-aware fused KV caches of the retrieved chunks."""
 
-    model: Optional[str] = Field(default=None, description="Local HF model folder (None: the embedded SmolLM2-135M-Instruct).")
-    store_dir: Optional[str] = Field(default=None, description="Chunk store folder (None: <cache dir>/store).")
-    dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16', 'float32' (None: default).")
-    device: str = Field(default="cpu", description="Device the model runs on.")
+    model: Optional[str] = Field(default=None, description=ENGINE_FIELDS["model"])
+    store_dir: Optional[str] = Field(default=None, description=ENGINE_FIELDS["store_dir"])
+    dtype: Optional[str] = Field(default=None, description=ENGINE_FIELDS["dtype"])
+    device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
     method: str = Field(default="qcfuse", description="Recompute-selection method (qcfuse_core.selectors.SELECTORS).")
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of chunk tokens recomputed.")
-    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated at most (LlamaIndex's num_output).")
+    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated at most (LlamaIndex's num_output; call option max_tokens).")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 is off.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="HF's repetition penalty; 1 is off.")
+    seed: Optional[int] = Field(default=None, description="Sampling seed.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the answer).")
     context_window: Optional[int] = Field(default=None, gt=0, description="Prompt budget in tokens (None: the model's max_position_embeddings).")
 
@@ -93,13 +80,16 @@ class QCFuseLLM(CustomLLM):
 
     def __init__(self, *, engine: QCFuseEngine | None = None, **data: Any) -> None:
         """`engine`: use this engine instead of opening one for (store_dir, model, dtype, device)."""
+        from qcfuse_integrations.llama_index.retrieval import install
+
         super().__init__(**data)
         self._engine = engine
+        install()  # retrievals reach the learners from now on
 
     @field_validator("method")
     @classmethod
     def _valid_method(cls, v: str) -> str:
-        return _check_method(v)
+        return check_method(v)
 
     @field_validator("stop")
     @classmethod
@@ -112,271 +102,202 @@ class QCFuseLLM(CustomLLM):
     def class_name(cls) -> str:
         return "QCFuseLLM"
 
-    # ------------------------------------------------------------------ engine, metadata
-    @property
-    def engine(self) -> QCFuseEngine:
-        """The process-wide engine for this LLM's store and model (opened on first use)."""
-        if self._engine is None:
-            self._engine = shared_engine(self.store_dir, model=self.model, dtype=self.dtype, device=self.device)
-        return self._engine
-
     @property
     def metadata(self) -> LLMMetadata:
         adapter = self.engine.adapter
         window = self.context_window or int(getattr(adapter.model.config, "max_position_embeddings", 2048))
+        chat = bool(getattr(adapter.tokenizer, "chat_template", None))
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens, model_name=adapter.name,
-                           is_chat_model=False)
-
-    @property
-    def last_result(self) -> FusionResult | None:
-        """The FusionResult of the last call made in this thread / asyncio task."""
-        last = _LAST.get()
-        return last[0] if last else None
-
-    @property
-    def last_stats(self) -> dict[str, Any] | None:
-        """The statistics of the last call in this thread / task (as in `additional_kwargs["qcfuse"]`).
-
-        A query engine discards the LLM's response object; this is how its caller sees them.
-        """
-        last = _LAST.get()
-        return last[1] if last else None
+                           is_chat_model=chat, is_function_calling_model=chat)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        req = self._request(prompt if formatted else self.completion_to_prompt(prompt), False, kwargs)
-        deltas, result = self._decode(req)
-        return _completion(req, "".join(deltas), "", result)
+        call = self._completion_call(prompt, formatted, kwargs)
+        text = "".join(call.deltas(self.engine))
+        return self._completion(call, text, "")
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        req = self._request(prompt if formatted else self.completion_to_prompt(prompt), False, kwargs)
+        call = self._completion_call(prompt, formatted, kwargs)
 
         def gen() -> CompletionResponseGen:
             text = ""
-            for delta in self._decode_iter(req):
-                if isinstance(delta, FusionResult):
-                    yield _completion(req, text, "", delta)
-                else:
-                    text += delta
-                    yield CompletionResponse(text=text, delta=delta)
+            for delta in call.deltas(self.engine):
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield self._completion(call, text, "")
 
         return gen()
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        req = self._request(prompt if formatted else self.completion_to_prompt(prompt), False, kwargs)
-        text = ""
-        async for item in self._adecode(req):
-            if isinstance(item, FusionResult):
-                return _completion(req, text, "", item)
-            text += item
-        raise AssertionError("decode ended without a result")  # _adecode always ends with one
+        call = self._completion_call(prompt, formatted, kwargs)
+        text = "".join([d async for d in iterate_in_thread(lambda: call.deltas(self.engine))])
+        return self._completion(call, text, "")
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        req = self._request(prompt if formatted else self.completion_to_prompt(prompt), False, kwargs)
+        call = self._completion_call(prompt, formatted, kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            async for item in self._adecode(req):
-                if isinstance(item, FusionResult):
-                    yield _completion(req, text, "", item)
-                else:
-                    text += item
-                    yield CompletionResponse(text=text, delta=item)
+            async for delta in iterate_in_thread(lambda: call.deltas(self.engine)):
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield self._completion(call, text, "")
 
         return gen()
 
     # ------------------------------------------------------------------ chat (model's chat template)
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        req = self._request(self._render_chat(messages), True, kwargs)
-        deltas, result = self._decode(req)
-        return _chat(req, "".join(deltas), "", result)
+        call, tools = self._chat_call(messages, kwargs)
+        text = "".join(call.deltas(self.engine))
+        return self._chat(call, text, "", tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        req = self._request(self._render_chat(messages), True, kwargs)
+        call, tools = self._chat_call(messages, kwargs)
 
         def gen() -> ChatResponseGen:
             text = ""
-            for delta in self._decode_iter(req):
-                if isinstance(delta, FusionResult):
-                    yield _chat(req, text, "", delta)
-                else:
-                    text += delta
-                    yield _chat(req, text, delta, None)
+            for delta in call.deltas(self.engine):
+                text += delta
+                if not tools:
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            yield self._chat(call, text, "", tools)
 
         return gen()
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        req = self._request(self._render_chat(messages), True, kwargs)
-        text = ""
-        async for item in self._adecode(req):
-            if isinstance(item, FusionResult):
-                return _chat(req, text, "", item)
-            text += item
-        raise AssertionError("decode ended without a result")
+        call, tools = self._chat_call(messages, kwargs)
+        text = "".join([d async for d in iterate_in_thread(lambda: call.deltas(self.engine))])
+        return self._chat(call, text, "", tools)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        req = self._request(self._render_chat(messages), True, kwargs)
+        call, tools = self._chat_call(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for item in self._adecode(req):
-                if isinstance(item, FusionResult):
-                    yield _chat(req, text, "", item)
-                else:
-                    text += item
-                    yield _chat(req, text, item, None)
+            async for delta in iterate_in_thread(lambda: call.deltas(self.engine)):
+                text += delta
+                if not tools:
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            yield self._chat(call, text, "", tools)
 
         return gen()
 
-    def _render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """Messages -> the model's chat template with the assistant turn opened."""
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.engine.adapter.name!r} has no chat template; use complete()")
-        rendered = [{"role": m.role.value, "content": m.content or ""} for m in messages]
-        if not rendered or messages[-1].role == MessageRole.ASSISTANT:
-            raise ValueError("chat needs at least one message, and the last one must not be the assistant's")
-        return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    # ------------------------------------------------------------------ tools, structured output
+    def _prepare_chat_with_tools(
+        self, tools: Sequence[Any], user_msg: Optional[Union[str, ChatMessage]] = None,
+        chat_history: Optional[list[ChatMessage]] = None, verbose: bool = False,
+        allow_parallel_tool_calls: bool = False, tool_required: bool = False, **kwargs: Any,
+    ) -> dict[str, Any]:
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        specs = [t.metadata.to_openai_tool() for t in tools]
+        return {"messages": messages, "tools": specs, "tool_choice": "required" if tool_required else None, **kwargs}
 
-    # ------------------------------------------------------------------ the engine calls
-    def _request(self, prompt: str, chat: bool, kwargs: dict[str, Any]) -> _Request:
-        """Resolve per-call settings now, in the caller's context (ContextVars do not cross threads)."""
-        unknown = set(kwargs) - set(_CALL_KWARGS) - {"formatted"}
-        if unknown:
-            log.debug("ignoring unsupported keyword arguments: %s", sorted(unknown))
-        ratio = self.ratio if kwargs.get("ratio") is None else float(kwargs["ratio"])
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-        gen = dict(
-            method=_check_method(kwargs.get("method") or self.method),
-            ratio=ratio,
-            max_new_tokens=int(kwargs.get("max_new_tokens") or self.max_new_tokens),
-            temperature=float(self.temperature if kwargs.get("temperature") is None else kwargs["temperature"]),
-            stop=tuple(kwargs.get("stop") or self.stop),
-        )
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected a tool call in the response, got: {response.message.content!r}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"],
+                              tool_kwargs=json.loads(c["function"]["arguments"])) for c in calls]
+
+    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                           **prompt_args: Any) -> Any:
+        """`output_cls` from a chat decoded under its JSON schema: the answer always parses."""
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        schema = output_cls.model_json_schema()
+        response = self.chat(messages, response_format={"type": "json_schema", "schema": schema},
+                             **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content)
+
+    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                                  **prompt_args: Any) -> Any:
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        schema = output_cls.model_json_schema()
+        response = await self.achat(messages, response_format={"type": "json_schema", "schema": schema},
+                                    **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content)
+
+    # ------------------------------------------------------------------ the calls
+    def _options(self, kwargs: dict[str, Any]) -> GenerationOptions:
+        check_options(kwargs, CALL_OPTIONS, "QCFuseLLM")
+        defaults = dict(method=self.method, ratio=self.ratio, max_new_tokens=self.max_new_tokens,
+                        temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop)
+        return GenerationOptions.resolve(defaults, {k: kwargs.get(k) for k in (*GENERATION_OPTIONS, *FUSION_OPTIONS)})
+
+    def _explicit(self, kwargs: dict[str, Any]) -> dict[str, str]:
+        """{rendered node text: node id}: the postprocessor's nodes for this query, the caller's."""
         explicit = dict(retrieved_nodes())
-        explicit.update(kwargs.get("node_ids") or {})  # {rendered text: node id} given by the caller
-        return _Request(prompt, chat, explicit, gen)
+        explicit.update(kwargs.get("node_ids") or {})
+        return explicit
 
-    def _open(self, req: _Request) -> TokenStream:
-        """1. find + 2. frame (caller holds the engine lock)."""
-        engine = self.engine
-        req.chunks = find_chunks(engine, req.prompt, req.explicit)
-        if not req.chat:
-            return engine.stream_complete(req.prompt, req.chunks, **req.gen)
-        return engine.stream_pieces(lambda: split_prompt(req.prompt, req.chunks), **req.gen)
+    def _completion_call(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Call:
+        options = self._options(kwargs)
+        own = self.completion_to_prompt is not default_completion_to_prompt  # the user's template
+        if not formatted and own:
+            prompt = self.completion_to_prompt(prompt)
+        return Call(prompt, own, options, explicit=self._explicit(kwargs))
 
-    def _decode_iter(self, req: _Request) -> Iterator[str | FusionResult]:
-        """Text deltas, then the FusionResult; holds the engine lock throughout."""
-        with engine_lock(self.engine):
-            stream = self._open(req)
-            yield from stream
-        assert stream.result is not None
-        _remember(req, stream.result)
-        yield stream.result
+    def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[Call, list | None]:
+        options = self._options(kwargs)
+        tools = kwargs.get("tools") or None
+        if self.messages_to_prompt is not generic_messages_to_prompt and not tools:  # the user's template
+            prompt = self.messages_to_prompt(messages)
+        else:
+            prompt = turns.render(self.engine.tokenizer, [_to_dict(m) for m in messages], tools)
+        fmt = kwargs.get("response_format")
+        forced = turns.forced_tools(tools, kwargs.get("tool_choice")) if tools else None
+        if fmt is not None:
+            options = _constrained(options, self.engine.tokenizer, fmt.get("schema"))
+        elif forced:
+            options = _constrained(options, self.engine.tokenizer, turns.tool_call_schema(forced))
+        return Call(prompt, True, options, explicit=self._explicit(kwargs)), tools
 
-    def _decode(self, req: _Request) -> tuple[list[str], FusionResult]:
-        deltas: list[str] = []
-        for item in self._decode_iter(req):
-            if isinstance(item, FusionResult):
-                return deltas, item
-            deltas.append(item)
-        raise AssertionError("decode ended without a result")
+    # ------------------------------------------------------------------ responses
+    def _raw(self, call: Call) -> dict[str, Any]:
+        stats = call.stats(self.engine)
+        usage = {k: stats[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return {"usage": usage, "qcfuse": stats, "model": self.engine.adapter.name}
 
-    async def _adecode(self, req: _Request) -> AsyncIterator[str | FusionResult]:
-        """`_decode_iter` in a worker thread; deltas reach the event loop through an asyncio.Queue.
+    def _completion(self, call: Call, text: str, delta: str) -> CompletionResponse:
+        raw = self._raw(call)
+        return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs={"qcfuse": raw["qcfuse"]})
 
-        The loop never blocks on the model. If the consumer stops early, the worker stops at
-        its next token and releases the engine lock.
-        """
-        engine = self.engine  # open (load) outside the loop's hot path, but in this thread: cheap when cached
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def post(kind: str, item: Any) -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
-
-        def worker() -> None:
-            try:
-                with engine_lock(engine):
-                    stream = self._open(req)
-                    for delta in stream:
-                        if cancelled.is_set():
-                            return
-                        post("delta", delta)
-                post("result", stream.result)
-            except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
-                post("error", exc)
-
-        threading.Thread(target=worker, name="qcfuse-decode", daemon=True).start()
-        try:
-            while True:
-                kind, item = await queue.get()
-                if kind == "error":
-                    raise item
-                if kind == "result":
-                    _remember(req, item)
-                    yield item
-                    return
-                yield item
-        finally:
-            cancelled.set()
+    def _chat(self, call: Call, text: str, delta: str, tools) -> ChatResponse:
+        raw = self._raw(call)
+        extra: dict[str, Any] = {}
+        content = text
+        if tools:
+            content, calls = turns.parse_tool_calls(text, tools)
+            if calls:
+                extra["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": json.dumps(c.args)}} for c in calls]
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=content, additional_kwargs=extra)
+        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs={"qcfuse": raw["qcfuse"]})
 
 
-# ---------------------------------------------------------------------- content matching
+def _constrained(options: GenerationOptions, tokenizer, schema: dict | None) -> GenerationOptions:
+    from qcfuse_core.grammar import json_schema_constraint
+
+    return replace(options, generation=replace(options.generation, constraint=json_schema_constraint(tokenizer, schema)))
 
 
-def find_chunks(engine: QCFuseEngine, prompt: str, explicit: Mapping[str, str]) -> list[Piece]:
-    """Known chunk texts inside `prompt`, in order, non-overlapping.
-
-    `explicit` ({rendered text: node id}, from the postprocessor) overrides stored ids; a text
-    in it that occurs in the prompt but is not in the content index yet (its cache was never
-    built) is registered first, so it is found now and its cache is computed and stored by
-    this call.
-    """
-    chunks = engine.texts.find(prompt, node_ids=dict(explicit) or None)
-    if explicit:
-        found = {c.text for c in chunks}
-        missing = [(t, i) for t, i in explicit.items() if t not in found and len(t) >= ANCHOR and t in prompt]
-        if missing:
-            for text, node_id in missing:
-                engine.texts.add(text, node_id)
-            log.info("%d retrieved node(s) had no chunk cache; computing and storing them now", len(missing))
-            chunks = engine.texts.find(prompt, node_ids=dict(explicit))
-    return chunks
-
-
-# ---------------------------------------------------------------------- responses
-
-
-def fusion_stats(req: _Request, result: FusionResult) -> dict[str, Any]:
-    """The FusionResult's numbers (no answer text) plus which node ids were matched in the prompt."""
-    stats = result.to_dict()
-    stats.pop("answer", None)
-    stats["node_ids"] = [c.node_id for c in req.chunks]
-    stats["explicit_ids"] = len(req.explicit)
-    return stats
-
-
-def _remember(req: _Request, result: FusionResult) -> None:
-    _LAST.set((result, fusion_stats(req, result)))
-
-
-def _completion(req: _Request, text: str, delta: str, result: FusionResult) -> CompletionResponse:
-    return CompletionResponse(text=text, delta=delta, additional_kwargs={"qcfuse": fusion_stats(req, result)})
-
-
-def _chat(req: _Request, text: str, delta: str, result: FusionResult | None) -> ChatResponse:
-    extra = {"qcfuse": fusion_stats(req, result)} if result is not None else {}
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                        additional_kwargs=extra)
+def _to_dict(m: ChatMessage) -> dict[str, Any]:
+    role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
+    d: dict[str, Any] = {"role": role, "content": m.content or ""}
+    if m.additional_kwargs.get("tool_calls"):
+        d["tool_calls"] = m.additional_kwargs["tool_calls"]
+    if role == "tool":
+        d["tool_call_id"] = m.additional_kwargs.get("tool_call_id")
+    return d

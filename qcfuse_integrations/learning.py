@@ -1,0 +1,316 @@
+"""Caches follow retrieval: what the frameworks retrieve is learned, built and matched.
+
+Neither framework tells an LLM which texts are in its prompt, and a user should not have to
+add an ingestion step for caches to hit. Each engine has one `Learner`:
+
+    see(texts)      a retriever returned these texts (LlamaIndex: the retrieval-end event;
+                    LangChain: `on_retriever_end`): they are registered in the content index
+                    and, where no cache is stored yet, built in a background thread
+    match(prompt)   the chunk pieces of a prompt: registered texts found verbatim (a text
+                    inside a longer rendering - a metadata header before it - counts); then
+                    recently retrieved texts that the prompt renders differently:
+
+        stored:   "Halden lies on the north coast.\\n\\nIts harbour ..."
+        prompt:   "... Halden lies on the north coast. Its harbour ..."     (whitespace)
+        prompt:   "... Halden lies on the north coast.\\n\\nIts ha"          (truncated)
+        prompt:   "['Halden lies on the north coast.\\\\n\\\\nIts harbour ...']"  (a list repr)
+
+                    the prompt's own rendering of such a text is registered (under the text's
+                    id) and computed by this call: a miss now, a hit next time. A cache is
+                    always the cache of exactly the text in the prompt (keys are token
+                    hashes), so nothing is ever served for a text it was not computed from.
+    unmatched       a prompt that carries retrieved context (a line of a recently retrieved
+                    text, or a context header) but matched no chunk logs one WARNING per
+                    engine, with the likely cause and the fix, and counts in `counters()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.segment import ANCHOR
+from qcfuse_core.types import Piece
+
+log = logging.getLogger(__name__)
+
+RECENT = 256  # retrieved texts kept for matching re-rendered prompts
+MIN_SPAN = 2 * ANCHOR  # shortest re-rendered span worth a cache of its own (characters)
+RECENT_S = 300.0  # a retrieval this recent makes a prompt "look like it carries context"
+_CONTEXT_HEADER = re.compile(r"\b(context|documents?|sources?|passages?)\b\s*(information|:)", re.IGNORECASE)
+_WS = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class Match:
+    """The chunks of one prompt and how they were found."""
+
+    chunks: list[Piece]
+    learned: int  # re-rendered retrieved texts registered by this call (computed now)
+    unmatched: bool  # the prompt carries retrieved context but no chunk matched
+
+
+class Learner:
+    """One engine's view of retrieval (see the module docstring). Thread-safe."""
+
+    def __init__(self, engine: QCFuseEngine) -> None:
+        self._engine = weakref.ref(engine)
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[str, str | None] = OrderedDict()  # text -> node id
+        self._pending: dict[str, Future] = {}  # text -> its latest background build
+        self._pending_ids: dict[str, str | None] = {}  # text -> the id that build links it to
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-learn")
+        self._last_retrieval = 0.0
+        self._warned = False
+        self._counts = dict(retrieved_texts=0, background_builds=0, prompts=0, matched_prompts=0,
+                            unmatched_prompts=0, learned_renderings=0)
+
+    @property
+    def engine(self) -> QCFuseEngine:
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the engine of this learner is gone")
+        return engine
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    # ------------------------------------------------------------------ retrieval
+    def see(self, items: Iterable[tuple[str, str | None]], *, build: bool = True) -> Future | None:
+        """Texts a retriever returned, with their ids. build: compute the caches not stored yet
+        (in the background; the returned future completes when they are stored), else only
+        remember the texts for matching re-rendered prompts."""
+        todo: list[tuple[str, str | None]] = []
+        with self._lock:
+            for text, node_id in items:
+                if not isinstance(text, str) or len(text) < ANCHOR:
+                    continue
+                self._recent[text] = node_id
+                self._recent.move_to_end(text)
+                self._counts["retrieved_texts"] += 1
+                if build and self._pending_ids.get(text, ...) != node_id:  # a new id is linked too
+                    todo.append((text, node_id))
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+            self._last_retrieval = time.monotonic()
+            if not todo:
+                return None
+            future = self._pool.submit(self._build, todo)
+            for text, node_id in todo:
+                self._pending[text] = future  # the latest build of the text (jobs run in order)
+                self._pending_ids[text] = node_id
+        return future
+
+    def _build(self, items: list[tuple[str, str | None]]) -> None:
+        """Register and build (on the learner's thread): the texts already stored are only linked."""
+        engine = self.engine
+        try:
+            new = [t for t, _ in items if not engine.store.contains(engine.chunk_tokens(t)[1])]
+            engine.build_chunks([t for t, _ in items], [i for _, i in items])
+            with self._lock:
+                self._counts["background_builds"] += len(new)
+        except Exception:  # a failed background build is only a lost hit: the request computes it
+            log.exception("building the caches of %d retrieved text(s) failed", len(items))
+        finally:
+            with self._lock:
+                for text, node_id in items:
+                    if self._pending_ids.get(text, ...) == node_id:  # no later job for this text
+                        self._pending.pop(text, None)
+                        self._pending_ids.pop(text, None)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every background build started so far is done (tests, shutdown)."""
+        with self._lock:
+            futures = set(self._pending.values())
+        for f in futures:
+            f.result(timeout)
+
+    # ------------------------------------------------------------------ prompts
+    def match(self, prompt: str, explicit: Mapping[str, str | None] | None = None) -> Match:
+        """The chunk pieces of `prompt` (module docstring); explicit: {text: node id} a caller
+        knows is in the prompt (a postprocessor's nodes): treated like retrieved texts."""
+        engine = self.engine
+        explicit = dict(explicit or {})
+        self._await_builds(prompt)
+        chunks = engine.texts.find(prompt, node_ids=explicit or None)
+        learned = self._learn(prompt, chunks, explicit)
+        if learned:
+            chunks = engine.texts.find(prompt, node_ids=explicit or None)
+        unmatched = not chunks and self._carries_context(prompt)
+        with self._lock:
+            self._counts["prompts"] += 1
+            self._counts["matched_prompts"] += bool(chunks)
+            self._counts["unmatched_prompts"] += unmatched
+            self._counts["learned_renderings"] += learned
+            warn = unmatched and not self._warned
+            self._warned = self._warned or unmatched
+        if warn:
+            log.warning(
+                "QCFuse: a prompt that carries retrieved context matched no cached chunk, so nothing was "
+                "reused (counted in unmatched_prompts; this warning is logged once per engine). Likely "
+                "causes: the texts never reached QCFuse (retrieve with a LangChain retriever or a LlamaIndex "
+                "retriever, or add QCFuseCacheBuilder after the splitter), or the prompt re-renders them "
+                "beyond recognition (e.g. LlamaIndex's simple_summarize pastes a Python list repr: use "
+                "response_mode='compact'). Format retrieved texts verbatim into the prompt.")
+        return Match(chunks, learned, unmatched)
+
+    def _await_builds(self, prompt: str) -> None:
+        """Wait for the background builds of retrieved texts this prompt contains (no double work)."""
+        with self._lock:
+            futures = {f for t, f in self._pending.items() if t in prompt}
+        for f in futures:
+            f.result()
+
+    def _learn(self, prompt: str, found: Sequence[Piece], explicit: Mapping[str, str | None]) -> int:
+        """Register the prompt's renderings of retrieved texts it does not contain verbatim."""
+        with self._lock:
+            candidates = dict(self._recent)
+        candidates.update(explicit)
+        if not candidates:
+            return 0
+        taken = _spans(prompt, found)
+        norm, where = _normalise(prompt)
+        engine, learned = self.engine, 0
+        for text, node_id in candidates.items():
+            at = prompt.find(text)
+            if at >= 0:  # verbatim: registered unless another text covers it already
+                if len(text) >= ANCHOR and not _overlaps(taken, at, at + len(text)):
+                    engine.texts.add(text, node_id)
+                    taken.append((at, at + len(text)))
+                    learned += 1
+                continue
+            escaped = repr(text)[1:-1]  # a Python repr of the text (LlamaIndex's simple_summarize)
+            at = prompt.find(escaped) if escaped != text and len(escaped) >= MIN_SPAN else -1
+            span = (at, at + len(escaped)) if at >= 0 else _rendering(norm, where, text)
+            if span is None or _overlaps(taken, *span):
+                continue
+            engine.texts.add(prompt[span[0]:span[1]], node_id)
+            taken.append(span)
+            learned += 1
+        return learned
+
+    def _carries_context(self, prompt: str) -> bool:
+        with self._lock:
+            recent = list(self._recent)
+            fresh = time.monotonic() - self._last_retrieval < RECENT_S
+        if fresh:
+            for text in recent:
+                if any(len(line) >= ANCHOR and line in prompt for line in text.splitlines()):
+                    return True
+        return len(prompt) >= 400 and _CONTEXT_HEADER.search(prompt) is not None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------- span helpers
+
+
+def _spans(prompt: str, chunks: Sequence[Piece]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for c in chunks:
+        at = prompt.find(c.text, pos)
+        out.append((at, at + len(c.text)))
+        pos = at + len(c.text)
+    return out
+
+
+def _overlaps(taken: Sequence[tuple[int, int]], start: int, end: int) -> bool:
+    return any(start < e and s < end for s, e in taken)
+
+
+def _normalise(text: str) -> tuple[str, list[int]]:
+    """Whitespace runs -> one space; where[i] = the offset in `text` of normalised char i.
+
+        text:  "a \\n\\n b"    norm: "a b"    where: [0, 1, 5]
+    """
+    norm, where, pos = [], [], 0
+    for m in _WS.finditer(text):
+        for i in range(pos, m.start()):
+            norm.append(text[i])
+            where.append(i)
+        norm.append(" ")
+        where.append(m.start())
+        pos = m.end()
+    for i in range(pos, len(text)):
+        norm.append(text[i])
+        where.append(i)
+    return "".join(norm), where
+
+
+def _rendering(norm: str, where: list[int], text: str) -> tuple[int, int] | None:
+    """The prompt span (start, end) rendering `text` with other whitespace, or its longest
+    rendered prefix (a truncating formatter) of at least MIN_SPAN characters; None if neither."""
+    want = _WS.sub(" ", text).strip()
+    if len(want) < MIN_SPAN:
+        return None
+    at = norm.find(want)
+    n = len(want)
+    if at < 0:  # truncated: the longest prefix that occurs (binary search on its length)
+        lo, hi = MIN_SPAN, len(want) - 1
+        if norm.find(want[:lo]) < 0:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if norm.find(want[:mid]) >= 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        n, at = lo, norm.find(want[:lo])
+    start, end = where[at], where[at + n - 1] + 1
+    return start, end
+
+
+# ---------------------------------------------------------------------- one learner per engine
+
+_LEARNERS: "weakref.WeakKeyDictionary[QCFuseEngine, Learner]" = weakref.WeakKeyDictionary()
+_REGISTRY = threading.Lock()
+
+
+# retrievals seen by the hooks, replayed to a learner made later: a chain's retriever runs
+# before its model opens the engine on the first call
+_SEEN: deque[tuple[tuple[tuple[str, str | None], ...], bool]] = deque(maxlen=RECENT)
+
+
+def learner_for(engine: QCFuseEngine) -> Learner:
+    with _REGISTRY:
+        got = _LEARNERS.get(engine)
+        if got is not None:
+            return got
+        got = _LEARNERS[engine] = Learner(engine)
+        replay = list(_SEEN)
+    for items, build in replay:
+        got.see(items, build=build)
+    return got
+
+
+def learners() -> list[Learner]:
+    with _REGISTRY:
+        return list(_LEARNERS.values())
+
+
+def see_everywhere(items: Sequence[tuple[str, str | None]], *, build: bool = True) -> None:
+    """A retrieval seen by a framework hook: every engine in use learns it."""
+    items = tuple(items)
+    with _REGISTRY:
+        _SEEN.append((items, build))
+    for learner in learners():
+        learner.see(items, build=build)
+
+
+def forget_learners() -> None:
+    """Stop every learner's background thread (tests; with engines.forget_engines)."""
+    with _REGISTRY:
+        got = list(_LEARNERS.values())
+        _LEARNERS.clear()
+    for learner in got:
+        learner.close()

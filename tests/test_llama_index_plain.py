@@ -1,0 +1,173 @@
+"""QCFuseLLM in LlamaIndex's plain idiom (issue 19): the starter tutorial with QCFuse as
+`Settings.llm`, no QCFuse ingestion step, chat without documents, the parameters LlamaIndex
+users pass, structured output and tool calls.
+
+A store folder of its own (so an engine and learner of its own); the embedded
+SmolLM2-135M-Instruct, greedy and short. Tool calls use a tiny random model, scripted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import Document, Settings, VectorStoreIndex  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E402
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
+from llama_index.core.tools import FunctionTool  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+from qcfuse_core import generation  # noqa: E402
+from qcfuse_core.engine import QCFuseEngine  # noqa: E402
+from qcfuse_core.testing import tiny_model  # noqa: E402
+from qcfuse_integrations.llama_index import FusionStats, QCFuseEmbedding, QCFuseLLM  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+NEW = 6
+TEXTS = [
+    "The Zephyr Institute was founded in 1987 by the marine biologist Ada Ferreira at Cape Wrayth.",
+    "Port Halden is a small harbour town on the north coast of Veloria, known for its red lighthouse.",
+    "Every autumn the Lantern Festival fills the harbour of Port Halden with floating paper lanterns.",
+]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("li-plain"))
+
+
+@pytest.fixture(autouse=True)
+def _settings(store):
+    old = Settings._llm, Settings._embed_model
+    Settings.llm = QCFuseLLM(store_dir=store, max_new_tokens=NEW)
+    Settings.embed_model = QCFuseEmbedding()
+    yield
+    Settings._llm, Settings._embed_model = old
+
+
+@pytest.fixture
+def fusion():
+    handler = FusionStats.attach()
+    yield handler
+    handler.detach()
+
+
+def test_from_documents_and_as_query_engine_hit_on_the_second_query(fusion):
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in TEXTS])
+    query_engine = index.as_query_engine(similarity_top_k=2)
+    first = query_engine.query("Who founded the Zephyr Institute?")
+    second = query_engine.query("Who founded the Zephyr Institute?")
+    (_, a), (_, b) = fusion.events[-2:]
+    assert a["chunks"] == 2 and a["chunk_ids"] == [n.node.node_id for n in first.source_nodes]
+    assert b["cache_hits"] == 2 and b["cache_misses"] == 0
+    assert str(first) == str(second)
+
+
+def test_chat_without_documents_answers_as_full_prefill(store):
+    llm = Settings.llm
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content="You are terse."),
+                ChatMessage(role=MessageRole.USER, content="Say hi")]
+    reply = llm.chat(messages)
+    full = QCFuseLLM(store_dir=store, method="full", max_new_tokens=NEW).chat(messages)
+    assert reply.message.content and reply.message.content == full.message.content
+    assert reply.raw["qcfuse"]["method"] == "full" and reply.raw["qcfuse"]["chunks"] == 0
+    streamed = list(llm.stream_chat(messages))
+    assert streamed[-1].message.content == reply.message.content
+    assert asyncio.run(llm.achat(messages)).message.content == reply.message.content
+
+    async def astream():
+        return [r async for r in await llm.astream_chat(messages)]
+
+    assert "".join(r.delta or "" for r in asyncio.run(astream())) == reply.message.content
+    assert llm.metadata.is_chat_model
+
+
+def test_chat_engines_answer(fusion):
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in TEXTS])
+    assert str(index.as_chat_engine(chat_mode="simple").chat("Say hi"))
+    engine = index.as_chat_engine(chat_mode="condense_plus_context", similarity_top_k=2)
+    engine.chat("Who founded the Zephyr Institute?")
+    assert fusion.last["chunks"] == 2  # the retrieved context, found inside the chat turn
+    reply = engine.stream_chat("And in which year?")
+    assert "".join(reply.response_gen)
+    assert fusion.last["chunks"] == 2  # the answer's call, not the condense call before it
+
+
+def test_parameters_and_unknown_keywords(store):
+    llm = Settings.llm
+    two = llm.complete("Name a colour.", max_tokens=2)
+    assert two.raw["qcfuse"]["new_tokens"] == 2 and two.raw["qcfuse"]["finish_reason"] == "length"
+    assert llm.complete("Name a colour.", top_p=0.9, top_k=5, temperature=0.7, seed=1, repetition_penalty=1.2).text
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['max_length'\]; valid: .*max_tokens"):
+        llm.complete("hi", max_length=3)
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['beams'\]"):
+        llm.chat([ChatMessage(role=MessageRole.USER, content="hi")], beams=2)
+
+
+def test_a_users_prompt_templates_are_honoured(store):
+    def messages_to_prompt(messages):
+        return "".join(f"{m.role.value}: {m.content}\n" for m in messages) + "assistant:"
+
+    def completion_to_prompt(prompt):
+        return f"Q: {prompt}\nA:"
+
+    llm = QCFuseLLM(store_dir=store, max_new_tokens=NEW, messages_to_prompt=messages_to_prompt,
+                    completion_to_prompt=completion_to_prompt)
+    msgs = [ChatMessage(role=MessageRole.USER, content="Say hi")]
+    reply = llm.chat(msgs)  # exactly the user's rendering, no chat frame around it
+    assert reply.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.tokenize(messages_to_prompt(msgs)))
+    done = llm.complete("Say hi")
+    assert done.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.tokenize(completion_to_prompt("Say hi")))
+
+
+def test_token_counts_reach_the_token_counter(store):
+    counter = TokenCountingHandler(tokenizer=lambda text: [0] * len(text.split()))
+    llm = QCFuseLLM(store_dir=store, max_new_tokens=NEW, callback_manager=CallbackManager([counter]))
+    reply = llm.complete("Say hi")
+    assert counter.prompt_llm_token_count == reply.raw["usage"]["prompt_tokens"] > 10  # the frame included
+    assert counter.completion_llm_token_count == reply.raw["usage"]["completion_tokens"]
+
+
+def test_structured_predict_parses(store):
+    from llama_index.core.prompts import PromptTemplate
+
+    class Town(BaseModel):
+        coastal: bool
+        size: str = Field(json_schema_extra={"enum": ["small", "large"]})
+
+    llm = QCFuseLLM(store_dir=store, max_new_tokens=40)
+    town = llm.structured_predict(Town, PromptTemplate("Describe {name} as JSON."), name="Port Halden")
+    assert isinstance(town, Town) and town.size in ("small", "large")
+    town2 = llm.as_structured_llm(Town).complete("Describe Port Halden.").raw
+    assert isinstance(town2, Town)
+
+
+def test_function_calling_on_a_scripted_model(monkeypatch):
+    adapter = tiny_model("llama", tokenizer=True)
+    adapter.tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    llm = QCFuseLLM(engine=QCFuseEngine(adapter), max_new_tokens=120)
+    said = list(b'<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>') + [0]
+
+    def pick(self, logits):
+        self._script = getattr(self, "_script", iter(said))
+        return next(self._script)
+
+    monkeypatch.setattr(generation.Sampler, "_pick", pick)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    tool = FunctionTool.from_defaults(fn=add)
+    response = llm.chat_with_tools([tool], user_msg="What is 2 + 3?")
+    calls = llm.get_tool_calls_from_response(response)
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("add", {"a": 2, "b": 3})]
+    assert json.loads(response.message.additional_kwargs["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 3}
+    out = llm.predict_and_call([tool], user_msg="What is 2 + 3?")
+    assert str(out) == "5"
