@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from qcfuse_core.context import check_context
 from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
 from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.model import ModelAdapter, load_model
@@ -353,6 +354,7 @@ class QCFuseEngine:
                 chunk = self.store.get(key)
                 parts.append(Part("chunk", ids, p.node_id, key, "host" if chunk is not None else None, chunk,
                                   chunk is not None))
+        check_context(self.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
         missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
         built = self._build(missing, keep=True)
         parts = [replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p
@@ -619,6 +621,7 @@ class QCFuseEngine:
         try:
             pieces = make_pieces()
             looked = self.lookup(pieces, method)
+            check_context(self.adapter.max_positions, looked.num_tokens, gen.max_new_tokens)
             req.clock.mark("lookup")
             planned = self.plan(looked, method, ratio)
             req.method, req.plan = planned.method, planned.plan
@@ -683,29 +686,32 @@ __all__ = ["EngineConfig", "Piece", "QCFuseEngine", "SelectionResult", "TokenStr
 
 def open_engine(
     store_dir: str | Path | None = None, *, model: str | None = None, dtype=None, device: str = "cpu",
-    config: EngineConfig | None = None, memory_bytes: int | None = None,
+    config: EngineConfig | None = None, memory_bytes: int | None = None, read_only: bool | None = None,
 ) -> QCFuseEngine:
     """An engine over a persistent store folder (default: <cache dir>/store).
 
     Layout of `store_dir`: kv/ (chunk caches), chunk_texts.sqlite (content index), chroma/
     (the vector store, used by the CLI and integrations), rates-*.json (measured by `qcfuse
     bench ttft --store DIR`; with them the planner decides load vs recompute per chunk).
-    Models are loaded once per process.
+    Models are loaded once per process. read_only: None opens the store read-only when it
+    is not writable; True never writes to it (answers from what is stored).
     """
     from qcfuse_core.model import cache_dir
-    from qcfuse_core.store import kv_dir, open_store
+    from qcfuse_core.store import kv_dir, open_store, writable
 
     root = Path(store_dir) if store_dir is not None else cache_dir() / "store"
-    root.mkdir(parents=True, exist_ok=True)
+    if not read_only and writable(root):
+        root.mkdir(parents=True, exist_ok=True)
     key = (str(model), str(dtype), device)
     if key not in _ADAPTERS:
         _ADAPTERS[key] = load_model(model, dtype=dtype, device=device)
     store_kw = {} if memory_bytes is None else {"memory_bytes": memory_bytes}
-    store = open_store(kv_dir(root), **store_kw)
+    store = open_store(kv_dir(root), read_only=read_only, **store_kw)
     adapter = _ADAPTERS[key]
     rates = load_rates(rates_path(root, adapter.fingerprint(), device_name(adapter.device)))
     return QCFuseEngine(adapter, store=store, config=config,
-                        text_index=ChunkTextIndex(root / "chunk_texts.sqlite"), rates=rates)
+                        text_index=ChunkTextIndex(root / "chunk_texts.sqlite", read_only=store.disk.read_only),
+                        rates=rates)
 
 
 _ADAPTERS: dict[tuple[str, str, str], ModelAdapter] = {}

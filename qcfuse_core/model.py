@@ -222,6 +222,12 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return self.shape.num_layers
 
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the model was trained for (`max_position_embeddings`), None if unknown."""
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
     def check_length(self, num_tokens: int) -> None:
         """Sliding-window attention is not implemented: refuse prompts that would need it."""
         if self.sliding_window is not None and num_tokens > self.sliding_window:

@@ -12,11 +12,18 @@ Lookup is a dictionary of each text's first `ANCHOR` characters, probed at every
 offset: O(len(prompt)) probes plus one `startswith` per candidate. Texts shorter than
 `ANCHOR` characters are not worth caching and are ignored. The index lives in SQLite
 (one file next to the store) or in memory.
+
+The file is never moved or deleted here: when it is read-only (or `read_only=True`) its
+rows are copied into memory and new texts stay there; when it is damaged, or a write finds
+the disk full, the index goes on in memory with one warning (`qcfuse store verify --repair`
+rebuilds the file from the vector store).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Sequence
@@ -25,20 +32,30 @@ from pathlib import Path
 from qcfuse_core.types import Piece
 
 ANCHOR = 32
+_SCHEMA = "CREATE TABLE IF NOT EXISTS chunk_text (sha TEXT PRIMARY KEY, node_id TEXT, text TEXT NOT NULL)"
+
+log = logging.getLogger(__name__)
 
 
 class ChunkTextIndex:
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, read_only: bool = False) -> None:
         self.path = Path(path) if path is not None else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path) if self.path else ":memory:", check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL" if self.path else "PRAGMA journal_mode=MEMORY")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS chunk_text (sha TEXT PRIMARY KEY, node_id TEXT, text TEXT NOT NULL)"
-        )
-        self._db.commit()
+        self.in_memory = self.path is None  # True once the file is not (or no longer) written
+        self.problem = ""  # why the file is not used, when it is not
         self._lock = threading.Lock()
+        if self.path is None:
+            self._db = _memory_db()
+        elif read_only or not _writable(self.path):
+            self._db = self._memory_copy("read-only")
+        else:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(_SCHEMA)
+                self._db.commit()
+            except (sqlite3.Error, OSError) as e:
+                self._db = self._memory_copy(f"unusable: {e}")
         self._by_anchor: dict[str, list[tuple[str, str | None]]] | None = None
         self._version: tuple | None = None  # (rows, max rowid) the table was built from
 
@@ -47,15 +64,49 @@ class ChunkTextIndex:
         if len(text) < ANCHOR:
             return False
         sha = hashlib.sha256(text.encode()).hexdigest()
+        sql = ("INSERT INTO chunk_text (sha, node_id, text) VALUES (?, ?, ?) "
+               "ON CONFLICT(sha) DO UPDATE SET node_id = COALESCE(excluded.node_id, node_id)")
         with self._lock:
-            self._db.execute(
-                "INSERT INTO chunk_text (sha, node_id, text) VALUES (?, ?, ?) "
-                "ON CONFLICT(sha) DO UPDATE SET node_id = COALESCE(excluded.node_id, node_id)",
-                (sha, node_id, text),
-            )
-            self._db.commit()
+            try:
+                self._db.execute(sql, (sha, node_id, text))
+                self._db.commit()
+            except sqlite3.OperationalError as e:  # disk full / not writable: go on in memory
+                if self.in_memory:
+                    raise
+                self._db.rollback()
+                old, self._db = self._db, _memory_db()
+                old.backup(self._db)
+                old.close()
+                self._switched(f"not written ({e})")
+                self._db.execute(sql, (sha, node_id, text))
             self._by_anchor = None
         return True
+
+    def _switched(self, why: str) -> None:
+        self.in_memory, self.problem = True, why
+        log.warning("chunk-text index %s %s; kept in memory for this process", self.path, why)
+
+    def _memory_copy(self, why: str) -> sqlite3.Connection:
+        """The file's rows in an in-memory database (empty if it is absent or damaged)."""
+        mem = _memory_db()
+        if self.path.is_file():
+            for flags in ("mode=ro", "mode=ro&immutable=1"):
+                try:
+                    src = sqlite3.connect(f"{self.path.resolve().as_uri()}?{flags}", uri=True)
+                    try:
+                        src.execute("SELECT COUNT(*) FROM chunk_text").fetchone()
+                        src.backup(mem)
+                        break
+                    finally:
+                        src.close()
+                except sqlite3.Error as e:
+                    if "not a database" in str(e) or "malformed" in str(e):
+                        why = f"damaged ({e}; `qcfuse store verify --repair` rebuilds it)"
+                        mem = _memory_db()
+                        break
+                    mem = _memory_db()
+        self._switched(why)
+        return mem
 
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM chunk_text").fetchone()[0])
@@ -98,6 +149,23 @@ class ChunkTextIndex:
 
     def close(self) -> None:
         self._db.close()
+
+
+def _memory_db() -> sqlite3.Connection:
+    db = sqlite3.connect(":memory:", check_same_thread=False)
+    db.execute(_SCHEMA)
+    db.commit()
+    return db
+
+
+def _writable(path: Path) -> bool:
+    """The index file (or, before it exists, the nearest existing folder) can be written."""
+    if path.exists():
+        return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)
+    probe = path.parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
 
 
 def split_prompt(prompt: str, chunks: Sequence[Piece], head: str = "", tail: str = "") -> list[Piece]:

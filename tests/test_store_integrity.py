@@ -215,12 +215,34 @@ def test_sqlite_disk_full_degrades(tmp_path, monkeypatch):
 
 
 def test_other_write_errors_propagate(tmp_path, monkeypatch):
-    def denied(fd, buffers):
-        raise OSError(errno.EACCES, "Permission denied")
+    def broken(fd, buffers):
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(atomic, "write_all", denied)
-    with store_at(tmp_path) as s, pytest.raises(PermissionError):
+    monkeypatch.setattr(atomic, "write_all", broken)
+    with store_at(tmp_path) as s, pytest.raises(OSError, match="Input/output"):
         s.put(make_chunk(16))
+
+
+def test_refused_write_turns_the_store_read_only(tmp_path, monkeypatch, caplog):
+    stored, new = make_chunk(16), make_chunk(19)
+    with store_at(tmp_path) as s:
+        s.put(stored)
+
+        def denied(fd, buffers):
+            raise OSError(errno.EACCES, "Permission denied")
+
+        monkeypatch.setattr(atomic, "write_all", denied)
+        with caplog.at_level(logging.WARNING, logger="qcfuse_core.store.disk"):
+            s.put(new)  # no exception: kept in memory, nothing written
+            s.put(make_chunk(20))
+        assert caplog.text.count("not writable") == 1
+        assert s.stats()["read_only"] and s.stats()["write_failures"] == 0
+        assert torch.equal(s.get(new.key).k, new.k) and torch.equal(s.get(stored.key).k, stored.k)
+        s.delete(stored.key)  # read-only: dropped from memory and hidden here, never deleted on disk
+        assert s.get(stored.key) is None
+    monkeypatch.undo()
+    with _cold(tmp_path) as s:
+        assert s.get(stored.key) is not None and s.get(new.key) is None
 
 
 def test_sidecar_lifecycle_follows_the_entry(tmp_path):

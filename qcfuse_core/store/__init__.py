@@ -4,13 +4,13 @@
 in-memory store for tests and ephemeral sessions.
 """
 
-from qcfuse_core.store.base import ChunkStore, StoreStats
+from qcfuse_core.store.base import ChunkStore, ReadOnlyStoreError, StoreError, StoreStats
 from qcfuse_core.store.disk import DiskTier
 from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.eviction import POLICIES, get_policy
 from qcfuse_core.store.memory import MemoryStore
 from qcfuse_core.store.sidecar import Sidecar
-from qcfuse_core.store.tiered import LayerBatch, StoreConfig, TieredStore, kv_dir, open_store
+from qcfuse_core.store.tiered import LayerBatch, StoreConfig, TieredStore, kv_dir, open_store, writable
 
 STORE_FORMAT_VERSION = FORMAT_VERSION
 
@@ -20,12 +20,15 @@ __all__ = [
     "LayerBatch",
     "MemoryStore",
     "POLICIES",
+    "ReadOnlyStoreError",
     "STORE_FORMAT_VERSION",
     "Sidecar",
     "StoreConfig",
+    "StoreError",
     "StoreStats",
     "TieredStore",
     "get_policy",
     "kv_dir",
     "open_store",
+    "writable",
 ]

@@ -22,6 +22,14 @@ import torch
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
 
+class StoreError(Exception):
+    """A store problem the user can fix; the message is one line naming the fix."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write was needed but the store (or one of its files) is not writable."""
+
+
 @dataclass
 class StoreStats:
     hits: int = 0

@@ -1,7 +1,7 @@
 """`qcfuse store ...`: inspect and maintain the KV store of a QCFuse store root.
 
     qcfuse store stats  --store DIR [--json]
-    qcfuse store verify --store DIR [--remove] [--json]
+    qcfuse store verify --store DIR [--remove] [--repair] [--json]
     qcfuse store gc     --store DIR --max-bytes N   (N may end in K, M, G or T: powers of 1024)
     qcfuse store clear  --store DIR [--yes]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from qcfuse_core.store.disk import MANIFEST_NAME, DiskTier
 from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.maintenance import DEFAULT_GRACE_S, clear, gc, verify
-from qcfuse_core.store.tiered import kv_dir
+from qcfuse_core.store.tiered import kv_dir, writable
 
 __all__ = ["add_store_commands", "kv_dir", "parse_bytes", "run_store_command"]
 
@@ -47,7 +47,8 @@ def add_store_commands(
     """Register `store {stats,verify,gc,clear}` on the main CLI's subparsers.
 
     `--store DIR` is required unless `default_store` is given (the CLI's default root)."""
-    store = subparsers.add_parser("store", help="inspect and maintain the KV chunk store")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    store = subparsers.add_parser("store", help="inspect and maintain the KV chunk store", formatter_class=fmt)
     sub = store.add_subparsers(dest="store_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,15 +58,24 @@ def add_store_commands(
         p.set_defaults(func=run_store_command)
         return p
 
-    common(sub.add_parser("stats", help="entries, bytes and node links on disk"))
-    v = common(sub.add_parser("verify", help="read and check every entry"))
-    v.add_argument("--remove", action="store_true", help="delete bad, stale and orphaned files")
+    common(sub.add_parser("stats", help="entries, bytes and node links on disk", formatter_class=fmt))
+    v = common(sub.add_parser("verify", formatter_class=fmt,
+                              help="check every KV entry, sidecar and node link, the chunk-text index and "
+                                   "the vector index"))
+    v.add_argument("--remove", action="store_true",
+                   help="delete bad, stale and orphaned files (never a file that verifies)")
+    v.add_argument("--repair", action="store_true",
+                   help="index intact entries again (after a lost manifest) and rebuild a damaged "
+                        "chunk-text or vector index from the other")
     v.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
-                   help="leave orphan files younger than this alone (live writers)")
-    g = common(sub.add_parser("gc", help="shrink the store to a byte budget (least recently used first)"))
-    g.add_argument("--max-bytes", required=True, type=parse_bytes, metavar="N")
-    g.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
-    c = common(sub.add_parser("clear", help="remove every entry"))
+                   help="leave orphan files younger than this many seconds alone (live writers)")
+    g = common(sub.add_parser("gc", help="shrink the store to a byte budget (least recently used first)",
+                              formatter_class=fmt))
+    g.add_argument("--max-bytes", required=True, type=parse_bytes, metavar="N",
+                   help="byte budget for the entries (K, M, G, T suffixes: powers of 1024)")
+    g.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                   help="leave orphan files younger than this many seconds alone (live writers)")
+    c = common(sub.add_parser("clear", help="remove every entry", formatter_class=fmt))
     c.add_argument("--yes", action="store_true", help="do it (without this, nothing is removed)")
     store.set_defaults(func=run_store_command)
     return store
@@ -82,7 +92,13 @@ def run_store_command(args: argparse.Namespace) -> int:
     if not (root / MANIFEST_NAME).exists():
         sys.stderr.write(f"no KV store at {root} (nothing has been ingested there)\n")
         return 1
-    disk = DiskTier(root)
+    changes = args.store_command in ("gc", "clear") or (
+        args.store_command == "verify" and (args.remove or args.repair))
+    if changes and not writable(root):
+        sys.stderr.write(f"qcfuse: error: the KV store at {root} is read-only; `store "
+                         f"{args.store_command}` needs to write there\n")
+        return 2
+    disk = DiskTier(root, read_only=not changes)
     try:
         return _COMMANDS[args.store_command](args, disk)
     finally:
@@ -110,21 +126,48 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
     for g in obj["by_storage"]:
         flag = "" if g["usable"] else "  (stale: another format version; `store gc` removes it)"
         lines.append(f"  v{g['format_version']} {g['storage']:>5}: {g['entries']} entries, {g['bytes']:,} bytes{flag}")
+    lines += ["",
+              "  entries   chunk caches (one per distinct chunk text and model); bytes: their files",
+              "  sidecars  small per-chunk files the query probe reads first (anchors, critical-layer keys)",
+              "  nodes     links from a framework's node id to its chunk cache (one per node and model)",
+              "  v<N> <storage>: entries by format version and stored dtype (auto: the model's dtype)"]
     _emit(args, obj, lines)
     return 0
 
 
 def _verify(args: argparse.Namespace, disk: DiskTier) -> int:
-    rep = verify(disk, remove=args.remove, grace_s=args.grace_s)
+    from qcfuse_core.store import indexes
+
+    rep = verify(disk, remove=args.remove, repair=args.repair, grace_s=args.grace_s)
+    links = disk.manifest.node_links()
+    entries = {r.chunk_key for r in disk.manifest.entries()}
+    dangling = sum(1 for _, key in links if key not in entries)
+    idx = indexes.check(Path(args.store), {node for node, _ in links})
+    if args.repair and idx.bad:
+        indexes.repair(Path(args.store), idx)
+        done = idx.repaired
+        idx = indexes.check(Path(args.store), {node for node, _ in links})
+        idx.repaired = done
     lines = [f"checked {rep.checked} entries: {rep.ok} ok, {len(rep.bad)} bad, "
-             f"{len(rep.stale)} stale, {len(rep.orphans)} orphan files"]
+             f"{len(rep.stale)} stale, {len(rep.unindexed)} unindexed, {len(rep.orphans)} orphan files"]
     lines += [f"  bad {k}: {why}" for k, why in rep.bad]
+    lines.append(f"node links: {len(links)} ({dangling} to a cache that is gone: computed again when asked)")
+    for name, st in (("chunk-text index", idx.chunk_texts), ("vector index", idx.chroma)):
+        state = "absent" if not st.present else (f"{st.rows} rows ok" if st.ok else f"BAD: {st.problem}")
+        lines.append(f"{name} {st.path}: {state}")
+    lines += [f"  note: {n}" for n in idx.notes]
+    if args.repair:
+        lines.append(f"repaired {rep.repaired} index rows" + "".join(f"; {d}" for d in idx.repaired))
     if args.remove:
         lines.append(f"removed {rep.removed}")
-    elif rep.bad or rep.stale or rep.orphans:
-        lines.append("run with --remove to delete them")
-    _emit(args, rep.as_dict(), lines)
-    return 0 if args.remove or not rep.bad else 1
+    if rep.unindexed or idx.bad:
+        lines.append("run with --repair to index the intact entries again and rebuild a damaged index")
+    elif (rep.bad or rep.stale or rep.orphans) and not args.remove:
+        lines.append("run with --remove to delete them (damaged caches are also recomputed when asked)")
+    obj = rep.as_dict() | idx.as_dict() | {"node_links": len(links), "dangling_links": dangling}
+    _emit(args, obj, lines)
+    bad = (rep.bad and not args.remove) or rep.unindexed or idx.bad
+    return 1 if bad else 0
 
 
 def _gc(args: argparse.Namespace, disk: DiskTier) -> int:

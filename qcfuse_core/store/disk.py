@@ -15,7 +15,10 @@ What must hold:
   any failure is a miss that is logged, counted (`corrupt`) and removed from the manifest;
 - an entry is valid only under its format version and storage name (other rows are ignored);
 - a full disk (ENOSPC/EDQUOT, or SQLite's "disk is full") puts the tier in degraded mode:
-  one warning, then writes are skipped and counted as `write_failures`; reads continue.
+  one warning, then writes are skipped and counted as `write_failures`; reads continue;
+- a read-only tier (`read_only=True`, or a write refused by permissions, after which the
+  tier turns read-only with one warning) writes, moves and deletes nothing: damaged entries
+  are hidden from this process only, and every write is a no-op returning False.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from qcfuse_core.store.entry import (
     header_length,
     parse_header,
 )
-from qcfuse_core.store.manifest import EntryRow, Manifest, SidecarRow
+from qcfuse_core.store.base import ReadOnlyStoreError
+from qcfuse_core.store.manifest import EntryRow, Manifest, SidecarRow, is_read_only
 from qcfuse_core.store.sidecar import Sidecar, decode_sidecar, encode_sidecar
 from qcfuse_core.store.tier import TierStats
 from qcfuse_core.types import ChunkKey, hash_token_ids
@@ -81,6 +85,7 @@ class DiskTier:
     def __init__(
         self, root: Path | str, storage: str = "auto", *, capacity_bytes: int | None = None,
         alloc: Alloc = plain_alloc, io_threads: int = 8, durable: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.root = Path(root)
         self.durable = durable  # fsync every file before publishing it (see store/atomic.py)
@@ -89,10 +94,14 @@ class DiskTier:
             raise ValueError(f"disk capacity must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.alloc = alloc
-        (self.root / DATA_DIR).mkdir(parents=True, exist_ok=True)
-        self.manifest = Manifest(self.root / MANIFEST_NAME)
+        self.read_only = read_only
+        if not read_only:
+            (self.root / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        self.manifest = Manifest(self.root / MANIFEST_NAME, read_only=read_only)
         self.stats = TierStats()
         self.degraded = False
+        self._hidden: set[ChunkKey] = set()  # read-only: damaged entries this process skips
+        self._hidden_sidecars: set[ChunkKey] = set()
         self._located: OrderedDict[ChunkKey, _Located] = OrderedDict()
         self._lock = threading.RLock()
         self.io_threads = io_threads
@@ -113,22 +122,40 @@ class DiskTier:
             logger.warning("KV store %s: disk full (%s); no more disk writes (memory tiers and recompute still serve)",
                            self.root, exc)
 
+    def _turn_read_only(self, exc: BaseException) -> None:
+        if not self.read_only:
+            self.read_only = True
+            logger.warning("KV store %s is not writable (%s); answering from what is stored, nothing more is "
+                           "written", self.root, exc)
+
     def guard(self, fn: Callable[[], bool]) -> bool:
         """Run a write. A full disk degrades the tier (one warning, then every write is a
-        counted no-op); any other error propagates."""
+        counted no-op); a write refused by permissions turns the tier read-only (one
+        warning, then every write is a no-op); any other error propagates."""
+        if self.read_only:
+            return False
         if self.degraded:
             self.stats.write_failures += 1
             return False
         try:
             return fn()
+        except ReadOnlyStoreError as e:
+            self._turn_read_only(e)
+            return False
         except OSError as e:
             if is_disk_full(e):
                 self._degrade(e)
+                return False
+            if is_read_only(e):
+                self._turn_read_only(e)
                 return False
             raise
         except sqlite3.OperationalError as e:
             if _sqlite_full(e):
                 self._degrade(e)
+                return False
+            if is_read_only(e):
+                self._turn_read_only(e)
                 return False
             raise
 
@@ -139,13 +166,20 @@ class DiskTier:
             self.stats.corrupt += 1
             self.stats.misses += 1
             self._located.pop(key, None)
+            if self.read_only:  # never delete what we cannot rewrite: skip it in this process
+                self._hidden.add(key)
+                return
         try:
             if self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path):
                 (self.root / row.path).unlink(missing_ok=True)
-        except (OSError, sqlite3.Error) as e:
+        except (OSError, sqlite3.Error, ReadOnlyStoreError) as e:
             logger.warning("KV store: could not remove damaged entry %s: %s", key, e)
+            with self._lock:
+                self._hidden.add(key)
 
     def _lookup(self, key: ChunkKey) -> EntryRow | None:
+        if key in self._hidden:
+            return None
         try:
             return self.manifest.lookup(key.to_string(), FORMAT_VERSION, self.storage)
         except sqlite3.Error as e:
@@ -186,6 +220,7 @@ class DiskTier:
                 (self.root / old.path).unlink(missing_ok=True)
             with self._lock:
                 self._located.pop(key, None)
+                self._hidden.discard(key)
             self._enforce_capacity()
         return True
 
@@ -217,10 +252,10 @@ class DiskTier:
             return None
         self.stats.hits += 1
         self.stats.bytes_read += row.nbytes
-        if time.time() - row.last_access > _TOUCH_EVERY_S:
+        if time.time() - row.last_access > _TOUCH_EVERY_S and not self.read_only:
             try:
                 self.manifest.touch(row.chunk_key, row.format_version, row.storage, time.time())
-            except sqlite3.Error:
+            except (sqlite3.Error, ReadOnlyStoreError):
                 pass  # recency is advisory (gc order); the read itself succeeded
         return image
 
@@ -442,6 +477,9 @@ class DiskTier:
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             self._located.pop(key, None)
+            if self.read_only:
+                self._hidden.add(key)
+                return False
         row = self._lookup(key)
         if row is None:
             return False
@@ -453,6 +491,8 @@ class DiskTier:
 
     def drop_orphan_sidecars(self, chunk_key: str | None = None) -> int:
         """Remove sidecars whose chunk has no entry left (puts write the entry first)."""
+        if self.read_only:
+            return 0
         n = 0
         for side in self.manifest.orphan_sidecars(chunk_key):
             if self.manifest.remove_sidecar(side.chunk_key, side.format_version, side.path):
@@ -481,6 +521,7 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
             if replaced is not None:
                 (self.root / replaced).unlink(missing_ok=True)
+            self._hidden_sidecars.discard(key)
             self.stats.bytes_written += len(blob)
             return True
 
@@ -488,6 +529,8 @@ class DiskTier:
 
     def read_sidecar(self, key: ChunkKey) -> Sidecar | None:
         """The verified sidecar, or None (absent, or damaged: then logged, counted, removed)."""
+        if key in self._hidden_sidecars:
+            return None
         try:
             row = self.manifest.lookup_sidecar(key.to_string(), FORMAT_VERSION)
         except sqlite3.Error as e:
@@ -509,8 +552,15 @@ class DiskTier:
             logger.warning("KV store: sidecar of %s unusable (%s); treated as a miss", key, reason)
             with self._lock:
                 self.stats.corrupt += 1
-            if self.manifest.remove_sidecar(row.chunk_key, row.format_version, row.path):
-                (self.root / row.path).unlink(missing_ok=True)
+            if self.read_only:
+                self._hidden_sidecars.add(key)
+                return None
+            try:
+                if self.manifest.remove_sidecar(row.chunk_key, row.format_version, row.path):
+                    (self.root / row.path).unlink(missing_ok=True)
+            except (OSError, sqlite3.Error, ReadOnlyStoreError) as e:
+                logger.warning("KV store: could not remove damaged sidecar of %s: %s", key, e)
+                self._hidden_sidecars.add(key)
             return None
         self.stats.bytes_read += len(blob)
         return side

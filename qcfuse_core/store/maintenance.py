@@ -1,21 +1,33 @@
 """Offline upkeep of a disk tier: verify every entry, collect garbage, clear.
 
-Orphans are files under `data/` that no manifest row names: temporary files of a writer that
-died, or a file published by a writer killed before its manifest commit. Neither is ever
-read. Files younger than `grace_s` are left alone, since a live writer in another process
-may be about to commit them.
+A file under `data/` that no manifest row names is either
+- *unindexed*: an intact entry or sidecar (its header names its key, every checksum and the
+  token-id hash agree, its name carries the tag of its checksums) - e.g. after the manifest
+  was lost or replaced. It is never removed; `repair` indexes it again;
+- an *orphan*: a temporary file of a writer that died, a file published by a writer killed
+  before its manifest commit that does not verify, or a second copy of an indexed entry.
+  Orphans are never read; `remove` deletes them. Files younger than `grace_s` are left
+  alone, since a live writer in another process may be about to commit them.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from qcfuse_core.store.atomic import TMP_PREFIX
+from qcfuse_core.store.codec import DTYPE_NAME
 from qcfuse_core.store.disk import DATA_DIR, DiskTier
-from qcfuse_core.store.entry import FORMAT_VERSION, checksum
-from qcfuse_core.types import ChunkKey
+from qcfuse_core.store.entry import (FORMAT_VERSION, EntryFormatError, EntryImage, checksum, header_length,
+                                     parse_header)
+from qcfuse_core.store.manifest import EntryRow, SidecarRow
+from qcfuse_core.store.sidecar import decode_sidecar
+from qcfuse_core.types import ChunkKey, hash_token_ids
 
 DEFAULT_GRACE_S = 600.0
 
@@ -27,11 +39,14 @@ class VerifyReport:
     bad: list[tuple[str, str]] = field(default_factory=list)  # (chunk key or path, reason)
     stale: list[str] = field(default_factory=list)  # entries of another format version
     orphans: list[str] = field(default_factory=list)  # paths relative to the store folder
+    unindexed: list[str] = field(default_factory=list)  # intact files no row names (repairable)
     removed: int = 0
+    repaired: int = 0
 
     def as_dict(self) -> dict:
         return {"checked": self.checked, "ok": self.ok, "bad": [list(b) for b in self.bad],
-                "stale": self.stale, "orphans": self.orphans, "removed": self.removed}
+                "stale": self.stale, "orphans": self.orphans, "unindexed": self.unindexed,
+                "removed": self.removed, "repaired": self.repaired}
 
 
 @dataclass
@@ -45,21 +60,80 @@ class GcReport:
         return dict(self.__dict__)
 
 
-def _orphans(disk: DiskTier, grace_s: float) -> list[Path]:
+def _unnamed(disk: DiskTier) -> list[Path]:
     named = {r.path for r in disk.manifest.entries()} | {s.path for s in disk.manifest.sidecars()}
+    data = disk.root / DATA_DIR
+    if not data.is_dir():
+        return []
+    return [p for p in sorted(data.rglob("*"))
+            if p.is_file() and p.relative_to(disk.root).as_posix() not in named]
+
+
+def _orphans(disk: DiskTier, grace_s: float) -> list[Path]:
+    """Unnamed files older than `grace_s` that are not intact entries or sidecars."""
     now = time.time()
     out = []
-    for p in sorted((disk.root / DATA_DIR).rglob("*")):
-        if not p.is_file():
-            continue
-        rel = p.relative_to(disk.root).as_posix()
+    for p in _unnamed(disk):
         try:
             old = now - p.stat().st_mtime >= grace_s
         except FileNotFoundError:
             continue
-        if rel not in named and old:
+        if old and recover_row(disk, p) is None:
             out.append(p)
     return out
+
+
+def recover_row(disk: DiskTier, path: Path) -> EntryRow | SidecarRow | None:
+    """The manifest row an unnamed file would have, if it is an intact entry or sidecar of
+    this format version at the path a writer would give it; None otherwise."""
+    if path.name.startswith(TMP_PREFIX):
+        return None
+    rel = path.relative_to(disk.root).as_posix()
+    try:
+        blob = path.read_bytes()
+        S = header_length(blob[:8])
+        meta = json.loads(blob[8:S]).get("__metadata__", {})
+        key = ChunkKey.from_string(meta.get("key", ""))
+    except (OSError, ValueError):
+        return None
+    prefix = f"{DATA_DIR}/{key.fingerprint}/{key.token_hash[:2]}/{key.token_hash}."
+    if path.name.endswith(".sidecar.safetensors"):
+        try:
+            decode_sidecar(blob, key)
+        except EntryFormatError:
+            return None
+        digest = checksum(blob)
+        if rel != f"{prefix}v{FORMAT_VERSION}.{digest[:12]}.sidecar.safetensors":
+            return None
+        return SidecarRow(key.to_string(), FORMAT_VERSION, rel, len(blob), digest)
+    storage = meta.get("storage", "")
+    try:
+        layout = parse_header(blob[:S], key, storage)
+    except EntryFormatError:
+        return None
+    if layout.file_bytes != len(blob):
+        return None
+    image = EntryImage(layout, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    sums = image.checksums()
+    if hash_token_ids(image.token_ids()) != key.token_hash:
+        return None
+    if rel != f"{prefix}{storage}.v{FORMAT_VERSION}.{checksum(''.join(sums).encode())[:12]}.safetensors":
+        return None
+    mtime = path.stat().st_mtime
+    return EntryRow(key.to_string(), FORMAT_VERSION, storage, rel, layout.file_bytes, sums, layout.num_layers,
+                    layout.num_tokens, DTYPE_NAME[layout.dtype], mtime, mtime)
+
+
+def _reindex(disk: DiskTier, row: EntryRow | SidecarRow) -> bool:
+    """Index an intact unnamed file again (unless its key already has a usable row)."""
+    m = disk.manifest
+    if isinstance(row, SidecarRow):
+        if m.lookup_sidecar(row.chunk_key, row.format_version) is not None:
+            return False
+        m.commit_sidecar(row, lambda: None)
+        return True
+    committed, _ = m.commit_entry(row, lambda: None, disk._entry_ok)
+    return committed
 
 
 def _drop_row(disk: DiskTier, chunk_key: str, version: int, storage: str, path: str) -> int:
@@ -71,8 +145,11 @@ def _drop_row(disk: DiskTier, chunk_key: str, version: int, storage: str, path: 
     return 0
 
 
-def verify(disk: DiskTier, *, remove: bool = False, grace_s: float = DEFAULT_GRACE_S) -> VerifyReport:
-    """Read and check every entry and sidecar; with `remove`, delete bad, stale and orphaned ones."""
+def verify(disk: DiskTier, *, remove: bool = False, repair: bool = False,
+           grace_s: float = DEFAULT_GRACE_S) -> VerifyReport:
+    """Read and check every entry and sidecar, then every file no row names; with `repair`,
+    index intact unnamed files again (entries before sidecars); with `remove`, delete bad,
+    stale and orphaned ones - never a file that verifies."""
     rep = VerifyReport()
     for row in disk.manifest.entries():
         rep.checked += 1
@@ -109,11 +186,30 @@ def verify(disk: DiskTier, *, remove: bool = False, grace_s: float = DEFAULT_GRA
             if remove and disk.manifest.remove_sidecar(side.chunk_key, side.format_version, side.path):
                 p.unlink(missing_ok=True)
                 rep.removed += 1
-    for p in _orphans(disk, grace_s):
-        rep.orphans.append(p.relative_to(disk.root).as_posix())
-        if remove:
-            p.unlink(missing_ok=True)
-            rep.removed += 1
+    now = time.time()
+    recovered: list[tuple[Path, EntryRow | SidecarRow]] = []
+    for p in _unnamed(disk):
+        row = recover_row(disk, p)
+        if row is not None:
+            recovered.append((p, row))
+            continue
+        try:
+            old = now - p.stat().st_mtime >= grace_s
+        except FileNotFoundError:
+            continue
+        if old:
+            rep.orphans.append(p.relative_to(disk.root).as_posix())
+            if remove:
+                p.unlink(missing_ok=True)
+                rep.removed += 1
+    recovered.sort(key=lambda pr: isinstance(pr[1], SidecarRow))  # entries first
+    for p, row in recovered:
+        if repair and _reindex(disk, row):
+            rep.repaired += 1
+        elif repair:  # another intact copy is indexed for this key: a redundant file
+            rep.orphans.append(p.relative_to(disk.root).as_posix())
+        else:
+            rep.unindexed.append(p.relative_to(disk.root).as_posix())
     return rep
 
 

@@ -13,6 +13,7 @@ writers wait rather than fail. Plain columns and JSON text only (no pickle).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import sqlite3
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from qcfuse_core.store.base import ReadOnlyStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +82,76 @@ def _entry(row: tuple) -> EntryRow:
     return EntryRow(*r)
 
 
+def is_corrupt(e: sqlite3.Error) -> bool:
+    """The file is not a (usable) database - as opposed to one we may not write."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or "manifest schema" in str(e)
+
+
+def is_read_only(e: BaseException) -> bool:
+    """A write refused by permissions or a read-only file system (SQLite or the OS)."""
+    if isinstance(e, sqlite3.Error):
+        code = getattr(e, "sqlite_errorcode", None)
+        return (code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+                or "readonly database" in str(e) or "unable to open database" in str(e))
+    return isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 class Manifest:
-    def __init__(self, path: Path, *, busy_timeout_s: float = 60.0) -> None:
+    """read_only: opened without ever writing (no schema creation, no journal files); a
+    missing or damaged file reads as an empty manifest. A writable manifest that is damaged
+    (not a database, a foreign schema) is set aside and started empty; one that merely
+    cannot be written raises `ReadOnlyStoreError` - it is never moved."""
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 60.0, read_only: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._busy_timeout_s = busy_timeout_s
+        self.read_only = read_only
+        if read_only:
+            self._conn = self._open_read_only()
+            return
         try:
             self._conn = self._open()
-        except sqlite3.DatabaseError as e:  # not a database / foreign schema: set aside
+        except sqlite3.DatabaseError as e:
+            if not is_corrupt(e):
+                if is_read_only(e):
+                    raise ReadOnlyStoreError(f"the KV manifest {self.path} is not writable ({e})") from e
+                raise
             aside = self.path.with_name(f"{self.path.name}.bad-{int(time.time())}")
-            logger.warning("manifest %s unusable (%s); moved to %s, starting empty", self.path, e, aside)
+            logger.warning("manifest %s unusable (%s); moved to %s, starting empty (`qcfuse store verify "
+                           "--repair` re-indexes the entries)", self.path, e, aside)
             for suffix in ("", "-wal", "-shm"):
                 p = Path(str(self.path) + suffix)
                 if p.exists():
                     p.rename(Path(str(aside) + suffix))
             self._conn = self._open()
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """mode=ro first (sees a live writer's WAL); immutable=1 when even the -shm file
+        cannot be made (a read-only folder); an in-memory empty manifest when the file is
+        absent or damaged."""
+        if self.path.is_file():
+            for flags in ("mode=ro", "mode=ro&immutable=1"):
+                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?{flags}", uri=True,
+                                       timeout=self._busy_timeout_s, isolation_level=None,
+                                       check_same_thread=False)
+                try:
+                    row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+                    conn.execute("SELECT COUNT(*) FROM entries").fetchone()
+                    if row is not None and row[0] != str(SCHEMA_VERSION):
+                        raise sqlite3.DatabaseError(f"manifest schema {row[0]}, expected {SCHEMA_VERSION}")
+                    return conn
+                except sqlite3.DatabaseError as e:
+                    conn.close()
+                    if is_corrupt(e) or "no such table" in str(e):
+                        logger.warning("manifest %s unusable (%s); read-only: every entry is a miss", self.path, e)
+                        break
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        for stmt in _SCHEMA.strip().split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        return conn
 
     def _open(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -122,6 +180,8 @@ class Manifest:
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """An exclusive-writer transaction (BEGIN IMMEDIATE), rolled back on error."""
+        if self.read_only:
+            raise ReadOnlyStoreError(f"the KV manifest {self.path} is open read-only")
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -255,6 +315,10 @@ class Manifest:
             rows = self._query("SELECT chunk_key FROM nodes WHERE node_id=? AND fingerprint=?",
                                (node_id, fingerprint))
         return rows[0][0] if rows else None
+
+    def node_links(self) -> list[tuple[str, str]]:
+        """(node id, chunk key) of every link."""
+        return [(n, k) for n, k in self._query("SELECT node_id, chunk_key FROM nodes")]
 
     def num_nodes(self) -> int:
         return int(self._query("SELECT COUNT(*) FROM nodes")[0][0])

@@ -12,13 +12,16 @@ What must hold:
   such as scattering recomputed rows, never reach a cached entry);
 - nothing here raises to the engine on a damaged or missing entry: that is a miss;
 - when the disk is full, puts still fill the memory tiers (counted as write failures), and
-  every answer is still served (from memory or by recomputing).
+  every answer is still served (from memory or by recomputing);
+- a read-only store (`read_only=True`, or auto-detected by `open_store`) answers from what
+  is stored and keeps what it computes in memory only; nothing on disk changes.
 GPU tier: only when CUDA is present; the host tier is pinned then, plain memory otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from qcfuse_core.store.base import ChunkStore, StoreStats
+from qcfuse_core.store.base import ChunkStore, ReadOnlyStoreError, StoreStats
 from qcfuse_core.store.codec import check_storage_name, decode_layer
 from qcfuse_core.store.disk import DiskTier, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, encode_chunk
@@ -130,7 +133,7 @@ def _set_pinned_register() -> bool:
 
 class TieredStore(ChunkStore):
     def __init__(self, root: Path | str, config: StoreConfig = StoreConfig(), *,
-                 use_cuda: bool | None = None) -> None:
+                 use_cuda: bool | None = None, read_only: bool = False) -> None:
         self.config = config
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         policy = get_policy(config.policy)
@@ -138,7 +141,8 @@ class TieredStore(ChunkStore):
                     if self.cuda and config.gpu_bytes > 0 else None)
         self.host = MemoryTier("host", "cpu", config.memory_bytes, policy, pin=self.cuda)
         self.disk = DiskTier(root, config.storage_dtype, capacity_bytes=config.disk_bytes,
-                             alloc=_pinned_alloc if self.cuda else plain_alloc, durable=config.durable)
+                             alloc=_pinned_alloc if self.cuda else plain_alloc, durable=config.durable,
+                             read_only=read_only)
         self._stats = StoreStats()
         self._sidecars: OrderedDict[ChunkKey, Sidecar] = OrderedDict()
         self._sidecar_bytes = 0
@@ -277,14 +281,15 @@ class TieredStore(ChunkStore):
         pageable copy on the writers stalled the compute; a released pinned block goes back to
         torch's pinned cache and serves the next chunk, see `prepare_bulk`.)"""
         key = chunk.key
-        if not (self.disk.contains(key) or (self.disk.degraded and key in self.host)):
-            keep = not bulk or self.host.has_room(self._entry_bytes(chunk)) or self.disk.degraded
+        memory_only = self.disk.degraded or self.disk.read_only
+        if not (self.disk.contains(key) or (memory_only and key in self.host)):
+            keep = not bulk or self.host.has_room(self._entry_bytes(chunk)) or memory_only
             image = encode_chunk(chunk, self.config.storage_dtype, pin=self.cuda)
             stored = self.disk.write(image)  # the entry before its sidecar (see gc)
             if keep:
                 self.host.put(image)
             self._count(puts=1, bytes_written=image.nbytes if stored else 0,
-                        write_failures=int(not stored))
+                        write_failures=int(not stored and not self.disk.read_only))
         layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
         if chunk.anchors or layers or anchors or layer_keys:
             self.put_sidecar(key, anchors={**chunk.anchors, **(anchors or {})},
@@ -398,7 +403,7 @@ class TieredStore(ChunkStore):
         evictions = sum(t.stats.evictions for t in self.memory_tiers) + self.disk.stats.evictions
         with self._lock:
             counters = self._stats.as_dict()
-        return {"backend": "tiered", "degraded": self.disk.degraded, **counters,
+        return {"backend": "tiered", "degraded": self.disk.degraded, "read_only": self.disk.read_only, **counters,
                 "corrupt": self.disk.stats.corrupt, "evictions": evictions}
 
     def stats(self) -> dict:
@@ -412,7 +417,7 @@ class TieredStore(ChunkStore):
         with self._lock:
             counters = self._stats.as_dict()
         s = counters | {"corrupt": corrupt, "evictions": evictions}
-        return {"backend": "tiered", "format_version": FORMAT_VERSION,
+        return {"backend": "tiered", "format_version": FORMAT_VERSION, "read_only": self.disk.read_only,
                 "storage_dtype": self.config.storage_dtype, "policy": self.config.policy,
                 "entries": entries, "degraded": self.disk.degraded, **s, "tiers": tiers}
 
@@ -426,9 +431,39 @@ def open_store(
     path: Path | str, *, memory_bytes: int = 2 * GiB, gpu_bytes: int = 2 * GiB,
     storage_dtype: str = "auto", policy: str = "lru", disk_bytes: int | None = None,
     sidecar_layers: Sequence[int] = (), use_cuda: bool | None = None, durable: bool = False,
+    read_only: bool | None = None,
 ) -> TieredStore:
-    """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`)."""
+    """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`).
+
+    read_only: None (default) opens it read-only when it is not writable (one warning);
+    True never writes; False expects to write (a refused write still turns it read-only)."""
     config = StoreConfig(memory_bytes=memory_bytes, gpu_bytes=gpu_bytes, disk_bytes=disk_bytes,
                          storage_dtype=storage_dtype, policy=policy,
                          sidecar_layers=tuple(sidecar_layers), durable=durable)
-    return TieredStore(path, config, use_cuda=use_cuda)
+    if read_only is None:
+        read_only = not writable(path)
+        if read_only:
+            logger.warning("KV store %s is not writable: opened read-only (answers from what is stored; "
+                           "nothing computed is stored)", path)
+    try:
+        return TieredStore(path, config, use_cuda=use_cuda, read_only=read_only)
+    except ReadOnlyStoreError as e:
+        logger.warning("%s: opened read-only", e)
+        return TieredStore(path, config, use_cuda=use_cuda, read_only=True)
+
+
+def writable(path: Path | str) -> bool:
+    """Can a store in folder `path` be written: the folder (or, while it does not exist,
+    its nearest existing parent), its data folder and its manifest files."""
+    from qcfuse_core.store.disk import DATA_DIR, MANIFEST_NAME
+
+    p = Path(path)
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        return False
+    names = [DATA_DIR] + [MANIFEST_NAME + s for s in ("", "-wal", "-shm")]
+    return all(os.access(p / n, os.W_OK) for n in names if (p / n).exists())
