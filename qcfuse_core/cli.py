@@ -80,7 +80,9 @@ def _collection(store: Path, *, read_only: bool = False):
     if (read_only or not _tree_writable(path)) and path.exists():
         tmp = Path(tempfile.mkdtemp(prefix="qcfuse-chroma-ro-"))
         atexit.register(shutil.rmtree, tmp, True)
-        shutil.copytree(path, tmp / "chroma")
+        shutil.copytree(path, tmp / "chroma", copy_function=shutil.copyfile)
+        for q in [tmp / "chroma", *(tmp / "chroma").rglob("*")]:  # the copy is ours to write, whatever the source's modes
+            q.chmod(q.stat().st_mode | 0o700 if q.is_dir() else 0o600)
         path = tmp / "chroma"
     try:
         import chromadb.errors as chroma_errors

@@ -90,8 +90,20 @@ def default_model_dir() -> Path:
     tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:10]
     target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{tag}"
     if not (target / "config.json").is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=target.parent, prefix=".probe-")
+            probe.close()
+        except OSError as e:
+            raise CacheDirError(
+                f"the cache dir {cache_dir()} is not usable ({e.strerror or e}); the embedded model is converted "
+                f"there once - set QCFUSE_CACHE_DIR to a writable folder") from None
         _convert_gguf(gguf, target)
     return target
+
+
+class CacheDirError(ValueError):
+    """QCFuse's cache dir cannot be created or written (names QCFUSE_CACHE_DIR as the fix)."""
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -150,7 +162,9 @@ def load_model(
     )
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     model.to(device).eval()
-    return ModelAdapter(model, tokenizer, name=folder.name)
+    from qcfuse_core.fingerprint import weights_digest
+
+    return ModelAdapter(model, tokenizer, name=folder.name, weights_digest=weights_digest(folder))
 
 
 # ----------------------------------------------------------------------------- adapter
@@ -169,7 +183,8 @@ class ModelShape:
 class ModelAdapter:
     """Per-layer operations over token rows of a supported HF decoder (batch 1)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, name: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, name: str | None = None,
+                 weights_digest: str | None = None) -> None:
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -198,6 +213,7 @@ class ModelAdapter:
             window = window if getattr(cfg, "use_sliding_window", False) else None
         self.sliding_window: int | None = window
         self._fingerprint: str | None = None
+        self.weights_digest = weights_digest  # content hash of the weight files (fingerprint.py)
         # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
         # as single-pass kernels on a kernel backend (the reference computes exactly what HF
         # does); anything else goes through the HF modules.
@@ -301,21 +317,29 @@ class ModelAdapter:
 
     # -- identity
     def fingerprint(self) -> str:
-        """16 hex chars identifying model weights, config, dtype and tokenizer.
+        """16 hex chars identifying model weights, config, dtype and tokenizer - never the
+        folder the model was loaded from (a moved cache dir keeps every cache).
 
-        Weights are sampled (first and last 32 values of every tensor, plus shapes) so this
-        stays cheap for 8B models while changing whenever a checkpoint differs.
+        Weights: the content hash of the weight files (`weights_digest`, computed once per
+        file and cached) when loaded from a folder; otherwise (a model built in memory) a
+        sample of every tensor (first and last 32 values, plus shapes).
         """
         if self._fingerprint is None:
             h = hashlib.sha256()
             h.update(self.arch.encode())
-            h.update(self.model.config.to_json_string(use_diff=False).encode())
+            config = json.loads(self.model.config.to_json_string(use_diff=False))
+            for path_key in ("_name_or_path", "_model_name_or_path", "_commit_hash"):
+                config.pop(path_key, None)
+            h.update(json.dumps(config, sort_keys=True).encode())
             h.update(str(self.dtype).encode())
-            for name, p in self.model.state_dict().items():
-                flat = p.detach().reshape(-1)
-                h.update(f"{name}:{tuple(p.shape)}".encode())
-                sample = torch.cat([flat[:32], flat[-32:]]).to("cpu", torch.float32)
-                h.update(sample.numpy().tobytes())
+            if self.weights_digest is not None:
+                h.update(f"weights:{self.weights_digest}".encode())
+            else:
+                for name, p in self.model.state_dict().items():
+                    flat = p.detach().reshape(-1)
+                    h.update(f"{name}:{tuple(p.shape)}".encode())
+                    sample = torch.cat([flat[:32], flat[-32:]]).to("cpu", torch.float32)
+                    h.update(sample.numpy().tobytes())
             if self.tokenizer is not None:
                 vocab = self.tokenizer.get_vocab()
                 h.update(json.dumps(sorted(vocab.items())).encode())

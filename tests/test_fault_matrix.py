@@ -225,6 +225,7 @@ def test_read_only_store(store, baseline_answer, capsys):
     for f in (store / "kv").rglob("*.sidecar.safetensors"):  # one damaged part: computed, not stored
         _flip_bytes(f)
         break
+    docs = _write_docs(store.parent / "docs", {"new.md": "A new note about the Veyla ferry timetable."})
     before = _snapshot(store)
     _read_only(store)
     try:
@@ -234,15 +235,21 @@ def test_read_only_store(store, baseline_answer, capsys):
         assert "read-only" in proc.stderr
         r = json.loads(proc.stdout)
         assert r["answer"] == baseline_answer["answer"]
-        proc = _subprocess(["ingest", str(store.parent), "--store", str(store)], drop_caps=True)
+        proc = _subprocess(["ingest", str(docs), "--store", str(store)], drop_caps=True)
         assert proc.returncode != 0
         _one_line_error(proc, "read-only")
-        proc = _subprocess(["ask", QUESTION, "--store", str(store), "--read-only", *ASK], drop_caps=True)
-        assert proc.returncode == 0 and json.loads(proc.stdout)["answer"] == baseline_answer["answer"]
     finally:
         _writable(store)
     assert _snapshot(store) == before  # nothing written, moved or deleted
     assert not list(store.rglob("*.bad-*"))
+    # the flag, on a writable store: the same, in this process
+    for f in (store / "kv").rglob("*.safetensors"):
+        _flip_bytes(f)
+        break
+    before = _snapshot(store)
+    r = _ask(capsys, store, QUESTION, "--read-only")
+    assert r["answer"] == baseline_answer["answer"]
+    assert _snapshot(store) == before
 
 
 def test_read_only_manifest_only(store, baseline_answer, capsys):

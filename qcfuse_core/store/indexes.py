@@ -56,7 +56,15 @@ class IndexReport:
 
 
 def _ro(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+    """Read-only: mode=ro sees the write-ahead log; immutable=1 when a read-only folder
+    cannot take the -shm file mode=ro needs."""
+    uri = path.resolve().as_uri()
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
 
 
 def check_chunk_texts(path: Path) -> IndexState:
@@ -84,7 +92,9 @@ def _chroma_copy(path: Path):
 
     tmp = Path(tempfile.mkdtemp(prefix="qcfuse-chroma-check-"))
     try:
-        shutil.copytree(path, tmp / CHROMA)
+        shutil.copytree(path, tmp / CHROMA, copy_function=shutil.copyfile)
+        for q in [tmp / CHROMA, *(tmp / CHROMA).rglob("*")]:  # the copy is ours to write, whatever the source's modes
+            q.chmod(q.stat().st_mode | 0o700 if q.is_dir() else 0o600)
         yield open_collection(tmp / CHROMA)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
