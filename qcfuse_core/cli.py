@@ -181,14 +181,14 @@ def ingest_chunks(engine, collection, chunks: list[Chunk], progress: bool = True
                 not_stored += sum(1 for c in batch if c.id in todo_ids)
                 bar.update(len(batch))
                 continue
-            before = disk.stats.write_failures if disk is not None else 0
-            engine.build_chunks([c.text for c in batch], [c.id for c in batch])
-            n_new = sum(1 for c in batch if c.id in todo_ids)
-            failed = (disk.stats.write_failures - before) if disk is not None else 0
-            built += n_new
-            not_stored += min(n_new, failed)
+            keys = engine.build_chunks([c.text for c in batch], [c.id for c in batch])
+            for c, key in zip(batch, keys):
+                if c.id in todo_ids:
+                    on_disk = disk is None or disk.contains(key)
+                    built += on_disk
+                    not_stored += not on_disk
             bar.update(len(batch))
-    return {"chunks": len(chunks), "new_in_chroma": indexed, "caches_built": built - not_stored,
+    return {"chunks": len(chunks), "new_in_chroma": indexed, "caches_built": built,
             "caches_not_stored": not_stored, "index_error": index_error,
             "disk_full": bool(index_error) or bool(disk is not None and disk.degraded)}
 

@@ -129,7 +129,8 @@ def check(root: Path, linked_nodes: set[str] | None = None) -> IndexReport:
     rep = IndexReport(texts, chroma)
     if texts.ok and chroma.ok and texts.present and chroma.present and texts.rows != chroma.rows:
         rep.notes.append(f"the chunk-text index has {texts.rows} texts, the vector index {chroma.rows} chunks "
-                         f"(texts under 32 characters are not in the chunk-text index)")
+                         f"(it never holds texts under 32 characters; others are missing after a full disk or a "
+                         f"read-only run - the same `qcfuse ingest` again adds them)")
     if linked_nodes is not None and chroma.ok and ids:
         uncached = len(ids - linked_nodes)
         if uncached:
