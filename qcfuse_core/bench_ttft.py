@@ -490,34 +490,34 @@ def add_ttft_parser(bench_sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shape", default=None,
                    help=f"random weights of a named shape: {', '.join(SHAPES)} (or tiny-llama etc. for tests)")
-    g.add_argument("--model", default=None, help="local HF model folder, or 'embedded' (default)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    g.add_argument("--model", default=None, help="local HF model folder, or 'embedded' (None: embedded)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
+    p.add_argument("--chunks", type=int, default=8, help="chunks per prompt")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--context-sizes", type=parse_size, nargs="+", default=None, metavar="CxN",
                    help="sweep context sizes in one run, e.g. 4x1024 10x1024 (overrides --chunks/--chunk-tokens)")
-    p.add_argument("--query-tokens", type=int, default=32)
+    p.add_argument("--query-tokens", type=int, default=32, help="tokens of the question")
     p.add_argument("--prefix-tokens", type=int, default=16, help="tokens of the system prompt (the prefix's text)")
-    p.add_argument("--tier", nargs="+", default=["host"], choices=["gpu", "host", "disk"])
+    p.add_argument("--tier", nargs="+", default=["host"], choices=["gpu", "host", "disk"], help="where the chunk caches are")
     p.add_argument("--storage-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp8"],
                    help="dtype the store writes chunks in (fp8-e4m3 with per-head scales: half of bf16)")
-    p.add_argument("--methods", nargs="+", default=["full", "qcfuse", "cacheblend", "naive"])
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    p.add_argument("--methods", nargs="+", default=["full", "qcfuse", "cacheblend", "naive"], help="methods to time")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3], help="recompute ratios")
     p.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                    help="also time qcfuse with these selection options (QCFuseOptions), reported as LABEL; "
                         "repeatable, e.g. qcfuse-dev2:deviation_pool=2")
     p.add_argument("--runs", type=int, default=10, help="timed runs per configuration (median)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--breakdown-runs", type=int, default=3,
                    help="extra runs per configuration with synchronised stages (the breakdown columns)")
     p.add_argument("--ingest-chunks", type=int, default=0,
                    help="also time engine.build_chunks on this many fresh chunks of the largest size")
-    p.add_argument("--store", default=None, help="store folder (default: a new temp folder)")
-    p.add_argument("--rates", default=None, help="planner rates JSON (default: next to the store)")
+    p.add_argument("--store", default=None, help="store folder (None: a new temp folder)")
+    p.add_argument("--rates", default=None, help="planner rates JSON (None: next to the store)")
     p.add_argument("--remeasure", action="store_true", help="measure rates even if the JSON exists")
     p.add_argument("--no-planner", action="store_true", help="load every chunk (no load/recompute planning)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU intra-op threads for every request (0: the engine's policy, qcfuse_core/threads.py)")
     p.add_argument("--json", default=None, help="write rows + environment to this file")

@@ -25,30 +25,31 @@ log = logging.getLogger(__name__)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default: agreement metrics need it) | bf16 | fp16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--model", default=None, help="local HF folder (None: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (agreement metrics need fp32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's default)")
 
 
 def _selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--anchors", dest="anchor_method", default="keynorm", choices=("keynorm", "repeat"))
-    p.add_argument("--anchor-share", type=float, default=0.125)
+    p.add_argument("--anchors", dest="anchor_method", default="keynorm", choices=("keynorm", "repeat"),
+                   help="how anchors are picked at ingestion")
+    p.add_argument("--anchor-share", type=float, default=0.125, help="share of each chunk's tokens kept as anchors")
     p.add_argument("--critical-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated layers (default: the model's profile / preset)")
+                   help="comma-separated layers (None: the model's profile / preset)")
 
 
 def add_commands(sub) -> None:
     p = sub.add_parser("profile-layers", help="rank layers for query-aware selection on a calibration set")
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--dataset", required=True, help="calibration QA set (.json/.jsonl)")
+    p.add_argument("--limit", type=int, default=8, help="questions to profile on")
+    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio the profile is made at")
     p.add_argument("--top", type=int, default=3, help="how many layers the profile keeps (greedy: at most)")
     p.add_argument("--search", default="singles", choices=("singles", "greedy"),
                    help="singles: the best layers by their own KL; greedy: grow a set from the best layer, "
                         "adding the layer that lowers the set's KL most (~top x the fused prefills, "
                         "every example kept in memory)")
-    p.add_argument("--out", default=None, help="profile JSON (default: the user profile dir, keyed by fingerprint)")
+    p.add_argument("--out", default=None, help="profile JSON (None: the user profile dir, keyed by fingerprint)")
     _model_args(p)
     _selection_args(p)
     p.set_defaults(func=cmd_profile_layers)
@@ -69,17 +70,18 @@ def add_commands(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="every method on the same prompts vs full prefill and gold")
-    q.add_argument("--dataset", nargs="+", required=True)
-    q.add_argument("--methods", nargs="+", default=None)
-    q.add_argument("--ratios", nargs="+", type=float, default=[0.15, 0.3])
-    q.add_argument("--limit", type=int, default=None)
-    q.add_argument("--offset", type=int, default=0)
-    q.add_argument("--max-new-tokens", type=int, default=32)
-    q.add_argument("--budget", default="fixed", choices=("fixed", "adaptive"))
-    q.add_argument("--target-mass", type=float, default=0.8)
+    q.add_argument("--dataset", nargs="+", required=True, help="QA dataset files (.json/.jsonl)")
+    q.add_argument("--methods", nargs="+", default=None, help="methods to compare (None: every method)")
+    q.add_argument("--ratios", nargs="+", type=float, default=[0.15, 0.3], help="recompute ratios")
+    q.add_argument("--limit", type=int, default=None, help="questions per dataset (None: all)")
+    q.add_argument("--offset", type=int, default=0, help="skip this many questions first")
+    q.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per answer")
+    q.add_argument("--budget", default="fixed", choices=("fixed", "adaptive"),
+                   help="fixed: ratio x context rows; adaptive: rows until --target-mass of attention")
+    q.add_argument("--target-mass", type=float, default=0.8, help="attention mass the adaptive budget covers")
     q.add_argument("--json", required=True, help="table rows (list of objects)")
-    q.add_argument("--jsonl", default=None, help="per-example records, appended (default: JSON path + .records.jsonl)")
-    q.add_argument("--plot", default=None)
+    q.add_argument("--jsonl", default=None, help="per-example records, appended (None: JSON path + .records.jsonl)")
+    q.add_argument("--plot", default=None, help="also draw the table to this PNG")
     q.add_argument("--option", action="append", default=[], type=_selection_option, metavar="KEY=VALUE[,KEY=VALUE]",
                    help="selection options for the query-aware methods (QCFuseOptions), e.g. deviation_pool=2; "
                         "recorded with each of their records")

@@ -487,6 +487,7 @@ def test_loader_error_in_one_request(baseline, baseline_answer, monkeypatch):
         engine.answer(QUESTION, docs, node_ids=ids, method="qcfuse", max_new_tokens=8)
     except Exception as e:  # the failed request may raise; it must not poison the next one
         assert "Input/output" in str(e) or "prefetch" in str(e)
+    assert not state["fail"], "the loader never read from disk: the fault was not injected"
     for t in engine.store.memory_tiers:
         t.clear()
     r = engine.answer(QUESTION, docs, node_ids=ids, method="qcfuse", max_new_tokens=8)
