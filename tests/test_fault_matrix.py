@@ -216,10 +216,14 @@ def _writable(path: Path) -> None:
 
 
 def _snapshot(path: Path, *, shm: bool = True) -> dict[str, tuple[int, int]]:
-    """Size and mtime of every file; shm=False leaves out SQLite's -shm files (the shared
-    lock index a reader of a writable WAL database updates; it holds no store data)."""
+    """Size and mtime of every file; shm=False leaves out SQLite's -shm files and empty -wal
+    files (the lock index and log a reader of a writable WAL database creates; they hold no
+    store data)."""
+    def kept(p: Path) -> bool:
+        return shm or not (p.name.endswith("-shm") or (p.name.endswith("-wal") and p.stat().st_size == 0))
+
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in path.rglob("*") if p.is_file() and (shm or not p.name.endswith("-shm"))}
+            for p in path.rglob("*") if p.is_file() and kept(p)}
 
 
 def test_read_only_store(store, baseline_answer, capsys):

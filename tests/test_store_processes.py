@@ -133,8 +133,12 @@ def test_writer_killed_mid_write(tmp_path, mode):
             assert n >= 3
         rep = verify(s.disk, remove=True, grace_s=0)
         assert rep.bad == [] and rep.ok == n
-        if mode in ("data", "commit"):
-            assert len(rep.orphans) == 1  # the tmp file, or the published but uncommitted file
+        if mode == "data":
+            assert len(rep.orphans) == 1  # the tmp file
+        if mode == "commit":  # the published but uncommitted file is intact: kept, and indexed by repair
+            assert rep.orphans == [] and len(rep.unindexed) == 1
+            assert verify(s.disk, repair=True, grace_s=0).repaired == 1
+            assert torch.equal(s.get(make_chunk(1).key).k, make_chunk(1).k)
         assert verify(s.disk, grace_s=0).orphans == []
         s.put(make_chunk(1))  # the store is writable again (no stale SQLite lock)
         assert s.get(make_chunk(1).key) is not None
