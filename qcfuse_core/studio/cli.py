@@ -25,8 +25,8 @@ def add_commands(sub) -> None:
     p.add_argument("--model", action="append", default=[], metavar="DIR",
                    help="local HF model folder to offer (repeatable; the first is loaded; default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)")
     p.add_argument("--max-upload-mb", type=float, default=1.0, help="largest file the page may upload (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up answers before serving")
