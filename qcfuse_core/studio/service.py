@@ -379,6 +379,7 @@ class StudioService:
         from qcfuse_integrations.embedder import get_embedder
 
         progress = progress or (lambda stage, done, total: None)
+        chunks = list({c.id: c for c in chunks}.values())  # a repeated paragraph or file: once
         existing = set(self.collection.get(ids=[c.id for c in chunks], include=[])["ids"]) if chunks else set()
         new = [c for c in chunks if c.id not in existing]
         embedder = get_embedder()
