@@ -59,13 +59,13 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
 
 
 def test_plain_prompt_frame_for_the_base_model(gemma):
-    """No chat template: BOS, the system line, the documents, the question, a newline."""
+    """No chat template: BOS, the system line, the documents, the question, "Answer:"."""
     eng = QCFuseEngine(gemma)
     prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("Who?", ["A doc."]), caches=False)
     ids = prompt.token_ids.tolist()
     assert ids[0] == gemma.tokenizer.bos_token_id and ids.count(gemma.tokenizer.bos_token_id) == 1
     text = gemma.tokenizer.decode(ids)
-    assert text.startswith("<bos>" + eng.config.system_prompt + "\n\n") and text.endswith("\n")
+    assert text.startswith("<bos>" + eng.config.system_prompt + "\n\n") and text.endswith("\nAnswer:")
     assert "<start_of_turn>" not in text
 
 
