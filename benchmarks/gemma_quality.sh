@@ -7,6 +7,8 @@
 #     bash benchmarks/gemma_quality.sh          # runs until every question is done, then the table
 #     bash benchmarks/gemma_quality.sh table    # only rebuild quality.json / .png / .summary.json
 # Full prefill's per-question outputs are kept in $R/reference (not committed) for reruns.
+# The table step also rebuilds SmolLM2-135M's table over the same questions from its
+# committed records ($R/quality_smollm2_same_questions.json), for the side-by-side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results/quality/gemma3
@@ -30,4 +32,17 @@ cat $R/hotpot.records.jsonl $R/musique.records.jsonl $R/wikimqa.records.jsonl > 
 $PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
     $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.all.records.jsonl \
     --json $R/quality.json --plot $R/quality.png
-rm -f $R/.all.records.jsonl $R/.*.part.json
+# SmolLM2-135M on the same questions (its committed records), for the side-by-side table
+$PY - "$R/.all.records.jsonl" benchmarks/results/quality/{hotpot,musique,wikimqa}.records.jsonl > $R/.smol.records.jsonl <<'PYEOF'
+import json, sys
+done = {(r["dataset"], r["id"]) for r in map(json.loads, open(sys.argv[1]))}
+for path in sys.argv[2:]:
+    for line in open(path):
+        r = json.loads(line)
+        if (r["dataset"], r["id"]) in done and r["method"] in ("full", "naive", "qcfuse", "cacheblend", "epic"):
+            print(line, end="")
+PYEOF
+$PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
+    $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.smol.records.jsonl \
+    --json $R/quality_smollm2_same_questions.json
+rm -f $R/.all.records.jsonl $R/.smol.records.jsonl $R/.*.part.json
