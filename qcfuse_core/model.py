@@ -304,10 +304,6 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return self.shape.num_layers
 
-    def window(self, layer: int) -> int | None:
-        """Layer `layer`'s sliding window W (None: full attention)."""
-        return self.windows[layer]
-
     # -- per-layer operations
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(to_device(ids, self.device))
