@@ -45,4 +45,4 @@ PYEOF
 $PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
     $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.smol.records.jsonl \
     --json $R/quality_smollm2_same_questions.json
-rm -f $R/.all.records.jsonl $R/.smol.records.jsonl $R/.*.part.json
+rm -f $R/.all.records.jsonl $R/.smol.records.jsonl $R/.*.part*.json
