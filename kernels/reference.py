@@ -45,18 +45,30 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _visible(T: int, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(R, T) bool: key j visible to the row at q_pos: j <= q_pos, and j > q_pos - window."""
+    j = torch.arange(T, device=q_pos.device)[None, :]
+    p = q_pos[:, None]
+    visible = j <= p
+    if window is not None:
+        visible &= j > p - window
+    return visible
+
+
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     # (T, Hkv, D) -> (T, Hkv * n_rep, D), head h reading KV head h // n_rep
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
 def sparse_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Location-aware attention of scattered rows over the whole prompt.
 
     q (R, H, D), k/v (T, Hkv, D), q_pos (R,) -> out (R, H, D) in q's dtype.
-    Row i sees keys 0..q_pos[i]; fp32 softmax and accumulation.
+    Row i sees keys 0..q_pos[i] (with a sliding `window` W: q_pos[i] - W < j <= q_pos[i]);
+    fp32 softmax and accumulation.
     """
     R, H, D = q.shape
     T, Hkv, _ = k.shape
@@ -65,7 +77,7 @@ def sparse_attention_ref(
     vf = _expand_kv(v, n_rep).float().transpose(0, 1)  # (H, T, D)
     qf = q.float().transpose(0, 1)  # (H, R, D)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, R, T)
-    visible = torch.arange(T, device=q.device)[None, :] <= q_pos.to(q.device)[:, None]  # (R, T)
+    visible = _visible(T, q_pos.to(q.device), window)  # (R, T)
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vf)  # (H, R, D)

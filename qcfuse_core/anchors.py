@@ -88,16 +88,18 @@ def repeat_scores(adapter: ModelAdapter, chunk: KVChunk, num_layers: int, repeat
     context = [LayerContext(chunk.k[layer], chunk.v[layer], torch.arange(T)) for layer in range(num_layers)]
     probe = run_probe(adapter, repeat_ids, pos, context, keep=list(range(num_layers)))
     out = torch.empty(num_layers, T)
-    all_pos = torch.arange(T)
-    cos, sin = adapter.rope(all_pos)
+    ropes = adapter.rope_layers(torch.arange(T))
     for layer in range(num_layers):
-        kc = K.apply_rope(chunk.k[layer].to(adapter.device, adapter.dtype), cos, sin)  # (T, Hkv, D)
+        kc = K.apply_rope(chunk.k[layer].to(adapter.device, adapter.dtype), *ropes[layer])  # (T, Hkv, D)
         keys = torch.cat([kc, probe.k[layer]]).float()  # (T + r, Hkv, D)
         q = probe.q[layer].float()  # (r, H, D)
         rep = q.shape[1] // keys.shape[1]
         kf = keys.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, T + r, D)
         logits = torch.matmul(q.transpose(0, 1), kf.transpose(1, 2)) * adapter.scale  # (H, r, T + r)
-        causal = torch.arange(T + r)[None, :] <= (T + torch.arange(r))[:, None]  # (r, T + r)
+        j, p = torch.arange(T + r)[None, :], (T + torch.arange(r))[:, None]
+        causal = j <= p  # (r, T + r)
+        if adapter.windows[layer] is not None:  # a sliding layer: keys p - W < j <= p
+            causal &= j > p - adapter.windows[layer]
         probs = logits.masked_fill(~causal.to(logits.device)[None], float("-inf")).softmax(-1)
         out[layer] = probs[:, :, :T].amax(dim=(0, 1)).cpu()
     return out

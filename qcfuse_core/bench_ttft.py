@@ -490,7 +490,7 @@ def add_ttft_parser(bench_sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shape", default=None,
                    help=f"random weights of a named shape: {', '.join(SHAPES)} (or tiny-llama etc. for tests)")
-    g.add_argument("--model", default=None, help="local HF model folder, or 'embedded' (None: embedded)")
+    g.add_argument("--model", default=None, help="packaged model name (smollm2-135m, gemma3-270m), a local HF model folder, or 'embedded' (default)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--chunks", type=int, default=8, help="chunks per prompt")

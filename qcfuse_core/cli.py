@@ -353,8 +353,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", type=Path, default=_default_store(), metavar="DIR",
                    help="folder holding the Chroma collection and the chunk caches; shared by ingest, "
                         "ask and demo ($QCFUSE_CACHE_DIR/store or ~/.cache/qcfuse/store)")
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face model folder (None: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="NAME|DIR",
+                   help="packaged model name (smollm2-135m, gemma3-270m) or a local Hugging Face model folder "
+                        "(None: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
 

@@ -669,11 +669,17 @@ def _context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
 
 
 def _chat_frame(tokenizer, system: str) -> tuple[str, str]:
-    """(head, tail) of the model's chat template around one user message; plain text without one."""
+    """(head, tail) of the model's chat template around one user message. Without one (a base
+    model, e.g. Gemma-3-270M) the plain frame: [BOS where the tokenizer starts every text
+    with it] + system + blank line ... question + a new line "Answer:", the cue a base model
+    completes (without it Gemma-3-270M repeats the instruction line). The engine tokenizes
+    pieces without special tokens, so a base model's BOS is written here."""
     if tokenizer is None:
         return "", ""
     if not getattr(tokenizer, "chat_template", None):
-        return (system + "\n\n" if system else ""), "\n"
+        bos = getattr(tokenizer, "bos_token", None)
+        starts = bos is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
+        return (bos if starts else "") + (system + "\n\n" if system else ""), "\nAnswer:"
     sentinel = "\x00QCFUSE-USER\x00"
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

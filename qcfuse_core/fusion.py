@@ -13,7 +13,8 @@ suffix) are always recomputed. For every layer l (algorithm.md section 3.5):
 
     1. gather layer l of every cached segment: pre-RoPE K, V (T, Hkv, D); zeros where uncached
     2. write the recomputed rows' fresh K/V into it and rotate all keys to positions 0..T-1
-    3. the recomputed rows attend to every key at a position <= their own
+    3. the recomputed rows attend to every key at a position <= their own (in a sliding-window
+       layer of width W, only to keys p - W < j <= p)
     4. o_proj + MLP on the recomputed rows only
 
 Layers < `full_layers` recompute every row (CacheBlend's first layers); after them the row
@@ -174,42 +175,58 @@ class PrefillOutput:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float,
-           masks: list[tuple[int, int, int, torch.Tensor]] | None = None) -> torch.Tensor:
+           masks: list[tuple[int, int, int, int, torch.Tensor]] | None = None,
+           window: int | None = None) -> torch.Tensor:
     """q (R, H, D) at positions `rows`; k, v (T, Hkv, D) -> (R, H, D).
 
-    All rows 0..T-1 -> causal SDPA; otherwise location-aware sparse attention. `masks`
-    (torch path): the row blocks' masks from `row_masks`, made once per row set.
+    Row p sees keys j <= p, and with a sliding `window` W only those with j > p - W. All rows
+    0..T-1 -> SDPA (causal, or a band mask); otherwise location-aware sparse attention.
+    `masks` (torch path): the row blocks' masks from `row_masks` for this window, made once
+    per row set.
     """
     T = k.shape[0]
+    if window is not None and window >= T:
+        window = None  # every key a row may see is inside its window
     if rows.shape[0] == T:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # (1, H, T, D)
-        return out[0].transpose(0, 1)
+        if window is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=scale, enable_gqa=True,
+            )  # (1, H, T, D)
+            return out[0].transpose(0, 1)
+        masks = masks if masks is not None else row_masks(rows, T, q.dtype, q.device, window)
+        return torch.cat([_masked_sdpa(q[s:e], k[a:n], v[a:n], m, scale) for s, e, a, n, m in masks])
     if K.backend() == "torch":  # no kernels: SDPA with a row mask beats the fp32 dense oracle ~5-10x on CPU
-        masks = masks if masks is not None else row_masks(rows, k.shape[0], q.dtype, q.device)
-        return torch.cat([_masked_sdpa(q[s:e], k[:n], v[:n], m, scale) for s, e, n, m in masks])
-    return K.sparse_attention(q.contiguous(), k, v, rows, scale)
+        masks = masks if masks is not None else row_masks(rows, T, q.dtype, q.device, window)
+        return torch.cat([_masked_sdpa(q[s:e], k[a:n], v[a:n], m, scale) for s, e, a, n, m in masks])
+    return K.sparse_attention(q.contiguous(), k, v, rows, scale, window=window)
 
 
 ROW_BLOCK = 256  # torch path: rows per SDPA call; each block reads keys only up to its last row
 
 
-def row_masks(rows: torch.Tensor, T: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int, int, torch.Tensor]]:
-    """Per block of ROW_BLOCK sorted rows: (first, end) row indices, the key count n the block
-    sees (keys after its last row are masked for all of its rows, so they are cut) and its
-    additive mask (1, 1, rows, n) in the model's dtype: 0 where visible, -inf elsewhere.
+def row_masks(rows: torch.Tensor, T: int, dtype: torch.dtype, device: torch.device,
+              window: int | None = None) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """Per block of ROW_BLOCK sorted rows: (first, end) row indices, the key range [a, n) the
+    block sees (keys after its last row, and with a sliding `window` W keys at or before its
+    first row - W, are masked for all of its rows, so they are cut) and its additive mask
+    (1, 1, rows, n - a) in the model's dtype: 0 where visible, -inf elsewhere.
     Built once per row set, not per layer. An additive mask is faster on a CPU than a
     boolean one: fused prefill 724 vs 788 ms (qcfuse@0.15, SmolLM2-135M bf16, 8 x 256
     tokens, 1 thread, medians of 8 interleaved runs)."""
     out = []
     for s in range(0, rows.shape[0], ROW_BLOCK):
         r = rows[s : s + ROW_BLOCK]
-        n = int(r[-1]) + 1 if r.device.type == "cpu" else T  # no device sync for the cut
-        visible = torch.arange(n, device=device)[None, :] <= r.to(device)[:, None]  # (R, n)
+        on_host = r.device.type == "cpu"  # no device sync for the cuts
+        n = int(r[-1]) + 1 if on_host else T
+        a = max(0, int(r[0]) - window + 1) if window is not None and on_host else 0
+        keys = torch.arange(a, n, device=device)[None, :]
+        rd = r.to(device)[:, None]
+        visible = keys <= rd  # (R, n - a)
+        if window is not None:
+            visible &= keys > rd - window
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        out.append((s, s + r.shape[0], n, mask[None, None]))
+        out.append((s, s + r.shape[0], a, n, mask[None, None]))
     return out
 
 
@@ -244,16 +261,15 @@ def fused_prefill(
     `source` supplies the cached layers (default: read the prompt's in-memory chunk caches).
     """
     T = prompt.num_tokens
-    adapter.check_length(T)
     dev = adapter.device
     rows = rows.to(torch.int64).cpu()
     _check_rows(rows, prompt)
     all_rows = torch.arange(T)
     cur = all_rows if full_layers > 0 else rows  # (R,) host copy, for bookkeeping
     # device copies made once per row set (not per layer): no host syncs in the layer loop
-    cos_all, sin_all = adapter.rope(torch.arange(T, device=dev))  # (T, D)
+    ropes = adapter.rope_layers(torch.arange(T, device=dev))  # per layer (T, D) cos, sin
     cur_dev = to_device(cur, dev)
-    cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]  # (R, D)
+    ropes_cur = _rows_of(ropes, cur_dev)  # per layer (R, D) cos, sin
     inv = K.inverse_rows(cur_dev, T)  # (T,) position -> row index or -1, shared by every layer
     masks = _masks_for(cur, T, adapter)
     h = adapter.embed(prompt.token_ids[cur])  # (R, hidden)
@@ -266,14 +282,16 @@ def fused_prefill(
         q_pre, k_new, v_new = adapter.qkv(layer, x)  # (R, H, D), (R, Hkv, D), (R, Hkv, D)
         k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
         dst = (kv_out.k[layer, :T], kv_out.v[layer, :T]) if kv_out is not None else None  # written in place
+        cos_all, sin_all = ropes[layer]
         k_rot, v_all = K.rerotate_scatter(k_cached, v_cached, cur_dev, k_new.contiguous(), v_new.contiguous(),
                                           cos_all, sin_all, inv=inv, out=dst)
         if captured is not None:
             kp = k_cached.clone()
             kp[cur_dev] = k_new
             captured.append(kp)
-        q = K.apply_rope(q_pre, cos_cur, sin_cur)
-        attn = attend(q, k_rot, v_all, cur_dev, adapter.scale, masks)  # (R, H, D)
+        q = K.apply_rope(q_pre, *ropes_cur[layer])
+        window = adapter.windows[layer]
+        attn = attend(q, k_rot, v_all, cur_dev, adapter.scale, None if masks is None else masks[window], window)  # (R, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
         nxt = None
         if on_layer_end is not None:
@@ -287,7 +305,7 @@ def fused_prefill(
             cur = nxt
             row_sets.append((layer + 1, cur))
             cur_dev = to_device(cur, dev)
-            cos_cur, sin_cur = cos_all[cur_dev], sin_all[cur_dev]
+            ropes_cur = _rows_of(ropes, cur_dev)
             inv = K.inverse_rows(cur_dev, T)
             masks = _masks_for(cur, T, adapter)
         layer_ms.append((time.perf_counter() - t0) * 1e3)
@@ -299,11 +317,26 @@ def fused_prefill(
     return PrefillOutput(logits, cur, layer_ms, torch.stack(captured) if captured is not None else None, row_sets)
 
 
+def _rows_of(ropes: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (cos, sin) rows at `rows`; layers sharing a table share the result."""
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for cos, sin in ropes:
+        if id(cos) not in done:
+            done[id(cos)] = (cos[rows], sin[rows])
+    return [done[id(cos)] for cos, _ in ropes]
+
+
 def _masks_for(rows: torch.Tensor, T: int, adapter: ModelAdapter):
-    """The torch path's row-block masks for a row set (None: not needed)."""
-    if rows.shape[0] == T or K.backend() != "torch":
+    """The row-block masks of a row set per window of the model (`adapter.windows` values),
+    None where SDPA needs none (every row, full attention) or when a kernel runs sparse rows."""
+    full = rows.shape[0] == T
+    if not full and K.backend() != "torch":
         return None
-    return row_masks(rows, T, adapter.dtype, adapter.device)
+    out = {}
+    for w in set(adapter.windows):
+        eff = w if w is not None and w < T else None
+        out[w] = None if full and eff is None else row_masks(rows, T, adapter.dtype, adapter.device, eff)
+    return out if any(m is not None for m in out.values()) else None
 
 
 def _check_rows(rows: torch.Tensor, prompt: FusedPrompt) -> None:
@@ -333,18 +366,20 @@ def decode_step(adapter: ModelAdapter, cache: KVCache, token_id: int) -> torch.T
     pos = cache.length
     if pos >= cache.capacity:
         raise ValueError(f"KV cache full ({cache.capacity} tokens)")
-    adapter.check_length(pos + 1)
     dev = adapter.device
     positions = torch.tensor([pos], device=dev)
-    cos, sin = adapter.rope(positions)
+    ropes = adapter.rope_layers(positions)
     h = adapter.embed(torch.tensor([token_id], device=dev))  # (1, hidden)
     for layer in range(adapter.num_layers):
+        cos, sin = ropes[layer]
         q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
         cache.k[layer, pos] = K.apply_rope(k, cos, sin)[0]
         cache.v[layer, pos] = v[0]
         q = K.apply_rope(q, cos, sin)
-        kk = cache.k[layer, : pos + 1].transpose(0, 1)[None]  # (1, Hkv, T, D)
-        vv = cache.v[layer, : pos + 1].transpose(0, 1)[None]
+        w = adapter.windows[layer]
+        lo = 0 if w is None else max(0, pos + 1 - w)  # a sliding layer sees its last W keys
+        kk = cache.k[layer, lo : pos + 1].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        vv = cache.v[layer, lo : pos + 1].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, scale=adapter.scale, enable_gqa=True)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, out[0].transpose(0, 1)))
     cache.length = pos + 1

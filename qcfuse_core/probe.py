@@ -204,15 +204,19 @@ def run_probe(
     # all layers are rotated at once, outside the layer loop
     q_pos = torch.cat([pos, pos[-1] + 1 + torch.arange(Sp - S)])
     all_pos = to_device(torch.cat([q_pos, ctx.pos.reshape(-1)]), dev)
-    cos, sin = adapter.rope(all_pos)
+    groups, tables = _rope_groups(adapter, all_pos)  # one RoPE table per group of layers
+    cos = torch.stack([c for c, _ in tables])  # (G, Sp + Lp*N, D)
+    sin = torch.stack([s_ for _, s_ in tables])
     q_pos_dev, ctx_pos_dev = all_pos[:Sp], all_pos[Sp:].view(Lp, N)
-    k_rot = K.apply_rope(ctx.k_pre.to(dev, dtype).reshape(Lp * N, *ctx.k_pre.shape[2:]), cos[Sp:], sin[Sp:])
-    k_rot = k_rot.view(Lp, N, *k_rot.shape[1:])
+    k_flat = ctx.k_pre.to(dev, dtype).reshape(Lp * N, *ctx.k_pre.shape[2:])
+    rotated = [K.apply_rope(k_flat, cos[g, Sp:], sin[g, Sp:]).view(Lp, N, *k_flat.shape[1:])
+               for g in range(len(tables))]
+    k_rot = rotated[0] if len(rotated) == 1 else torch.stack([rotated[groups[l]][l] for l in range(Lp)])
     v = ctx.v.to(dev, dtype)
     ids = to_device(ids.to(torch.int64), dev)
     if Sp > S:
         ids = torch.cat([ids, ids.new_zeros(Sp - S)])
-    inputs = _ProbeInputs(ids, cos[:Sp], sin[:Sp], q_pos_dev, k_rot, v, ctx_pos_dev)
+    inputs = _ProbeInputs(ids, cos[:, :Sp], sin[:, :Sp], q_pos_dev, k_rot, v, ctx_pos_dev)
     res = ProbeResult({}, {}, ids, context_sizes=[N] * Lp)
     if use_graph:
         try:
@@ -233,6 +237,25 @@ def run_probe(
     return res
 
 
+def _rope_groups(adapter: ModelAdapter, positions: torch.Tensor) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """-> (per layer its group's index, per group (cos, sin) at `positions`): layers sharing a
+    RoPE form one group (one group except for Gemma 3's local and global layers)."""
+    ropes = adapter.rope_layers(positions)
+    index: dict[int, int] = {}
+    tables = []
+    for cos, sin in ropes:
+        if id(cos) not in index:
+            index[id(cos)] = len(tables)
+            tables.append((cos, sin))
+    return [index[id(cos)] for cos, _ in ropes], tables
+
+
+def _group_index(adapter: ModelAdapter) -> list[int]:
+    """Per layer, its RoPE group's index in `_rope_groups`' order (first appearance)."""
+    order = list(dict.fromkeys(adapter.rope_keys))
+    return [order.index(key) for key in adapter.rope_keys]
+
+
 def _round_up(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
@@ -242,7 +265,7 @@ class _ProbeInputs:
     """Device inputs of the probe's layer loop (also a CUDA graph's static buffers)."""
 
     ids: torch.Tensor  # (S,) int64
-    cos: torch.Tensor  # (S, D) fp32 at the query positions
+    cos: torch.Tensor  # (G, S, D) fp32 at the query positions, per RoPE group (`_rope_groups`)
     sin: torch.Tensor
     q_pos: torch.Tensor  # (S,) int64
     k_rot: torch.Tensor  # (Lp, N, Hkv, D) rotated context keys
@@ -261,8 +284,9 @@ class _ProbeInputs:
     def empty(cls, adapter: ModelAdapter, S: int, N: int, Lp: int) -> "_ProbeInputs":
         dev, dtype, sh = adapter.device, adapter.dtype, adapter.shape
         kv = (Lp, N, sh.num_kv_heads, sh.head_dim)
-        return cls(torch.zeros(S, dtype=torch.int64, device=dev), torch.ones(S, sh.head_dim, device=dev),
-                   torch.zeros(S, sh.head_dim, device=dev), torch.arange(S, device=dev),
+        G = len(set(adapter.rope_keys))
+        return cls(torch.zeros(S, dtype=torch.int64, device=dev), torch.ones(G, S, sh.head_dim, device=dev),
+                   torch.zeros(G, S, sh.head_dim, device=dev), torch.arange(S, device=dev),
                    torch.zeros(kv, dtype=dtype, device=dev), torch.zeros(kv, dtype=dtype, device=dev),
                    torch.full((Lp, N), HIDDEN, dtype=torch.int64, device=dev))
 
@@ -270,8 +294,8 @@ class _ProbeInputs:
         """Copy `src` (fewer or equal rows / entries) into these buffers; the rest is hidden."""
         S, N = src.ids.shape[0], src.k_pos.shape[1]
         self.ids[:S].copy_(src.ids)
-        self.cos[:S].copy_(src.cos)
-        self.sin[:S].copy_(src.sin)
+        self.cos[:, :S].copy_(src.cos)
+        self.sin[:, :S].copy_(src.sin)
         self.q_pos[:S].copy_(src.q_pos)
         self.k_rot[:, :N].copy_(src.k_rot)
         self.v[:, :N].copy_(src.v)
@@ -285,14 +309,20 @@ def _probe_layers(adapter: ModelAdapter, x: _ProbeInputs, Lp: int, keep: set[int
     qs, ks = {}, {}
     h = adapter.embed(x.ids)  # (S, hidden)
     visible_q = x.q_pos[None, :] <= x.q_pos[:, None]  # (S, S) query rows among themselves
+    groups = _group_index(adapter)
     for layer in range(Lp):
         t0 = time.perf_counter()
         q_pre, k_new, v_new = adapter.qkv(layer, adapter.attn_norm(layer, h))  # (S,H,D), (S,Hkv,D) x2
-        q = K.apply_rope(q_pre, x.cos, x.sin)
-        kq = K.apply_rope(k_new, x.cos, x.sin)
+        cos, sin = x.cos[groups[layer]], x.sin[groups[layer]]
+        q = K.apply_rope(q_pre, cos, sin)
+        kq = K.apply_rope(k_new, cos, sin)
         keys = torch.cat([x.k_rot[layer], kq])  # (N+S, Hkv, D)
         vals = torch.cat([x.v[layer], v_new])
         visible = torch.cat([x.k_pos[layer][None, :] <= x.q_pos[:, None], visible_q], dim=1)  # (S, N+S)
+        window = adapter.windows[layer]
+        if window is not None:  # a sliding layer: only keys p - W < j <= p
+            k_pos = torch.cat([x.k_pos[layer], x.q_pos])
+            visible = visible & (k_pos[None, :] > x.q_pos[:, None] - window)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
             attn_mask=visible[None, None], scale=adapter.scale, enable_gqa=True,
@@ -375,15 +405,16 @@ def context_keys_at(adapter: ModelAdapter, prompt: FusedPrompt, layers: Sequence
     """`context_keys` for several layers: the positions and their cos/sin are built once."""
     segs = [(s, start) for s, start in zip(prompt.segments, prompt.starts) if s.chunk is not None and s.kind in ("prefix", "chunk")]
     pos = torch.cat([torch.arange(start, start + len(s)) for s, start in segs])
-    cos, sin = adapter.rope(pos)
+    ropes = adapter.rope_layers(pos)
     out = []
     for layer in layers:
         k = torch.cat([s.chunk.k[layer].to(adapter.device, adapter.dtype) for s, _ in segs])
-        out.append((K.apply_rope(k, cos, sin), pos))
+        out.append((K.apply_rope(k, *ropes[layer]), pos))
     return out
 
 
-def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scale: float, last: int = 0) -> torch.Tensor:
+def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scale: float, last: int = 0, *,
+               window: int | None = None, ctx_pos: torch.Tensor | None = None, q_start: int | None = None) -> torch.Tensor:
     """Mass each context key receives from the query rows, averaged over heads and rows.
 
     q (S, H, D) and k_query (S, Hkv, D) rotated at the query positions; k_ctx (N, Hkv, D)
@@ -392,12 +423,36 @@ def query_mass(q: torch.Tensor, k_ctx: torch.Tensor, k_query: torch.Tensor, scal
     and query keys 0..i. last > 0 averages over the last `last` query rows only (each still
     sees every query key before it); 0, or last >= S, over all of them. Uses
     `qcfuse_kernels.attention_mass` (Triton on a GPU).
+
+    A sliding-window layer (`window` W) needs the true positions: the context's `ctx_pos` (N,)
+    and the first query row's `q_start` (query rows sit at q_start, q_start + 1, ...); a row
+    at p then gives mass only to keys p - W < j <= p (context further back gets none, as in
+    the model), computed in fp32 by PyTorch (a few dozen rows).
     """
     N, S = k_ctx.shape[0], q.shape[0]
     if last < 0:
         raise ValueError(f"last must be >= 0, got {last}")
     R = S if last == 0 else min(last, S)
+    if window is not None:
+        if ctx_pos is None or q_start is None:
+            raise ValueError("a windowed layer's mass needs ctx_pos and q_start")
+        return _window_mass(q[S - R :], torch.cat([k_ctx, k_query.to(k_ctx.dtype)]), ctx_pos, q_start, S, scale, window)[:N]
     keys = torch.cat([k_ctx, k_query.to(k_ctx.dtype)]).contiguous()  # (N+S, Hkv, D)
     q_pos = torch.arange(N + S - R, N + S, device=keys.device)
     mass = K.attention_mass(q[S - R :].to(keys.dtype).contiguous(), keys, q_pos, scale)  # (N+S,)
     return mass[:N]
+
+
+def _window_mass(q: torch.Tensor, keys: torch.Tensor, ctx_pos: torch.Tensor, q_start: int, S: int, scale: float,
+                 window: int) -> torch.Tensor:
+    """`query_mass` of the last R query rows q (R, H, D) over keys (N+S, Hkv, D) laid out
+    [context ; query] in a sliding layer of width `window` -> (N+S,) fp32."""
+    R, H, _ = q.shape
+    dev = keys.device
+    k_pos = torch.cat([to_device(ctx_pos.to(torch.int64), dev), q_start + torch.arange(S, device=dev)])
+    r_pos = q_start + torch.arange(S - R, S, device=dev)
+    visible = (k_pos[None, :] <= r_pos[:, None]) & (k_pos[None, :] > r_pos[:, None] - window)  # (R, N+S)
+    kf = keys.float().repeat_interleave(H // keys.shape[1], dim=1).transpose(0, 1)  # (H, N+S, D)
+    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * scale  # (H, R, N+S)
+    probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+    return probs.mean(dim=(0, 1))

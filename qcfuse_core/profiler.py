@@ -66,7 +66,8 @@ def prepare_example(engine: QCFuseEngine, question: str, passages, anchors: Anch
     mass = {}
     for layer, (k_ctx, pos) in zip(layers, context_keys_at(adapter, prompt, layers)):
         m = torch.zeros(prompt.num_tokens)
-        m[pos] = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale).cpu()
+        m[pos] = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale,
+                            window=adapter.windows[layer], ctx_pos=pos, q_start=start).cpu()
         mass[layer] = m
     return PreparedExample(prompt, ref[-1], mass)
 

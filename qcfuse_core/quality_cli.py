@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder (None: the embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="packaged model name (smollm2-135m, gemma3-270m) or a local HF folder (default: smollm2-135m)")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (agreement metrics need fp32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's default)")

@@ -29,6 +29,7 @@ from qcfuse_core.scoring import (
     ALLOCATIONS, BUDGET_MODES, AdaptiveBudget, adaptive_count, chunk_quotas, covered_share, rank, top_budget,
 )
 from qcfuse_core.types import SelectionResult
+from qcfuse_core.windows import exact_rows
 
 
 @dataclass
@@ -259,7 +260,7 @@ class QueryAwareSelector(Selector):
         while the GPU idles); the chosen positions and the scores come back in one copy.
         """
         prompt = ctx.prompt
-        cand = torch.nonzero(prompt.mask("chunk")).flatten()  # (M,) host
+        cand = torch.nonzero(prompt.mask("chunk") & ~exact_rows(ctx.adapter, prompt)).flatten()  # (M,) host; windows.py
         rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
         if opts.position_prior:
             rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
@@ -340,7 +341,8 @@ class QueryAwareSelector(Selector):
         adapter = ctx.adapter
         acc = None
         for layer, (k_ctx, pos) in zip(layers, context_keys_at(adapter, ctx.prompt, layers)):
-            m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale, last=query_rows)  # (N,) on the device
+            m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale, last=query_rows,  # (N,) on the device
+                           window=adapter.windows[layer], ctx_pos=pos, q_start=ctx.prompt.starts[-1])
             acc = m if acc is None else acc + m  # same positions at every layer
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
         mass[to_device(pos, acc.device)] = acc / len(layers)

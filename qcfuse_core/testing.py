@@ -22,6 +22,16 @@ TINY_CONFIGS = {
     "mistral": dict(_TINY, sliding_window=None, rope_theta=10000.0),
     "qwen2": dict(_TINY, rope_theta=10000.0),
     "qwen3": dict(_TINY, head_dim=16, rope_theta=10000.0),
+    # Gemma 3: sliding layers with a window shorter than the test prompts (so rows cross its
+    # edge), a local and a global RoPE base, a query scaling that differs from head_dim**-0.5,
+    # and the final logit soft-capping HF applies when it is set
+    "gemma3": dict(_TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                   final_logit_softcapping=30.0),
+    # Mistral with its sliding window on every layer
+    "mistral-swa": dict(_TINY, sliding_window=10, rope_theta=10000.0),
 }
 
 SHAPES = {
@@ -48,11 +58,17 @@ def _build(family: str, cfg: dict, dtype: torch.dtype, device: str, seed: int) -
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
     config = config_cls(**cfg, tie_word_embeddings=False, attn_implementation="sdpa")
     with torch.device(device):
         model = model_cls(config)
+    if family == "gemma3":  # HF starts Gemma's (1 + w) norm weights at 0: make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.2)
     return model.to(dtype).eval()
 
 

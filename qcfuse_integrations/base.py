@@ -34,7 +34,8 @@ T = TypeVar("T")
 
 ENGINE_FIELDS = {
     "store_dir": "Store folder (kv/, chunk_texts.sqlite, chroma/); None: <cache dir>/store.",
-    "model": "Local Hugging Face model folder; None: the embedded SmolLM2-135M-Instruct.",
+    "model": "Packaged model name (smollm2-135m, gemma3-270m) or a local Hugging Face model folder; "
+             "None: the embedded SmolLM2-135M-Instruct.",
     "dtype": "Model dtype: bfloat16 (default), float16 or float32.",
     "device": "torch device of the model, e.g. 'cpu' or 'cuda:0'.",
 }

@@ -94,6 +94,14 @@ def test_exact_caches_with_sparse_rows_equal_hf(arch):
         assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), f"share={share}: {_report(out.logits, ref)}"
 
 
+def _hf_rope(m: ModelAdapter, layer: int, positions: torch.Tensor):
+    """HF's own cos, sin for layer `layer` (Gemma 3: the layer type's RoPE)."""
+    probe = torch.empty(0)
+    if m.gemma:
+        return m.model.model.rotary_emb(probe, positions, m.model.config.layer_types[layer])
+    return m.model.model.rotary_emb(probe, positions)
+
+
 def _naive_reference(m: ModelAdapter, parts, kinds) -> torch.Tensor:
     """HF caches each cached segment alone, rotates its keys by its offset with HF's rotary,
     and runs HF's forward over the uncached tail with that cache."""
@@ -106,8 +114,8 @@ def _naive_reference(m: ModelAdapter, parts, kinds) -> torch.Tensor:
         if kind not in ("prefix", "chunk"):
             break
         _, kv = m.hf_forward(ids)  # keys post-RoPE at local positions 0..n-1
-        cos, sin = m.model.model.rotary_emb(kv[0][0], torch.full((1, len(ids)), offset))  # rotate by `offset`
         for layer, (k, v) in enumerate(kv):
+            cos, sin = _hf_rope(m, layer, torch.full((1, len(ids)), offset))  # rotate by `offset`
             k_moved, _ = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
             layers_k[layer].append(k_moved)
             layers_v[layer].append(v.transpose(0, 1)[None])
@@ -135,21 +143,33 @@ def test_naive_equals_independent_reference(arch):
     assert (out.logits - full).abs().max() > 1e-3, "naive should differ from full prefill on random chunks"
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen3", "gemma3"])
 def test_rerotation_matches_direct_rotation(arch):
     m = tiny_model(arch)
     T, Hkv, D = 40, m.shape.num_kv_heads, m.shape.head_dim
     k_pre = torch.randn(T, Hkv, D)
     positions = torch.arange(1000, 1000 + T)
-    cos, sin = m.rope(positions)
-    ours, _ = K.rerotate_scatter(k_pre, torch.zeros_like(k_pre), torch.empty(0, dtype=torch.int64),
-                                 k_pre[:0], k_pre[:0], cos, sin)
-    hf_cos, hf_sin = m.model.model.rotary_emb(k_pre, positions[None])
-    direct, _ = apply_rotary_pos_emb(k_pre.transpose(0, 1)[None], k_pre.transpose(0, 1)[None], hf_cos, hf_sin)
-    assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), _report(ours, direct[0].transpose(0, 1))
+    for layer in range(m.num_layers):
+        cos, sin = m.rope(positions, layer)
+        ours, _ = K.rerotate_scatter(k_pre, torch.zeros_like(k_pre), torch.empty(0, dtype=torch.int64),
+                                     k_pre[:0], k_pre[:0], cos, sin)
+        hf_cos, hf_sin = _hf_rope(m, layer, positions[None])
+        direct, _ = apply_rotary_pos_emb(k_pre.transpose(0, 1)[None], k_pre.transpose(0, 1)[None], hf_cos, hf_sin)
+        assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), _report(ours, direct[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gemma3_rope_bases_differ_by_layer_type():
+    """Gemma 3's sliding layers rotate with the local base, its full layers with the global one."""
+    m = tiny_model("gemma3")
+    pos = torch.arange(5, 9)
+    local, glob = m.rope(pos, 0), m.rope(pos, 1)
+    assert m.rope_keys == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert not torch.allclose(local[0], glob[0])
+    assert torch.equal(m.rope(pos)[0], glob[0])  # no layer: a full layer's RoPE
+    assert torch.equal(m.rope(pos, 2)[0], local[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral-swa"])
 def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     """A chunk's stored pre-RoPE keys, rotated to offset o, equal HF's keys for the same chunk run
     alone at positions o..o+n-1 (RoPE attention depends on relative positions only)."""
@@ -157,11 +177,11 @@ def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     ids = _segments_lens(m.shape.vocab_size, [25], seed=4)[0]
     k_pre, v = QCFuseEngine(m).prefill_alone(ids)
     offset = 300
-    cos, sin = m.rope(torch.arange(offset, offset + len(ids)))
     pos = torch.arange(offset, offset + len(ids))[None]
-    out = m.model(input_ids=ids[None], position_ids=pos, use_cache=True)
+    out = m.model(input_ids=ids[None], position_ids=pos, use_cache=True, **{cache_kwarg(m.model): DynamicCache()})
     cache = getattr(out, "cache", None) or out.past_key_values
     for layer in range(m.num_layers):
+        cos, sin = m.rope(torch.arange(offset, offset + len(ids)), layer)
         ours = K.apply_rope(k_pre[layer], cos, sin)
         hf = cache.layers[layer].keys[0].transpose(0, 1)
         assert torch.allclose(ours, hf, atol=1e-4), f"layer {layer}: {_report(ours, hf)}"
@@ -204,7 +224,7 @@ def test_unsupported_architecture_names_supported_ones():
     import transformers as tf
 
     cfg = tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM.*Gemma3ForCausalLM"):
         ModelAdapter(tf.GPT2LMHeadModel(cfg))
 
 

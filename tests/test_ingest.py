@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+import qcfuse_kernels as K
+
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.ingest import (CPU_BATCH_TOKENS, CUDA_BATCH_TOKENS, StoreWriter, default_batch_tokens,
                                 plan_batches, prefill_alone_batch)
@@ -89,10 +91,21 @@ def test_batch_rejects_bad_chunks():
         prefill_alone_batch(m, [torch.arange(4), torch.arange(0)])
     with pytest.raises(ValueError, match="1-D"):
         prefill_alone_batch(m, [torch.arange(4).view(2, 2)])
-    m.sliding_window = 8  # each chunk is checked alone: 8 tokens pass, 9 do not
-    assert len(prefill_alone_batch(m, [torch.arange(8), torch.arange(8)])) == 2
-    with pytest.raises(ValueError, match="sliding window"):
-        prefill_alone_batch(m, [torch.arange(8), torch.arange(9)])
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral-swa"])
+def test_batch_of_chunks_longer_than_the_window_equals_hf(arch):
+    """Sliding layers inside batched ingestion: ragged chunks, some longer than the window,
+    each equal to HF's own cache of the chunk alone (keys rotated back to pre-RoPE)."""
+    m = tiny_model(arch)
+    g = torch.Generator().manual_seed(7)
+    chunks = [torch.randint(0, m.shape.vocab_size, (n,), generator=g) for n in (30, 5, 17, 12)]
+    for ids, (k_pre, v) in zip(chunks, prefill_alone_batch(m, chunks)):
+        _, kv = m.hf_forward(ids)
+        for layer, (k_hf, v_hf) in enumerate(kv):
+            cos, sin = m.rope(torch.arange(len(ids)), layer)
+            assert torch.allclose(K.apply_rope(k_pre[layer], cos, sin), k_hf, atol=1e-5), f"layer {layer} k"
+            assert torch.allclose(v[layer], v_hf, atol=1e-5), f"layer {layer} v"
 
 
 # ----------------------------------------------------------------------------- plan_batches

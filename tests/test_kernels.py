@@ -126,6 +126,66 @@ def test_sparse_attention_position_edge_cases(use_backend, case):
     assert_close(out, ref.sparse_attention_ref(q, k, v, q_pos, 0.3), **TOL[torch.float32], what=case)
 
 
+# Sliding windows against the reference: the interpreter's tile is 16 query vectors x 32 keys,
+# so windows of 1, 31/32/33 and 64 keys put window starts on, just before and just after key
+# block edges; row sets are ragged (random gaps), dense runs (a tile whose rows all see a common
+# unmasked stretch) and rows on block boundaries.
+WINDOW_ROWS = {
+    "ragged": lambda T, g: torch.sort(torch.randperm(T, generator=g)[:23]).values,
+    "dense_run": lambda T, g: torch.arange(T - 40, T),
+    "block_edges": lambda T, g: torch.tensor([0, 31, 32, 33, 63, 64, 95, 96, 127, 128, T - 1]),
+    "one_row": lambda T, g: torch.tensor([T - 1]),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
+@pytest.mark.parametrize("window", [1, 31, 32, 33, 64])
+@pytest.mark.parametrize("rows", list(WINDOW_ROWS))
+def test_sparse_attention_window_matches_reference(use_backend, window, rows):
+    T, H, Hkv, D = 170, 4, 2, 32
+    positions = WINDOW_ROWS[rows](T, torch.Generator().manual_seed(window))
+    q, k, v, q_pos = make_attention(len(positions), T, H, Hkv, D, torch.float32, positions=positions)
+    out = ops.sparse_attention(q, k, v, q_pos, 0.3, window=window)
+    want = ref.sparse_attention_ref(q, k, v, q_pos, 0.3, window)
+    assert_close(out, want, **TOL[torch.float32], what=f"window {window} rows {rows}")
+    if window < T // 2:  # the window changes the result (keys outside it were dropped)
+        assert (out - ops.sparse_attention(q, k, v, q_pos, 0.3)).abs().max() > 1e-3
+
+
+@needs_interpreter
+@pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sparse_attention_window_half_precision_and_gqa(use_backend, dtype):
+    T, H, Hkv, D = 150, 8, 2, 48  # GQA 4, head dim below its power-of-two tile
+    positions = torch.tensor([2, 9, 40, 41, 42, 77, 100, 101, 130, 149])
+    q, k, v, q_pos = make_attention(len(positions), T, H, Hkv, D, dtype, positions=positions)
+    out = ops.sparse_attention(q, k, v, q_pos, D ** -0.5, window=20)
+    assert_close(out, ref.sparse_attention_ref(q, k, v, q_pos, D ** -0.5, 20), **TOL[dtype], what=f"window {dtype}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
+def test_sparse_attention_window_skips_key_blocks_before_it(use_backend):
+    """Keys in blocks wholly before every row's window are never read: NaN there changes nothing."""
+    T, H, Hkv, D, W = 200, 4, 2, 32, 40
+    positions = torch.tensor([130, 140, 151, 170, 199])
+    q, k, v, q_pos = make_attention(len(positions), T, H, Hkv, D, torch.float32, positions=positions)
+    want = ref.sparse_attention_ref(q, k, v, q_pos, 0.3, W)
+    floor = (130 - W + 1) // 32 * 32  # first key block any row's window reaches
+    k[:floor], v[:floor] = float("nan"), float("nan")
+    assert_close(ops.sparse_attention(q, k, v, q_pos, 0.3, window=W), want, **TOL[torch.float32], what="skip")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
+def test_sparse_attention_window_wider_than_prompt_is_full_attention(use_backend):
+    q, k, v, q_pos = make_attention(9, 90, 4, 2, 32, torch.float32)
+    assert torch.equal(ops.sparse_attention(q, k, v, q_pos, 0.3, window=90), ops.sparse_attention(q, k, v, q_pos, 0.3))
+    with pytest.raises(ValueError, match="window"):
+        ops.sparse_attention(q, k, v, q_pos, 0.3, window=0)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
 def test_sparse_attention_no_rows(use_backend):
@@ -354,6 +414,20 @@ def test_gpu_sparse_attention(use_backend, dtype, rows):
     scale = GPU_SHAPE["D"] ** -0.5
     out = ops.sparse_attention(q, k, v, q_pos, scale)
     assert_close(out, ref.sparse_attention_ref(q, k, v, q_pos, scale), **TOL[dtype], what=f"gpu attn {dtype} R={rows}")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_backend", ["triton"], indirect=True)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [512, 1000])
+def test_gpu_sparse_attention_window(use_backend, dtype, window):
+    """Gemma-3's sliding window (512) and one off every tile size, on the autotuned tiles."""
+    q, k, v, q_pos = _gpu_attention(1500, dtype)
+    scale = GPU_SHAPE["D"] ** -0.5
+    out = ops.sparse_attention(q, k, v, q_pos, scale, window=window)
+    want = ref.sparse_attention_ref(q, k, v, q_pos, scale, window)
+    assert_close(out, want, **TOL[dtype], what=f"gpu attn window {window} {dtype}")
 
 
 @needs_cuda

@@ -53,7 +53,7 @@ class QCFuseCacheBuilder(TransformComponent):
     """Compute and store the chunk cache of every node, as it will be rendered into prompts."""
 
     store_dir: Optional[str] = Field(default=None, description="Store folder shared with QCFuseLLM (None: default).")
-    model: Optional[str] = Field(default=None, description="Local model folder (None: the embedded default).")
+    model: Optional[str] = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).")
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
 

@@ -55,7 +55,7 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
     """Pass retrieved node ids to QCFuseLLM and start loading their caches. Nodes pass unchanged."""
 
     store_dir: Optional[str] = Field(default=None, description="Store folder shared with QCFuseLLM (None: default).")
-    model: Optional[str] = Field(default=None, description="Local model folder (None: the embedded default).")
+    model: Optional[str] = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).")
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
     prefetch: bool = Field(default=True, description="Start loading the nodes' caches in the background.")

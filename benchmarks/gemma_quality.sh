@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The quality benchmark on Gemma-3-270M (the second packaged model): the three reporting sets,
+# every question, full / naive / qcfuse / cacheblend / epic at 0.15 and 0.3, fp32, 1 thread,
+# one process (the sets take turns, STEP questions at a time, so a partial run covers all
+# three). Questions already in a records file are skipped: run it again after an
+# interruption. Then the table:
+#     bash benchmarks/gemma_quality.sh          # runs until every question is done, then the table
+#     bash benchmarks/gemma_quality.sh table    # only rebuild quality.json / .png / .summary.json
+# Full prefill's per-question outputs are kept in $R/reference (not committed) for reruns.
+# The table step also rebuilds SmolLM2-135M's table over the same questions from its
+# committed records ($R/quality_smollm2_same_questions.json), for the side-by-side.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=benchmarks/results/quality/gemma3
+D=../shared/data
+PY=${PYTHON:-.venv/bin/python}
+STEP=${STEP:-5}
+mkdir -p $R
+M="--model gemma3-270m --methods full naive qcfuse cacheblend epic --ratios 0.15 0.3 --max-new-tokens 24 --threads 1 --reference $R/reference"
+one() {  # name, data file, limit
+    $PY -m qcfuse_core.cli bench quality --dataset "$D/$2" $M --limit "$3" --jsonl "$R/$1.records.jsonl" \
+        --json "$R/.$1.part.json" >> "$R/$1.log" 2>&1
+}
+if [ "${1:-}" != "table" ]; then
+    for ((n = STEP; n < 150 + STEP; n += STEP)); do  # musique_s has 150 questions, the others ~100
+        one hotpot hotpotqa/hotpotqa_train.json $n
+        one musique musique/musique_s.json $n
+        one wikimqa 2wikimqa/wikimqa_s_clean.json $n
+    done
+fi
+cat $R/hotpot.records.jsonl $R/musique.records.jsonl $R/wikimqa.records.jsonl > $R/.all.records.jsonl
+$PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
+    $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.all.records.jsonl \
+    --json $R/quality.json --plot $R/quality.png
+# SmolLM2-135M on the same questions (its committed records), for the side-by-side table
+$PY - "$R/.all.records.jsonl" benchmarks/results/quality/{hotpot,musique,wikimqa}.records.jsonl > $R/.smol.records.jsonl <<'PYEOF'
+import json, sys
+done = {(r["dataset"], r["id"]) for r in map(json.loads, open(sys.argv[1]))}
+for path in sys.argv[2:]:
+    for line in open(path):
+        r = json.loads(line)
+        if (r["dataset"], r["id"]) in done and r["method"] in ("full", "naive", "qcfuse", "cacheblend", "epic"):
+            print(line, end="")
+PYEOF
+$PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
+    $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.smol.records.jsonl \
+    --json $R/quality_smollm2_same_questions.json
+rm -f $R/.all.records.jsonl $R/.smol.records.jsonl $R/.*.part*.json
