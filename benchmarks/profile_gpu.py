@@ -135,7 +135,7 @@ class Counters:
 
 def _wrap_write_path(c: Counters) -> None:
     from qcfuse_core import ingest
-    from qcfuse_core.store import atomic, disk, entry, manifest, tier, tiered
+    from qcfuse_core.store import disk, entry, manifest, tier, tiered
 
     c.wrap(ingest, "prefill_alone_batch")
     c.wrap(QCFuseEngine, "_store_chunk")
@@ -153,7 +153,6 @@ def _wrap_write_path(c: Counters) -> None:
     c.wrap(tiered.TieredStore, "put_sidecar")
     c.wrap(disk.DiskTier, "write_sidecar")
     c.wrap(tier.MemoryTier, "put")
-    del atomic
 
 
 def ingest(a) -> None:

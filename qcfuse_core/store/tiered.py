@@ -37,7 +37,7 @@ from qcfuse_core.store.disk import DiskTier, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, encode_chunk
 from qcfuse_core.store.eviction import get_policy
 from qcfuse_core.store.sidecar import Sidecar
-from qcfuse_core.store.tier import MemoryTier
+from qcfuse_core.store.tier import MemoryTier, charge_bytes
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
 logger = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class TieredStore(ChunkStore):
         if not self.cuda or not sizes:
             return 0
         n = max(sizes)
-        block = 1 << (n - 1).bit_length()  # the allocator's size class for every such entry
+        block = charge_bytes(n, "cpu", pinned=True)  # the allocator's size class for every such entry
         room = max(0, self.host.capacity_bytes - self.host.bytes_used) // block
         count = min(len(sizes), writers + room)
         register_pinned_pages()
