@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The request pipeline on the H200: GPU tests, then `qcfuse bench ttft` through engine.answer.
-#     STAGE=smoke|full bash benchmarks/gpu_pipeline.sh     (writes under $OUT)
+#     STAGE=smoke|full|host bash benchmarks/gpu_pipeline.sh     (writes under $OUT)
 # Both stages start with the GPU tests and the CUDA prefetch check. smoke: one 10x1024
 # host-tier table + a profile of qcfuse's request (about 3 minutes). full: every size on the
 # host tier, batched ingestion of 64 x 1024-token chunks, 10x1024 on the gpu and disk tiers
-# (about 8 minutes).
+# (about 8 minutes). host: the 10x1024 host-tier table and a cProfile of lookup + select's host
+# side (about 4 minutes).
 set -uo pipefail
 export OUT=${OUT:-$PWD/gpu-out} PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -14,12 +15,18 @@ BENCH="python3 -m qcfuse_core.cli bench ttft --shape llama-3.1-8b --device cuda 
 METHODS="--methods full naive qcfuse cacheblend epic --ratios 0.15 0.3"
 tests() {
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py \
-      tests/test_store_gpu.py tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py \
+      tests/test_store_gpu.py tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
       2>&1 | tee "$OUT/tests.log" | grep --line-buffered -E "passed|failed|error|Error" | tail -20
   timeout 60 python3 benchmarks/run_ttft.py check-cuda 2>&1 | tee "$OUT/check_cuda.log" | tail -3
 }
 tests
-if [ "$STAGE" = smoke ]; then
+if [ "$STAGE" = host ]; then
+  timeout 150 $BENCH --context-sizes 10x1024 --tier host $METHODS --runs 10 --warmup 2 \
+      --store "$STORE" --json "$OUT/ttft_host10.json" --markdown "$OUT/ttft_host10.md" 2>&1 | tail -15
+  rm -rf "$STORE"
+  timeout 150 python3 benchmarks/profile_gpu.py host --out "$OUT" --methods qcfuse@0.15 --top 45 \
+      > "$OUT/profile_host.txt" 2>&1; grep -A60 "====" "$OUT/profile_host.txt" | cut -c1-150 | head -70
+elif [ "$STAGE" = smoke ]; then
   timeout 150 $BENCH --context-sizes 10x1024 --tier host $METHODS --runs 10 --warmup 2 \
       --store "$STORE" --json "$OUT/ttft_smoke.json" --markdown "$OUT/ttft_smoke.md" 2>&1 | tail -15
   rm -rf "$STORE"

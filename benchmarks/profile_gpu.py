@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_gpu.py stages --out DIR     # torch.profiler of engine.answer
     python3 benchmarks/profile_gpu.py ingest --out DIR     # build_chunks phases + primitives
+    python3 benchmarks/profile_gpu.py host --out DIR       # cProfile of lookup + select (host side)
 
 stages: the `bench ttft` workload (llama-3.1-8b shape, byte-level tokenizer, 10 x 1024 host
 tier); per method, warm-ups then a torch.profiler trace of a few `engine.answer` calls with
@@ -92,6 +93,58 @@ def _ranged(fn, name, record_function):
         with record_function(name):
             return fn(*args, **kw)
     return run
+
+
+def host(a) -> None:
+    """The host side of lookup and select: their wall time (synchronised at each step's end)
+    and a cProfile of many requests' calls, by own time."""
+    import cProfile
+    import pstats
+
+    adapter, work = _workload(a)
+    nbytes = B.kv_bytes_per_token(adapter) * a.chunks * a.tokens
+    root = Path(a.store)
+    store = B.open_tier_store(root, "host", nbytes, True)
+    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system))
+    engine.build_chunks(work.texts, work.node_ids)
+    prof = cProfile.Profile()
+    walls: dict[str, list[float]] = defaultdict(list)
+    on = [False]
+    for name in ("lookup", "select"):
+        fn = getattr(QCFuseEngine, name).__get__(engine)
+
+        def run(*args, _fn=fn, _name=name, **kw):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if on[0]:
+                prof.enable()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                if on[0]:
+                    prof.disable()
+                torch.cuda.synchronize()
+                walls[_name].append((time.perf_counter() - t0) * 1e3)
+        setattr(engine, name, run)
+    for spec in a.methods:
+        method, _, ratio = spec.partition("@")
+        ratio = float(ratio or 0.15)
+        for _ in range(4):
+            B.timed_answer(engine, work, method, ratio)
+        walls.clear()
+        for _ in range(20):
+            B.timed_answer(engine, work, method, ratio)
+        print(f"==== {spec}: synced wall ms, median of 20: " + ", ".join(
+            f"{k} {statistics.median(v):.3f}" for k, v in walls.items()), flush=True)
+        on[0] = True
+        for _ in range(20):
+            B.timed_answer(engine, work, method, ratio)
+        on[0] = False
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(a.top)
+        prof = cProfile.Profile()
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- ingestion
@@ -247,7 +300,7 @@ def primitives(nbytes: int, wheres: list[str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["stages", "ingest"])
+    p.add_argument("what", choices=["stages", "ingest", "host"])
     p.add_argument("--out", required=True)
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--chunks", type=int, default=10)
@@ -260,7 +313,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (stages if a.what == "stages" else ingest)(a)
+    {"stages": stages, "ingest": ingest, "host": host}[a.what](a)
     return 0
 
 

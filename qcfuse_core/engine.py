@@ -336,6 +336,8 @@ class QCFuseEngine:
             cached = caches and p.kind in ("prefix", "chunk")
             if p.kind in ("prefix", "chunk"):
                 ids, key = self.chunk_tokens(p.text)
+            elif p.kind == "text" and len(p.text) <= GLUE_CHARS:  # glue between chunks repeats request to request
+                ids, key = self.chunk_tokens(p.text)[0], None
             else:
                 ids, key = self.tokenize(p.text), None
             if ids.numel() == 0:
@@ -652,6 +654,7 @@ class QCFuseEngine:
         return ids
 
 
+GLUE_CHARS = 256  # text pieces up to this long (separators, headers) are tokenised once, like chunks
 TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
 PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
 KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)

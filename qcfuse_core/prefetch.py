@@ -536,10 +536,14 @@ class LoadSession:
             if s.kind == "tensor":
                 k, v = s.obj.k[layer], s.obj.v[layer]
             elif s.kind in ("gpu", "host"):
-                if s.obj.layout.scale_span is not None:  # fp8: decoded per layer
+                if s.obj.layout.scale_span is not None:  # fp8: decoded per layer, where it is used
                     from qcfuse_core.store.codec import decode_layer
 
-                    kv = decode_layer(s.obj.kv(layer), s.obj.scale(layer), self.dtype)
+                    raw, scale = s.obj.kv(layer), s.obj.scale(layer)
+                    if raw.device != self.device:  # the stored bytes (half of bf16's) travel, not the decode
+                        nb = self.cuda and raw.is_pinned()
+                        raw, scale = raw.to(self.device, non_blocking=nb), scale.to(self.device, non_blocking=nb)
+                    kv = decode_layer(raw, scale, self.dtype)
                     k, v = kv[0], kv[1]
                 else:
                     ks, vs = _layer_views(s.obj)

@@ -192,3 +192,35 @@ def test_loader_stays_within_its_window(adapter, parts, tmp_path):
 def test_finish_releases_a_loader_left_waiting(adapter, parts, tmp_path):
     s = _started_with_window_1(adapter, parts, tmp_path)
     s.finish()  # the consumer gave up before layer 0: must not hang
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("storage", ["auto", "fp8"])
+def test_pinned_host_images_stream_to_the_gpu_like_their_decode(tmp_path, storage):
+    """On a GPU the host tier's pinned bytes travel and fp8 is decoded on the device (half of
+    bf16's bytes cross the bus): every layer equals the store's own decode of the entry."""
+    adapter = tiny_model("llama")
+    adapter.model.to("cuda")
+    g = torch.Generator().manual_seed(3)
+    chunk_ids = [torch.randint(0, 256, (n,), generator=g) for n in (17, 9, 12)]
+    chunks = [cache_alone(adapter, c) for c in chunk_ids]
+    store = open_store(tmp_path, memory_bytes=64 << 20, gpu_bytes=0, use_cuda=True, storage_dtype=storage)
+    for c in chunks:
+        store.put(c)
+    assert all(store.host.get(c.key, count=False).data.is_pinned() for c in chunks)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True))
+    suffix = Segment("suffix", torch.randint(0, 256, (4,), generator=g))
+    lazy = FusedPrompt([Segment("chunk", ids, pf.view(c.key, ids)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
+    ref = FusedPrompt([Segment("chunk", ids, store.get(c.key)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
+    s = pf.start(lazy)
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype, device="cuda")
+    for l in range(adapter.num_layers):
+        k, v = s.layer(l, like)
+        rk, rv = ref.layer(l, like)
+        assert k.is_cuda and torch.equal(k, rk) and torch.equal(v, rv), (storage, l)
+    rep = s.finish()
+    assert rep.sources == {"host": 3, "none": 1}
+    if storage == "fp8":
+        assert not torch.equal(ref.layer(0, like)[0][:17], chunks[0].k[0].to(like))  # really quantised
+    store.close()
