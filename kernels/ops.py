@@ -285,7 +285,7 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
         raise ValueError("attention_mass needs at least one query row")
     device = _check_same_device(q=q, k=k, q_pos=q_pos)
     if not _use_kernels(device):
-        return ref.attention_mass_ref(q, k, q_pos, scale)
+        return _attention_mass_torch(q, k, q_pos, scale)
 
     from qcfuse_kernels.triton_attention_mass import lse_kernel, mass_kernel
 
@@ -305,6 +305,25 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
     lse_kernel[(_cdiv(R, cfg.block_m // group), Hkv)](q, k, q_pos, lse, R, T, qk_scale, **common)
     mass_kernel[(_cdiv(T, cfg.block_n), Hkv)](q, k, q_pos, lse, part, R, T, qk_scale, **common)
     return part.sum(0).div_(R * H)  # (T,)
+
+
+def _attention_mass_torch(q, k, q_pos, scale: float) -> torch.Tensor:
+    """`reference.attention_mass_ref` with the same operations in the same order, except that
+    only the key columns after the first row's position are masked (every earlier key is
+    visible to every row), in place: the probe's rows come after the whole context, so the
+    mask touches S of N + S columns instead of all of them (bitwise equal to the reference;
+    tests/test_kernels.py)."""
+    R, H, _ = q.shape
+    T, Hkv, _ = k.shape
+    kf = ref._expand_kv(k, H // Hkv).float().transpose(0, 1)  # (H, T, D)
+    qf = q.float().transpose(0, 1)  # (H, R, D)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, R, T)
+    p = q_pos.to(q.device)
+    first = int(p.min()) + 1  # keys before this column are visible to every row
+    if first < T:
+        visible = torch.arange(first, T, device=q.device)[None, :] <= p[:, None]  # (R, T - first)
+        scores[:, :, first:].masked_fill_(~visible[None], float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=(0, 1))
 
 
 def inverse_rows(rows: torch.Tensor, T: int) -> torch.Tensor:

@@ -522,3 +522,22 @@ def test_rerotate_scatter_writes_into_out(use_backend):
         ops.rerotate_scatter(*args, out=(cache[0, : T - 1], v_dst))
     with pytest.raises(TypeError, match="pair"):
         ops.rerotate_scatter(*args, out=k_dst)
+
+
+@pytest.mark.parametrize("use_backend", ["torch"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["probe", "scattered", "from_zero"])
+def test_torch_attention_mass_masks_only_what_it_must(use_backend, dtype, layout):
+    """The torch path masks only the columns after the first row (in place) and equals the
+    reference bit for bit: probe rows after the context, rows anywhere, a row at position 0."""
+    R, T = 12, 200
+    q, k, _, _ = make_attention(R, T, 6, 2, 32, dtype)
+    if layout == "probe":
+        q_pos = torch.arange(T - R, T)
+    elif layout == "scattered":
+        q_pos = torch.sort(torch.randperm(T, generator=torch.Generator().manual_seed(5))[:R]).values
+    else:
+        q_pos = torch.cat([torch.zeros(1, dtype=torch.int64), torch.arange(T - R + 1, T)])
+    got = ops.attention_mass(q, k, q_pos, 0.2)
+    assert torch.equal(got, ref.attention_mass_ref(q, k, q_pos, 0.2))
+    assert (got[q_pos.max() + 1 :] == 0).all()
