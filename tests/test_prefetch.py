@@ -224,3 +224,26 @@ def test_pinned_host_images_stream_to_the_gpu_like_their_decode(tmp_path, storag
     if storage == "fp8":
         assert not torch.equal(ref.layer(0, like)[0][:17], chunks[0].k[0].to(like))  # really quantised
     store.close()
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_fp8_entries_stream_from_disk_like_their_decode(adapter, parts, tmp_path, threaded):
+    """fp8 entries read from disk are decoded on the store's I/O threads into the session's
+    (inference-mode) buffers: every layer equals the store's own decode."""
+    store = open_store(tmp_path, memory_bytes=0, gpu_bytes=0, use_cuda=False, storage_dtype="fp8")
+    chunk_ids, chunks = parts[2], parts[3]
+    for c in chunks:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=threaded))
+    suffix = Segment("suffix", parts[5])
+    lazy = FusedPrompt([Segment("chunk", ids, pf.view(c.key, ids)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
+    ref = FusedPrompt([Segment("chunk", ids, store.get(c.key)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
+    s = pf.start(lazy)
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+    for l in range(adapter.num_layers):
+        k, v = s.layer(l, like)
+        rk, rv = ref.layer(l, like)
+        assert torch.equal(k, rk) and torch.equal(v, rv), l
+    assert s.finish().sources == {"disk": 3, "none": 1}
+    assert not torch.equal(ref.layer(0, like)[0][: len(chunk_ids[0])], chunks[0].k[0])  # really quantised
+    store.close()

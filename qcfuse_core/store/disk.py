@@ -427,9 +427,10 @@ class DiskTier:
         raw = self.read_layer_raw(key, layer)
         if raw is None:
             return False
-        kv = decode_layer(raw[0], raw[1], out_k.dtype)
-        out_k.copy_(kv[0])
-        out_v.copy_(kv[1])
+        with torch.inference_mode():  # the I/O threads do not inherit the caller's mode; out_k may be an inference tensor
+            kv = decode_layer(raw[0], raw[1], out_k.dtype)
+            out_k.copy_(kv[0])
+            out_v.copy_(kv[1])
         return True
 
     def map_io(self, fn, items: list) -> list:
