@@ -44,15 +44,21 @@ def _workload(a, tag=""):
     return adapter, work
 
 
-def stages(a) -> None:
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+def _engine(a):
+    """The workload's chunks built into a host-tier store -> (engine, work, store, root)."""
     adapter, work = _workload(a)
     nbytes = B.kv_bytes_per_token(adapter) * a.chunks * a.tokens
     root = Path(a.store)
     store = B.open_tier_store(root, "host", nbytes, True)
     engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system))
     engine.build_chunks(work.texts, work.node_ids)
+    return engine, work, store, root
+
+
+def stages(a) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine, work, store, root = _engine(a)
     for name in STEPS:
         fn = getattr(QCFuseEngine, name).__get__(engine)
         setattr(engine, name, _ranged(fn, f"step:{name}", record_function))
@@ -101,12 +107,7 @@ def host(a) -> None:
     import cProfile
     import pstats
 
-    adapter, work = _workload(a)
-    nbytes = B.kv_bytes_per_token(adapter) * a.chunks * a.tokens
-    root = Path(a.store)
-    store = B.open_tier_store(root, "host", nbytes, True)
-    engine = QCFuseEngine(adapter, store=store, config=EngineConfig(system_prompt=work.system))
-    engine.build_chunks(work.texts, work.node_ids)
+    engine, work, store, root = _engine(a)
     prof = cProfile.Profile()
     walls: dict[str, list[float]] = defaultdict(list)
     on = [False]
