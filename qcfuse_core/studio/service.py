@@ -317,7 +317,8 @@ class StudioService:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         stream = engine.stream(spec.question, docs, node_ids=list(spec.chunk_ids), method=mode.method,
-                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens)
+                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens,
+                               stop=tuple(prompt_frame(engine)["stop"]))
         for delta in stream:
             on_delta(delta)
         if dev.type == "cuda":
@@ -529,14 +530,19 @@ def _question(q: Any) -> str:
     return q.strip()
 
 
+PLAIN_STOP = ("\nQuestion:",)  # a base model answers, then goes on with the frame's next question
+
+
 def prompt_frame(engine) -> dict:
     """The frame every prompt of this model gets, with placeholders for the question and the
-    documents: the model's chat template, or (a base model: none) the engine's plain frame."""
+    documents: the model's chat template, or (a base model: none) the engine's plain frame.
+    `stop`: where the studio's answers end besides the end-of-text token (a base model has no
+    end of turn: after its answer it writes the frame's next "Question:" line)."""
     pieces = engine.rag_pieces("{question}", ["{document 1}", "{document 2}"])
     text = "".join(p.text for p in pieces)
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     return {"kind": "chat" if chat else "plain", "label": "the model's chat template" if chat else
-            "plain frame (base model: no chat template)", "text": text}
+            "plain frame (base model: no chat template)", "text": text, "stop": [] if chat else list(PLAIN_STOP)}
 
 
 def _summary(r: FusionResult, mode: Mode, peak: dict) -> dict:

@@ -258,6 +258,12 @@ export function App() {
             <details className="frame" data-testid="prompt-frame" data-kind={status.model.prompt_frame.kind}>
               <summary>prompt frame of {status.model.name}: <strong>{status.model.prompt_frame.label}</strong></summary>
               <pre data-testid="prompt-frame-text">{status.model.prompt_frame.text}</pre>
+              {!!status.model.prompt_frame.stop.length && (
+                <p className="muted" data-testid="prompt-frame-stop">
+                  answers end at {status.model.prompt_frame.stop.map((x) => JSON.stringify(x)).join(", ")}: a base model
+                  has no end of turn and goes on with a next question
+                </p>
+              )}
             </details>
           )}
           {cards.length ? (

@@ -4,6 +4,7 @@ export interface PromptFrame {
   kind: "chat" | "plain";
   label: string;
   text: string; // the frame with {question} and {document N} placeholders
+  stop: string[]; // where answers end besides end-of-text (a base model's)
 }
 
 export interface ModelInfo {
