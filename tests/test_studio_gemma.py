@@ -182,6 +182,18 @@ def test_switching_to_the_loaded_model_is_done_at_once(client, service):
     assert res.status_code == 404 and "gemma3-270m" in res.json()["error"]["message"]
 
 
+def test_started_on_gemma_by_name(tmp_path):
+    """`qcfuse studio --model gemma3-270m`: the service starts on Gemma, SmolLM2 still offered."""
+    svc = StudioService(StudioConfig(store=tmp_path / "store", models=("gemma3-270m",)))
+    try:
+        st = svc.status()
+        assert st["model"]["id"] == "gemma3-270m" and st["model"]["layers"] == 18
+        assert st["model"]["prompt_frame"]["kind"] == "plain"
+        assert [m["id"] for m in svc.models()["models"]][:2] == ["smollm2-135m", "gemma3-270m"]
+    finally:
+        svc.engine.store.close()
+
+
 def test_a_first_use_converts_with_its_message(service, tmp_path, monkeypatch):
     """A cache dir without the converted Gemma: the switch says it converts (first time only,
     where to), converts (here: the converted folder linked in place of the minutes-long

@@ -174,11 +174,47 @@ def test_switching_models_loads_one_and_runs_on_it(tmp_path):
     svc.engine.store.close()
 
 
+def test_a_failed_model_switch_keeps_the_loaded_model(tmp_path, monkeypatch):
+    """The conversion of a packaged model fails: the job says why, status stops showing it as
+    loading, and the loaded model keeps answering."""
+    pytest.importorskip("fastapi")
+    import qcfuse_core.model as model_mod
+    from qcfuse_core.studio.service import Mode, RunSpec, StudioConfig, StudioService
+
+    folder = _save_tiny(tmp_path / "tiny-model")
+    svc = StudioService(StudioConfig(store=tmp_path / "store", models=(str(folder),), warmup=False))
+    svc.ingest_files([("notes.md", "The ferry leaves at six.")])
+    if "gemma3-270m" not in [m.id for m in svc._models]:
+        pytest.skip("the gemma3-270m packages are not installed (make setup installs them)")
+    monkeypatch.setattr(model_mod, "packaged_model_target", lambda key: (tmp_path / "cache" / "models" / "g", False))
+
+    def broken(key):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_mod, "packaged_model_dir", broken)
+    job = svc.start_model_job("gemma3-270m")
+    assert job.state == "queued" and svc.status()["loading"]["id"] == job.id
+    assert "Waiting to load gemma-3-270m" in job.result["message"]
+    svc.run_model_job(job, "gemma3-270m")
+    got = job.to_dict()
+    assert got["state"] == "failed" and got["stage"] == "converting" and "No space left on device" in got["error"]
+    assert "first time only" in got["result"]["message"]
+    st = svc.status()
+    assert st["loading"] is None and st["model"]["id"] == "tiny-model"
+    ids = [c["id"] for c in svc.search("When does the ferry leave?", 1)]
+    run = svc.run(RunSpec("When does the ferry leave?", tuple(ids), (Mode("full"),), max_new_tokens=1, reference=False))
+    assert run["model"] == "tiny-model"
+    assert run["results"][0]["context_tokens"] == len(svc.engine.tokenize("The ferry leaves at six."))
+    svc.engine.store.close()
+
+
 def test_cli_refuses_bad_options_and_names_a_missing_extra(monkeypatch, capsys):
     from qcfuse_core.cli import main
 
     assert main(["studio", "--port", "70000"]) == 2
     assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["studio", "--model", "gemma9-1b", "--port", "0"]) == 2
+    assert "gemma9-1b is neither a packaged model (smollm2-135m, gemma3-270m)" in capsys.readouterr().err
     import importlib.util
 
     real = importlib.util.find_spec
