@@ -30,6 +30,7 @@ Q = "When does the ferry leave?"
 DOCS = [("ferry.md", "The Oskarvik ferry leaves the harbour at six o'clock every morning."),
         ("bell.md", "The harbour bell in Oskarvik rings once at noon.")]
 NEW_TOKENS = 4
+STAGES = ("queued", "converting", "loading", "warming up", "loaded")
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +135,11 @@ def test_switch_answers_on_each_model_from_its_own_caches(client, service):
     # -> Gemma-3-270M: a job with its stages (converting only when the cache dir lacks it)
     converted_before = packaged_model_target("gemma3-270m")[1]
     final, events = _switch(client, "gemma3-270m")
-    stages = [e["stage"] for e in events]
-    assert "loading" in stages and "warming up" in stages and stages[-1] == "loaded"
-    assert ("converting" in stages) == (not converted_before)
-    loading = next(e for e in events if e["stage"] == "loading")
-    assert loading["result"]["message"].startswith("Loading gemma-3-270m")
+    assert events[-1]["stage"] == "loaded" and all(e["stage"] in STAGES for e in events)
+    stages = [s["stage"] for s in final["result"]["stages"]]  # every stage, also those too short to be polled
+    assert stages == (["loading", "warming up"] if converted_before else ["converting", "loading", "warming up"])
+    loading = next(s for s in final["result"]["stages"] if s["stage"] == "loading")
+    assert loading["message"].startswith("Loading gemma-3-270m")
     model = final["result"]["model"]
     assert model["id"] == "gemma3-270m" and model["layers"] == 18 and model["fingerprint"] != smol_fp
     frame = model["prompt_frame"]
@@ -164,7 +165,7 @@ def test_switch_answers_on_each_model_from_its_own_caches(client, service):
 
     # -> back to SmolLM2: its caches are where they were, untouched; its answers are the same
     final, events = _switch(client, "smollm2-135m")
-    assert "converting" not in [e["stage"] for e in events]
+    assert [s["stage"] for s in final["result"]["stages"]] == ["loading", "warming up"]
     assert final["result"]["model"]["fingerprint"] == smol_fp
     again = _run(client, ids)
     assert again["results"][0]["cache_hits"] == len(ids) and again["results"][0]["cache_misses"] == 0
@@ -200,6 +201,7 @@ def test_a_first_use_converts_with_its_message(service, tmp_path, monkeypatch):
     dequantisation), then loads; afterwards the model is listed as converted."""
     import qcfuse_core.model as model_mod
 
+    service.select_model("smollm2-135m")
     real, converted = packaged_model_target("gemma3-270m")
     if not converted:
         model_mod.packaged_model_dir("gemma3-270m")  # the earlier tests loaded it: converted

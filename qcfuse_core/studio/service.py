@@ -495,12 +495,15 @@ class StudioService:
         """The job's body (on the worker): never raises; the job records the outcome."""
         job.update(state="running")
 
-        def progress(stage: str, message: str) -> None:
-            job.update(stage=stage, result={**(job.result or {}), "message": message})
+        def progress(stage: str, message: str) -> None:  # every stage is kept: a poll may miss a short one
+            res = job.result or {}
+            job.update(stage=stage, result={**res, "message": message,
+                                            "stages": [*res.get("stages", []), {"stage": stage, "message": message}]})
 
         try:
             model = self.select_model(model_id, progress)
-            job.update(state="done", stage="loaded", result={"model": model, "message": f"{model['name']} is loaded"})
+            job.update(state="done", stage="loaded", result={"model": model, "message": f"{model['name']} is loaded",
+                                                             "stages": (job.result or {}).get("stages", [])})
         except Exception as e:  # recorded for the page; the server keeps running on the old model
             log.exception("model switch failed")
             job.update(state="failed", error=f"{type(e).__name__}: {e}")

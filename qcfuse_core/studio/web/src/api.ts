@@ -141,6 +141,7 @@ export interface Job {
   result: {
     files?: string[]; chunks?: number; chunk_ids?: string[]; sources?: string[]; // ingest
     model_id?: string; name?: string; message?: string; model?: ModelInfo; // model
+    stages?: { stage: string; message: string }[]; // model: every stage so far
   } | null;
   error: string | null;
 }
