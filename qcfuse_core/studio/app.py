@@ -1,7 +1,11 @@
 """The studio's FastAPI app: a JSON API under /api and the built page at /.
 
-    GET  /api/status                      model, store, chunk count, methods, limits
-    GET  /api/models                      installed models; POST /api/models/select {id} loads one
+    GET  /api/status                      model (with its prompt frame), the model switch in
+                                          progress, store, chunk count, methods, limits
+    GET  /api/models                      installed models (packaged ones: converted yet or not)
+    POST /api/models/select {id}          202 + a job that loads the model (stages: converting,
+                                          only the first time for a packaged model; loading;
+                                          warming up), followed like an ingestion job
     POST /api/search {question, top_k}    top-k chunks from Chroma, with scores and anchors
     POST /api/run {question, chunk_ids, modes: [{method, ratio}], max_new_tokens, reference}
                                           one result per mode (answer, TTFT, stages, recompute
@@ -140,9 +144,12 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
     async def models():
         return service.models()
 
-    @app.post("/api/models/select")
+    @app.post("/api/models/select", status_code=202)
     async def select_model(body: SelectModelIn):
-        return await on_worker(service.select_model, body.id)
+        job = service.start_model_job(body.id)  # an unknown id: 404 now
+        if job.state != "done":
+            asyncio.get_running_loop().run_in_executor(worker, service.run_model_job, job, body.id)
+        return job.to_dict()
 
     @app.post("/api/search")
     async def search(body: SearchIn):

@@ -1,6 +1,6 @@
 """`qcfuse studio`: open the store (the sample corpus when it is empty), serve the page.
 
-    qcfuse studio [--store DIR] [--model DIR ...] [--port 8501]
+    qcfuse studio [--store DIR] [--model NAME|DIR ...] [--port 8501]
 
 The server binds to 127.0.0.1 only; the page and its fonts are files inside the package,
 so nothing is fetched from anywhere.
@@ -22,9 +22,10 @@ def add_commands(sub) -> None:
     p = sub.add_parser("studio", help="a local web page that shows what fusion did (needs qcfuse[studio])")
     p.add_argument("--store", type=Path, default=cache_dir() / "store",
                    help="store folder (Chroma + chunk caches); an empty one gets the sample corpus (default: %(default)s)")
-    p.add_argument("--model", action="append", default=[], metavar="DIR",
-                   help="local HF model folder to offer (repeatable; the first is loaded; default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME|DIR",
+                   help="model to load first: a packaged model (smollm2-135m, gemma3-270m) or a local HF model "
+                        "folder, which is then offered too (repeatable; the first is loaded; default: the embedded "
+                        "SmolLM2-135M-Instruct). Every installed packaged model is in the page's model menu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)")
@@ -49,7 +50,17 @@ def cmd_studio(args) -> int:
 
     cfg = StudioConfig(store=args.store, models=tuple(args.model), dtype=args.dtype, device=args.device,
                        max_upload_bytes=int(args.max_upload_mb * (1 << 20)))
-    print(f"qcfuse studio: loading the model and opening {args.store}", flush=True)
+    from qcfuse_core.studio.models import conversion_state, initial_model, installed_models
+
+    models = installed_models(cfg.models)
+    if not models:
+        raise ImportError("no model to load: install the embedded one (make setup) or pass --model DIR")
+    first = initial_model(models, cfg.models)
+    state = conversion_state(first)
+    if state is not None and not state[1]:
+        print(f"qcfuse studio: converting {first.name} from its GGUF into {state[0].parent} (first time only; "
+              "minutes on a small CPU)", flush=True)
+    print(f"qcfuse studio: loading {first.name} and opening {args.store}", flush=True)
     service = StudioService(cfg)
     bars: dict[str, tqdm] = {}
 

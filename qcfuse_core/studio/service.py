@@ -11,7 +11,9 @@ not measured while another run shared the cores.
                                    reference for the agreement badge when full is not a mode)
     details(run_id, index)         the per-token view of one mode (details.py)
     ingest_files(files, progress)  chunk, embed into Chroma, build the chunk caches
-    models() / select_model(id)    installed models; switching loads one
+    models() / select_model(id)    installed models; switching loads one (a packaged model
+                                   not converted yet is converted first, once, into the cache
+                                   dir; start_model_job runs it in the background with stages)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from qcfuse_core.cli import DEMO_QUESTIONS  # the sample corpus's questions
 from qcfuse_core.corpus import TEXT_SUFFIXES, Chunk, chunk_id, chunks_from_file, iter_text_files, sample_corpus_dir, split_text
 from qcfuse_core.studio.details import mode_details, token_pieces, waterfall
-from qcfuse_core.studio.models import ModelEntry, installed_models
+from qcfuse_core.studio.models import ModelEntry, conversion_state, initial_model, installed_models
 from qcfuse_core.types import FusionResult
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class Unsupported(StudioError):
 @dataclass(frozen=True)
 class StudioConfig:
     store: Path
-    models: tuple[str, ...] = ()  # model folders besides the embedded one; the first is loaded
+    models: tuple[str, ...] = ()  # packaged names or model folders to offer; the first is loaded
     dtype: str = "bf16"
     device: str = "cpu"
     chunk_chars: int = 1200  # as `qcfuse ingest`
@@ -83,6 +85,7 @@ class StudioConfig:
     max_modes: int = 6
     max_new_tokens: int = 48
     runs_kept: int = 16  # runs whose details stay available
+    warmup: bool = True  # warm-up answers after a model switch (the CLI also warms up at start)
 
     def __post_init__(self) -> None:
         for name in ("chunk_chars", "max_upload_bytes", "max_files", "max_chunks", "max_modes",
@@ -167,8 +170,8 @@ class StudioService:
         self._models = installed_models(config.models)
         if not self._models:
             raise ImportError("no model to load: install the embedded one (make setup) or pass --model DIR")
-        self.model: ModelEntry = (next(m for m in self._models if m.source == "option")
-                                  if config.models else self._models[0])
+        self.model: ModelEntry = initial_model(self._models, config.models)
+        self._model_job: Job | None = None  # the model switch in progress (status shows it)
         self.engine = engine if engine is not None else self._open_engine(self.model)
         if collection is None:
             from qcfuse_integrations.chroma import open_collection
@@ -182,16 +185,19 @@ class StudioService:
     def _open_engine(self, entry: ModelEntry):
         from qcfuse_core.engine import open_engine
 
-        return open_engine(self.config.store, model=entry.path, dtype=self.config.dtype, device=self.config.device)
+        return open_engine(self.config.store, model=entry.load_arg, dtype=self.config.dtype, device=self.config.device)
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> dict:
         from qcfuse_core.selectors import SELECTORS
 
         a = self.engine.adapter
+        job = self._model_job
         return {
             "model": {**self.model.to_dict(), "layers": a.num_layers, "device": str(a.device),
-                      "dtype": str(a.dtype).replace("torch.", "")},
+                      "dtype": str(a.dtype).replace("torch.", ""), "fingerprint": a.fingerprint(),
+                      "prompt_frame": prompt_frame(self.engine)},
+            "loading": job.to_dict() if job is not None and job.state in ("queued", "running") else None,
             "store": str(self.config.store),
             "chunks": self.collection.count(),
             "methods": list(PAGE_METHODS), "all_methods": sorted(SELECTORS),
@@ -311,7 +317,8 @@ class StudioService:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         stream = engine.stream(spec.question, docs, node_ids=list(spec.chunk_ids), method=mode.method,
-                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens)
+                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens,
+                               stop=tuple(prompt_frame(engine)["stop"]))
         for delta in stream:
             on_delta(delta)
         if dev.type == "cuda":
@@ -425,21 +432,81 @@ class StudioService:
 
     # -- models ---------------------------------------------------------------------------
     def models(self) -> dict:
-        return {"current": self.model.id, "models": [m.to_dict() for m in self._models]}
+        out = []
+        for m in self._models:
+            d = m.to_dict()
+            try:
+                state = conversion_state(m)
+            except (ImportError, ValueError) as e:  # listed but its packages are incomplete
+                d["converted"], d["problem"] = None, str(e)
+            else:
+                d["converted"] = None if state is None else state[1]
+            out.append(d)
+        return {"current": self.model.id, "models": out}
 
-    def select_model(self, model_id: str) -> dict:
-        """Load another installed model (once per process); its chunk caches are built as the
-        runs need them (the first run on a new model shows them as misses)."""
+    def _entry(self, model_id: str) -> ModelEntry:
         entry = next((m for m in self._models if m.id == model_id), None)
         if entry is None:
             raise NotFound(f"unknown model {model_id!r}; installed: {', '.join(m.id for m in self._models)}")
+        return entry
+
+    def select_model(self, model_id: str, progress: Callable[[str, str], None] | None = None) -> dict:
+        """Load another installed model (once per process) -> its status. A packaged model not
+        converted yet is converted first (once; cached under the cache dir). `progress(stage,
+        message)` hears each stage: converting, loading, warming up. Its chunk caches are
+        built as the runs need them (the first run on a new model shows them as misses);
+        each model's caches are its own (keys start with its fingerprint)."""
+        from qcfuse_core.model import packaged_model_dir
+
+        entry = self._entry(model_id)
+        progress = progress or (lambda stage, message: None)
         if entry.id != self.model.id:
             t0 = time.perf_counter()
+            state = conversion_state(entry)
+            if state is not None and not state[1]:
+                progress("converting", f"Converting {entry.name} from its GGUF to safetensors: first time only, "
+                                       f"the result is kept in {state[0].parent} (minutes on a small CPU)")
+                packaged_model_dir(entry.packaged)
+            progress("loading", f"Loading {entry.name} ({self.config.dtype} on {self.config.device})")
             engine, old = self._open_engine(entry), self.engine
             self.engine, self.model = engine, entry
             old.store.close()
+            if self.config.warmup:
+                progress("warming up", f"Warming up {entry.name}: one tiny answer per kind of prefill")
+                self.warm_up()
             log.info("switched to %s in %.1f s", entry.name, time.perf_counter() - t0)
         return self.status()["model"]
+
+    def start_model_job(self, model_id: str) -> Job:
+        """A background switch (`run_model_job` on the worker); NotFound for an unknown id.
+        Switching to the loaded model is a job that is done at once."""
+        entry = self._entry(model_id)
+        job = self.new_job("model")
+        if entry.id == self.model.id and (self._model_job is None or self._model_job.state in ("done", "failed")):
+            job.update(state="done", stage="loaded", result={"model": self.status()["model"],
+                                                             "message": f"{entry.name} is loaded"})
+            return job
+        job.update(result={"model_id": entry.id, "name": entry.name,
+                           "message": f"Waiting to load {entry.name}"}, stage="queued")
+        self._model_job = job
+        return job
+
+    def run_model_job(self, job: Job, model_id: str) -> None:
+        """The job's body (on the worker): never raises; the job records the outcome."""
+        job.update(state="running")
+
+        def progress(stage: str, message: str) -> None:  # every stage is kept: a poll may miss a short one
+            res = job.result or {}
+            job.update(stage=stage, result={**res, "message": message,
+                                            "stages": [*res.get("stages", []), {"stage": stage, "message": message}]})
+
+        try:
+            model = self.select_model(model_id, progress)
+            job.update(state="done", stage="loaded", result={"model": model, "message": f"{model['name']} is loaded",
+                                                             "stages": (job.result or {}).get("stages", [])})
+        except Exception as e:  # recorded for the page; the server keeps running on the old model
+            log.exception("model switch failed")
+            job.update(state="failed", error=f"{type(e).__name__}: {e}")
 
     def warm_up(self) -> None:
         """One tiny answer per kind of prefill, so the first run's TTFT is not the process's
@@ -464,6 +531,21 @@ def _question(q: Any) -> str:
     if len(q) > QUESTION_CHARS:
         raise StudioError(f"question is {len(q)} characters; the limit is {QUESTION_CHARS}")
     return q.strip()
+
+
+PLAIN_STOP = ("\nQuestion:",)  # a base model answers, then goes on with the frame's next question
+
+
+def prompt_frame(engine) -> dict:
+    """The frame every prompt of this model gets, with placeholders for the question and the
+    documents: the model's chat template, or (a base model: none) the engine's plain frame.
+    `stop`: where the studio's answers end besides the end-of-text token (a base model has no
+    end of turn: after its answer it writes the frame's next "Question:" line)."""
+    pieces = engine.rag_pieces("{question}", ["{document 1}", "{document 2}"])
+    text = "".join(p.text for p in pieces)
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    return {"kind": "chat" if chat else "plain", "label": "the model's chat template" if chat else
+            "plain frame (base model: no chat template)", "text": text, "stop": [] if chat else list(PLAIN_STOP)}
 
 
 def _summary(r: FusionResult, mode: Mode, peak: dict) -> dict:

@@ -3,7 +3,7 @@
 import { useCallback, useEffect, useRef, useState } from "react";
 
 import { Answers, type Card } from "./Answers";
-import { api, type ChunkHit, type Details as DetailsData, type Job, type ModelInfo, type RunResponse, type Status, streamRun } from "./api";
+import { api, type ChunkHit, type Details as DetailsData, followJob, type Job, type ModelInfo, type RunResponse, type Status, streamRun } from "./api";
 import { Chunks } from "./Chunks";
 import { Details } from "./Details";
 import { Upload } from "./Upload";
@@ -15,6 +15,7 @@ export function App() {
   const [status, setStatus] = useState<Status | null>(null);
   const [models, setModels] = useState<ModelInfo[]>([]);
   const [switching, setSwitching] = useState(false);
+  const [modelJob, setModelJob] = useState<Job | null>(null); // the switch in progress: its stage message
   const [error, setError] = useState<string | null>(null);
   const [question, setQuestion] = useState("");
   const [topK, setTopK] = useState(4);
@@ -58,6 +59,7 @@ export function App() {
         setStatus(st);
         setModels(ms.models);
         setRatio(st.default_ratio);
+        if (st.loading) await followModelJob(st.loading); // the page was opened during a switch
         if (st.examples.length) {
           setQuestion(st.examples[0]);
           await search(st.examples[0], 4);
@@ -131,18 +133,35 @@ export function App() {
     }
   }
 
-  async function switchModel(id: string) {
+  // A switch is a job on the server: converting (a packaged model's first use only), loading,
+  // warming up; its message shows until the model answers.
+  async function followModelJob(job: Job): Promise<boolean> {
     setSwitching(true);
+    setModelJob(job);
+    try {
+      const end = job.state === "done" || job.state === "failed" ? job : await followJob(job.id, setModelJob);
+      if (end.state === "failed") {
+        setError(`the model could not be loaded: ${end.error}`);
+        return false;
+      }
+      const [st, ms] = await Promise.all([api.status(), api.models()]);
+      setStatus(st);
+      setModels(ms.models);
+      return true;
+    } finally {
+      setModelJob(null);
+      setSwitching(false);
+    }
+  }
+
+  async function switchModel(id: string) {
     setError(null);
     try {
-      await api.selectModel(id);
-      setStatus(await api.status());
+      const job = await api.selectModel(id);
       clearRun();
-      if (question.trim()) await search(question, topK);
+      if (await followModelJob(job) && question.trim()) await search(question, topK);
     } catch (e) {
       setError((e as Error).message);
-    } finally {
-      setSwitching(false);
     }
   }
 
@@ -165,7 +184,11 @@ export function App() {
             <span className="muted">model</span>
             <select value={status?.model.id ?? ""} disabled={busy || !status} data-testid="model-select"
                     onChange={(e) => switchModel(e.target.value)}>
-              {models.map((m) => <option key={m.id} value={m.id}>{m.name}</option>)}
+              {models.map((m) => (
+                <option key={m.id} value={m.id} data-testid={`model-option-${m.id}`}>
+                  {m.name}{m.instruct === false ? " (base)" : ""}{m.converted === false ? " · converted on first use" : ""}
+                </option>
+              ))}
             </select>
           </label>
           {status && (
@@ -173,9 +196,14 @@ export function App() {
               {status.chunks} chunks · {status.model.layers} layers · {status.model.device} {status.model.dtype}
             </span>
           )}
-          {switching && <span className="spinner">loading model…</span>}
         </div>
       </header>
+
+      {switching && (
+        <div className="notice" role="status" data-testid="model-loading" data-stage={modelJob?.stage ?? ""}>
+          <span className="spinner">{modelJob?.result?.message ?? "loading the model…"}</span>
+        </div>
+      )}
 
       {error && <div className="error" role="alert" data-testid="error">{error}</div>}
 
@@ -226,6 +254,18 @@ export function App() {
               {running ? "running…" : `Run ${modes.length} mode${modes.length === 1 ? "" : "s"}`}
             </button>
           </div>
+          {status?.model.prompt_frame && (
+            <details className="frame" data-testid="prompt-frame" data-kind={status.model.prompt_frame.kind}>
+              <summary>prompt frame of {status.model.name}: <strong>{status.model.prompt_frame.label}</strong></summary>
+              <pre data-testid="prompt-frame-text">{status.model.prompt_frame.text}</pre>
+              {!!status.model.prompt_frame.stop.length && (
+                <p className="muted" data-testid="prompt-frame-stop">
+                  answers end at {status.model.prompt_frame.stop.map((x) => JSON.stringify(x)).join(", ")}: a base model
+                  has no end of turn and goes on with a next question
+                </p>
+              )}
+            </details>
+          )}
           {cards.length ? (
             <Answers cards={cards} reference={reference} final={run !== null} onDetails={toggleDetails} detailsIndex={detailsIndex} />
           ) : (

@@ -1,18 +1,33 @@
 // The studio's JSON API (qcfuse_core/studio/app.py): types and calls. Same origin only.
 
+export interface PromptFrame {
+  kind: "chat" | "plain";
+  label: string;
+  text: string; // the frame with {question} and {document N} placeholders
+  stop: string[]; // where answers end besides end-of-text (a base model's)
+}
+
 export interface ModelInfo {
   id: string;
   name: string;
   path: string | null;
-  source: string;
+  source: string; // packaged | option | cache
   architecture: string;
+  packaged: string | null;
+  default: boolean;
+  instruct: boolean | null;
+  converted?: boolean | null; // packaged: converted into the cache dir already (else on first use)
+  problem?: string;
   layers?: number;
   device?: string;
   dtype?: string;
+  fingerprint?: string;
+  prompt_frame?: PromptFrame;
 }
 
 export interface Status {
   model: ModelInfo;
+  loading: Job | null; // a model switch in progress
   store: string;
   chunks: number;
   methods: string[];
@@ -123,7 +138,11 @@ export interface Job {
   stage: string;
   done: number;
   total: number;
-  result: { files?: string[]; chunks?: number; chunk_ids?: string[]; sources?: string[] } | null;
+  result: {
+    files?: string[]; chunks?: number; chunk_ids?: string[]; sources?: string[]; // ingest
+    model_id?: string; name?: string; message?: string; model?: ModelInfo; // model
+    stages?: { stage: string; message: string }[]; // model: every stage so far
+  } | null;
   error: string | null;
 }
 
@@ -156,7 +175,7 @@ const json = (body: unknown): RequestInit => ({
 export const api = {
   status: () => call<Status>("/api/status"),
   models: () => call<{ current: string; models: ModelInfo[] }>("/api/models"),
-  selectModel: (id: string) => call<ModelInfo>("/api/models/select", json({ id })),
+  selectModel: (id: string) => call<Job>("/api/models/select", json({ id })),
   search: (question: string, top_k: number) =>
     call<{ question: string; chunks: ChunkHit[] }>("/api/search", json({ question, top_k })),
   details: (runId: string, index: number) => call<Details>(`/api/runs/${runId}/details/${index}`),
