@@ -55,10 +55,13 @@ class SliceChunk(KVChunk):
         return self.start == 0
 
 
-def runs(ids: torch.Tensor, source_ids: torch.Tensor, *, min_prefix: int = MIN_PREFIX,
-         min_run: int = MIN_RUN) -> list[tuple[int, int, int]]:
+def runs(ids: torch.Tensor, source_ids: torch.Tensor, *, min_prefix: int | None = None,
+         min_run: int | None = None) -> list[tuple[int, int, int]]:
     """The token runs of `ids` served from `source_ids`: (i in ids, j in source, n), in order,
-    non-overlapping in both; a run at j == 0 needs min_prefix tokens, any other min_run."""
+    non-overlapping in both; a run at j == 0 needs min_prefix tokens, any other min_run
+    (default: the module's MIN_PREFIX, MIN_RUN)."""
+    min_prefix = MIN_PREFIX if min_prefix is None else min_prefix
+    min_run = MIN_RUN if min_run is None else min_run
     a, b = ids.tolist(), source_ids.tolist()
     out = []
     for i, j, n in SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():

@@ -104,3 +104,12 @@ def test_answers_count_the_served_tokens_and_fall_back_without_a_source(engine):
                             max_new_tokens=2)
     assert plain.cache_misses == 1 and plain.subspan_tokens == 0  # computed whole, as without a source
     assert engine.store.contains(engine.chunk_tokens(other)[1])
+
+
+def test_runs_obey_their_minimum_lengths(monkeypatch):
+    src = torch.arange(40)
+    ids = torch.cat([src[:5], torch.tensor([99]), src[10:30]])  # a 5-token prefix, a 20-token inner run
+    assert subspans.runs(ids, src) == [(0, 0, 5), (6, 10, 20)]
+    assert subspans.runs(ids, src, min_prefix=6) == [(6, 10, 20)]
+    monkeypatch.setattr(subspans, "MIN_RUN", 41)  # prefixes only
+    assert subspans.runs(ids, src) == [(0, 0, 5)]
