@@ -1,7 +1,8 @@
 """The framework setups of issue 19, each run twice in the framework's plain idiom: how many
-chunks the QCFuse model matched and how many of them were cache hits, per call.
+chunks the QCFuse model matched and how many of them were cache hits, per call (and, where
+the version reports it, how many chunk tokens were served from sub-spans of stored chunks).
 
-    python benchmarks/integration_scenarios.py [--json OUT]
+    python benchmarks/integration_scenarios.py [--json OUT] [--only TEXT ...]
 
 Uses only APIs that older QCFuse versions had too (LangChain's `QCFuseLLM`, LlamaIndex's
 `QCFuseLLM`), so the same script gives the before/after table. Every store is fresh.
@@ -72,7 +73,14 @@ def _lc(formatter: str, builder: str | None) -> list[dict]:
     cb = Infos()
     for _ in range(2):
         chain.invoke(QUESTION, config={"callbacks": [cb]})
-    return [{"chunks": i.get("chunks"), "hits": i.get("cache_hits")} for i in cb.infos]
+    return [_row(i) for i in cb.infos]
+
+
+def _row(stats: dict) -> dict:
+    row = {"chunks": stats.get("chunks"), "hits": stats.get("cache_hits")}
+    if "subspan_tokens" in stats:
+        row["subspan_tokens"] = stats["subspan_tokens"]
+    return row
 
 
 # ---------------------------------------------------------------------- LlamaIndex
@@ -92,8 +100,7 @@ def _li(mode: str) -> list[dict]:
     out = []
     for _ in range(2):
         qe.query(QUESTION)
-        s = stats_of()
-        out.append({"chunks": s.get("chunks"), "hits": s.get("cache_hits")})
+        out.append(_row(stats_of()))
     return out
 
 
@@ -141,10 +148,14 @@ SCENARIOS = {
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", nargs="+", metavar="TEXT", help="run the scenarios whose name contains one of these")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    chosen = {n: r for n, r in SCENARIOS.items() if not args.only or any(t in n for t in args.only)}
+    if not chosen:
+        ap.error(f"no scenario matches {args.only}; names: {', '.join(SCENARIOS)}")
     results = {}
-    for name, run in SCENARIOS.items():
+    for name, run in chosen.items():
         try:
             results[name] = run()
         except Exception as e:  # a scenario that fails is a row of the table, not the end of it

@@ -31,6 +31,7 @@ from qcfuse_core.prefetch import ChunkView, Prefetcher
 from qcfuse_core.selectors import PROBING_METHODS, SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
+from qcfuse_core.subspans import served_tokens
 from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
@@ -345,7 +346,8 @@ class QCFuseEngine:
             if not cached:
                 parts.append(Part(p.kind, ids, p.node_id))
                 continue
-            self._link(p.node_id, key)
+            if p.kind != "chunk" or p.source is None:
+                self._link(p.node_id, key)
             if p.kind == "prefix":
                 chunk, hit = self._prefix(key, ids)
                 parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
@@ -356,6 +358,12 @@ class QCFuseEngine:
                 chunk = self.store.get(key)
                 parts.append(Part("chunk", ids, p.node_id, key, "host" if chunk is not None else None, chunk,
                                   chunk is not None))
+            if p.kind == "chunk" and p.source is not None:  # a re-rendered text: its runs from the source
+                served = None if parts[-1].hit else self._subspans(parts[-1], p.source)
+                if served:
+                    parts[-1:] = served
+                else:
+                    self._link(p.node_id, key)
         check_context(self.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
         missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
         built = self._build(missing, keep=True)
@@ -364,6 +372,19 @@ class QCFuseEngine:
         chunks = [p for p in parts if p.kind == "chunk" and p.key is not None]
         hits = sum(p.hit for p in chunks)
         return LookedUp(tuple(parts), hits, len(chunks) - hits)
+
+    def _subspans(self, part: Part, source: str) -> list[Part] | None:
+        """The parts serving a chunk's token runs from the stored cache of the text it
+        re-renders (subspans.py); None when that is not stored or shares no run."""
+        from qcfuse_core import subspans
+
+        _, src_key = self.chunk_tokens(source)
+        stored = self.store.get(src_key) if src_key is not None else None
+        served = subspans.serve(part.ids, part.node_id, stored, self.fingerprint) if stored is not None else None
+        for p in served or ():
+            if p.chunk is not None:
+                self._add_anchors(p.chunk)
+        return served
 
     def _prefix(self, key: ChunkKey, ids: torch.Tensor) -> tuple[KVChunk, bool]:
         """The prefix's cache, kept on the compute device between requests (it is exact and
@@ -570,6 +591,7 @@ class QCFuseEngine:
             load=pre.load_report, threads=request.threads, prompt_ids=prompt.token_ids,
             spans=tuple(PromptSpan(s.kind, st, st + len(s), s.node_id, s.cache_hit)
                         for s, st in zip(prompt.segments, prompt.starts)),
+            subspan_tokens=served_tokens(prompt.segments),
         )
 
     # ------------------------------------------------------------------ answering

@@ -66,11 +66,16 @@ class ChunkKey:
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of prompt text. kind: prefix | chunk | text | suffix; chunks may carry a node id."""
+    """A piece of prompt text. kind: prefix | chunk | text | suffix; chunks may carry a node id.
+
+    source: the stored chunk text this chunk re-renders (truncated, other whitespace); where
+    the chunk's own cache is missing, its token runs are served from the source's cache
+    (subspans.py)."""
 
     kind: str
     text: str
     node_id: str | None = None
+    source: str | None = None
 
 
 @dataclass
@@ -163,6 +168,7 @@ class FusionResult:
     threads: int = 0  # torch intra-op threads the request ran with (its device's count on a GPU)
     prompt_ids: torch.Tensor | None = None  # (T,) int64: the fused prompt's tokens (positions of `selection`)
     spans: tuple[PromptSpan, ...] = ()  # its segments, in order, covering 0..T-1
+    subspan_tokens: int = 0  # chunk tokens served from slices of stored chunks (subspans.py)
 
     @property
     def recompute_share(self) -> float:
@@ -182,6 +188,7 @@ class FusionResult:
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "chunks": self.chunks,
+            "subspan_tokens": self.subspan_tokens,
             "new_tokens": len(self.token_ids),
             "finish_reason": self.finish_reason,
             "threads": self.threads,

@@ -212,6 +212,7 @@ class Call:
     explicit: dict = field(default_factory=dict)  # {text: node id} the caller knows are in the prompt
     chunks: list = field(default_factory=list)
     learned: int = 0
+    renderings: list = field(default_factory=list)  # (text, id) re-rendering a stored text (learning.py)
     unmatched: bool = False
     result: Any = None  # FusionResult
     # an explicit chunk channel (LangChain's documents= / doc_ids=): prompt -> chunk pieces,
@@ -225,6 +226,7 @@ class Call:
 
         match = learner_for(engine).match(self.prompt, self.explicit)
         self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
+        self.renderings = match.renderings
         if self.locate is not None:
             self.chunks = self.locate(self.prompt)
         if self.chat:
@@ -233,12 +235,16 @@ class Call:
 
     def deltas(self, engine: QCFuseEngine) -> Iterator[str]:
         """Text deltas; `result` is set once they are exhausted."""
+        from qcfuse_integrations.learning import learner_for
+
         stream = self.stream(engine)
         try:
             yield from stream
         finally:
             stream.close()
         self.result = stream.result
+        if self.result is not None and self.result.subspan_tokens and self.renderings:
+            learner_for(engine).build(self.renderings)  # served from sub-spans now: whole next time
 
     def stats(self, engine: QCFuseEngine) -> dict[str, Any]:
         """The FusionResult's numbers (no answer text), which chunks matched, token counts and

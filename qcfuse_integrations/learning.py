@@ -16,9 +16,13 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
         prompt:   "['Halden lies on the north coast.\\\\n\\\\nIts harbour ...']"  (a list repr)
 
                     the prompt's own rendering of such a text is registered (under the text's
-                    id) and computed by this call: a miss now, a hit next time. A cache is
-                    always the cache of exactly the text in the prompt (keys are token
-                    hashes), so nothing is ever served for a text it was not computed from.
+                    id) with the stored text as its source: this call serves the token runs
+                    they share from the stored cache (qcfuse_core/subspans.py: a truncation's
+                    token-aligned prefix exactly; long runs inside, as approximate as any
+                    chunk cache) and computes the rest; the rendering's own cache is then
+                    built in the background (`build`), a full hit next time. A cache is only
+                    ever served for the exact tokens it holds (runs are matched on token ids),
+                    so nothing is attributed to a text it was not computed from.
     unmatched       a prompt that carries retrieved context (a line of a recently retrieved
                     text, or a context header) but matched no chunk logs one WARNING per
                     engine, with the likely cause and the fix, and counts in `counters()`.
@@ -34,7 +38,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.segment import ANCHOR
@@ -54,8 +58,13 @@ class Match:
     """The chunks of one prompt and how they were found."""
 
     chunks: list[Piece]
-    learned: int  # re-rendered retrieved texts registered by this call (computed now)
+    learned: int  # re-rendered retrieved texts registered by this call
     unmatched: bool  # the prompt carries retrieved context but no chunk matched
+
+    @property
+    def renderings(self) -> list[tuple[str, str | None]]:
+        """(text, id) of the chunks that re-render a stored text (served from its runs)."""
+        return [(c.text, c.node_id) for c in self.chunks if c.source is not None]
 
 
 class Learner:
@@ -67,6 +76,7 @@ class Learner:
         self._recent: OrderedDict[str, str | None] = OrderedDict()  # text -> node id
         self._pending: dict[str, Future] = {}  # text -> its latest background build
         self._pending_ids: dict[str, str | None] = {}  # text -> the id that build links it to
+        self._sources: OrderedDict[str, str] = OrderedDict()  # a prompt's rendering -> the text it renders
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-learn")
         self._last_retrieval = 0.0
         self._warned = False
@@ -102,12 +112,22 @@ class Learner:
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
             self._last_retrieval = time.monotonic()
-            if not todo:
-                return None
-            future = self._pool.submit(self._build, todo)
-            for text, node_id in todo:
-                self._pending[text] = future  # the latest build of the text (jobs run in order)
-                self._pending_ids[text] = node_id
+            return self._submit(todo)
+
+    def build(self, items: Sequence[tuple[str, str | None]]) -> Future | None:
+        """Build (in the background) the caches of prompt texts not stored yet - the
+        renderings a call served from sub-spans, so that the next call hits them whole."""
+        with self._lock:
+            return self._submit([(t, i) for t, i in items if self._pending_ids.get(t, ...) != i])
+
+    def _submit(self, todo: list[tuple[str, str | None]]) -> Future | None:
+        """(under the lock) one background job for `todo`."""
+        if not todo:
+            return None
+        future = self._pool.submit(self._build, todo)
+        for text, node_id in todo:
+            self._pending[text] = future  # the latest build of the text (jobs run in order)
+            self._pending_ids[text] = node_id
         return future
 
     def _build(self, items: list[tuple[str, str | None]]) -> None:
@@ -145,6 +165,7 @@ class Learner:
         learned = self._learn(prompt, chunks, explicit)
         if learned:
             chunks = engine.texts.find(prompt, node_ids=explicit or None)
+        chunks = self._with_sources(chunks)
         unmatched = not chunks and self._carries_context(prompt)
         with self._lock:
             self._counts["prompts"] += 1
@@ -170,6 +191,16 @@ class Learner:
         for f in futures:
             f.result()
 
+    def _with_sources(self, chunks: list[Piece]) -> list[Piece]:
+        """Chunks that re-render a retrieved text carry it as their source (its stored cache
+        serves their shared token runs); its background build is awaited first."""
+        with self._lock:
+            sources = {c.text: self._sources.get(c.text) for c in chunks}
+            futures = {self._pending[s] for s in sources.values() if s in self._pending}
+        for f in futures:
+            f.result()
+        return [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks]
+
     def _learn(self, prompt: str, found: Sequence[Piece], explicit: Mapping[str, str | None]) -> int:
         """Register the prompt's renderings of retrieved texts it does not contain verbatim."""
         with self._lock:
@@ -193,7 +224,13 @@ class Learner:
             span = (at, at + len(escaped)) if at >= 0 else _rendering(norm, where, text)
             if span is None or _overlaps(taken, *span):
                 continue
-            engine.texts.add(prompt[span[0]:span[1]], node_id)
+            rendering = prompt[span[0]:span[1]]
+            engine.texts.add(rendering, node_id)
+            with self._lock:
+                self._sources[rendering] = text
+                self._sources.move_to_end(rendering)
+                while len(self._sources) > RECENT:
+                    self._sources.popitem(last=False)
             taken.append(span)
             learned += 1
         return learned

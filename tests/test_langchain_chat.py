@@ -128,6 +128,26 @@ def test_whitespace_normalising_and_truncating_formatters_hit_next_time(tmp_path
     assert stats(again)["chunk_ids"] == [d.id for d in docs]
 
 
+def test_a_truncating_formatter_hits_on_the_first_call(tmp_path, retriever):
+    chat = fresh_chat(tmp_path)
+
+    def cut(docs):  # each text cut to 70 characters (inside a word)
+        return "\n\n".join(d.page_content[:70] for d in docs)
+
+    chain = {"context": retriever | cut, "question": RunnablePassthrough()} | PROMPT | chat
+    question = "When is the Lantern Festival?"
+    docs = retriever.invoke(question)
+    first = stats(chain.invoke(question))
+    # served from the retrieved texts' caches: a truncation's token-aligned prefix is exact
+    assert first["cache_hits"] == 2 and first["cache_misses"] == 0 and first["learned_renderings"] == 2
+    cut_tokens = sum(chat.engine.chunk_tokens(d.page_content[:70])[0].numel() for d in docs)
+    assert cut_tokens - 2 * 2 <= first["subspan_tokens"] < cut_tokens  # all but the cut words
+    assert first["chunk_ids"] == [d.id for d in docs]
+    chat.learner.wait()
+    again = stats(chain.invoke(question))  # the renderings' own caches, built in the background
+    assert again["cache_hits"] == 2 and again["subspan_tokens"] == 0 and again["chunk_ids"] == [d.id for d in docs]
+
+
 def test_a_prompt_with_context_that_matches_nothing_warns_once(tmp_path, caplog):
     chat = fresh_chat(tmp_path)
     context = "\n\n".join(f"Note {i}: the tide tables of harbour {i} change with the moon and the wind." * 3

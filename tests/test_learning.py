@@ -51,6 +51,27 @@ def test_renderings_that_differ_are_learned_under_their_ids_never_anothers(engin
     assert other.chunks == [] and other.unmatched and learner.counters()["unmatched_prompts"] == 1
 
 
+def test_renderings_of_stored_texts_are_served_from_their_caches_then_built_whole(engine):
+    learner = Learner(engine)
+    paragraphs = [d.replace(": ", ":\n\n", 1) for d in DOCS[:2]]  # "Document i:\n\nword..."
+    learner.see([(d, f"n{i}") for i, d in enumerate(paragraphs)]).result()
+    squashed = " ".join(paragraphs[0].split())  # whitespace normalised
+    cut = paragraphs[1][:90]  # truncated
+    prompt = f"Context:\n{squashed}\n\n{cut}\nQuestion?"
+    m = learner.match(prompt)
+    assert [(c.text, c.node_id, c.source) for c in m.chunks] == [(squashed, "n0", paragraphs[0]),
+                                                                 (cut, "n1", paragraphs[1])]
+    assert m.renderings == [(squashed, "n0"), (cut, "n1")]
+    first = engine.complete(prompt, m.chunks, method="naive", max_new_tokens=1)
+    n = sum(int(engine.chunk_tokens(t)[0].numel()) for t in (squashed, cut))
+    assert first.cache_misses == 0 and first.cache_hits >= 2 and n - 4 <= first.subspan_tokens < n
+    assert not any(engine.store.contains(engine.chunk_tokens(t)[1]) for t in (squashed, cut))  # nothing stored
+    learner.build(m.renderings).result()  # what a call does after it served sub-spans
+    again = engine.complete(prompt, learner.match(prompt).chunks, method="naive", max_new_tokens=1)
+    assert (again.cache_hits, again.cache_misses, again.subspan_tokens) == (2, 0, 0)  # their own caches
+    assert learner.counters()["background_builds"] == 4  # the two retrieved texts, then their renderings
+
+
 def test_the_engine_serves_concurrent_callers_without_a_lock(engine):
     engine.build_chunks(DOCS, ["a", "b", "c"])
     questions = [f"Which document mentions word{i}x3?" for i in range(3)] * 2

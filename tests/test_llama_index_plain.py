@@ -171,3 +171,70 @@ def test_function_calling_on_a_scripted_model(monkeypatch):
     assert json.loads(response.message.additional_kwargs["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 3}
     out = llm.predict_and_call([tool], user_msg="What is 2 + 3?")
     assert str(out) == "5"
+
+
+# ---------------------------------------------------------------------- agents (agent workflows)
+
+
+def scripted_llm(monkeypatch, *replies: str) -> QCFuseLLM:
+    """A QCFuseLLM over a tiny random model whose successive calls say `replies` (byte tokens,
+    then the end token): the sampler's choices are scripted, the engine runs as usual."""
+    adapter = tiny_model("llama", tokenizer=True)
+    adapter.tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    scripts = iter([list(r.encode()) + [0] for r in replies])
+
+    def pick(self, logits):
+        if not hasattr(self, "_script"):  # one Sampler per call: the next reply
+            self._script = iter(next(scripts))
+        return next(self._script)
+
+    monkeypatch.setattr(generation.Sampler, "_pick", pick)
+    return QCFuseLLM(engine=QCFuseEngine(adapter), max_new_tokens=200)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def run_agent(agent, question: str):
+    async def go():
+        handler = agent.run(user_msg=question)
+        events = [type(e).__name__ async for e in handler.stream_events()]
+        return await handler, events
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_react_agent_calls_a_tool_then_answers(monkeypatch, streaming):
+    from llama_index.core.agent.workflow import ReActAgent
+
+    llm = scripted_llm(monkeypatch,
+                       'Thought: I need a tool to add the numbers.\nAction: add\nAction Input: {"a": 2, "b": 3}',
+                       "Thought: I can answer without using any more tools.\nAnswer: 2 + 3 is 5.")
+    agent = ReActAgent(tools=[FunctionTool.from_defaults(fn=add)], llm=llm, streaming=streaming)
+    result, events = run_agent(agent, "What is 2 + 3?")
+    assert [(c.tool_name, c.tool_kwargs, str(c.tool_output)) for c in result.tool_calls] == [("add", {"a": 2, "b": 3}, "5")]
+    assert str(result) == "2 + 3 is 5." and "ToolCallResult" in events
+    assert result.raw["qcfuse"]["method"] == "full" and result.raw["qcfuse"]["chunks"] == 0  # no documents: answered
+
+
+def test_function_agent_calls_a_tool_then_answers(monkeypatch):
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    llm = scripted_llm(monkeypatch, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+                       "2 + 3 is 5.")
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=add)], llm=llm)
+    result, events = run_agent(agent, "What is 2 + 3?")
+    assert [(c.tool_name, c.tool_kwargs, str(c.tool_output)) for c in result.tool_calls] == [("add", {"a": 2, "b": 3}, "5")]
+    assert str(result) == "2 + 3 is 5." and "ToolCallResult" in events
+
+
+def test_react_agent_without_tools_or_documents_answers(monkeypatch):
+    from llama_index.core.agent.workflow import ReActAgent
+
+    llm = scripted_llm(monkeypatch, "Thought: I can answer without using any tools.\nAnswer: Hi!")
+    result, _ = run_agent(ReActAgent(tools=[], llm=llm), "Say hi")
+    assert str(result) == "Hi!" and not result.tool_calls
