@@ -31,7 +31,7 @@ from qcfuse_core.prefetch import ChunkView, Prefetcher
 from qcfuse_core.selectors import PROBING_METHODS, SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
-from qcfuse_core.subspans import served_tokens
+from qcfuse_core.subspans import count_chunks, served_tokens
 from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
@@ -369,9 +369,8 @@ class QCFuseEngine:
         built = self._build(missing, keep=True)
         parts = [replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p
                  for p in parts]
-        chunks = [p for p in parts if p.kind == "chunk" and p.key is not None]
-        hits = sum(p.hit for p in chunks)
-        return LookedUp(tuple(parts), hits, len(chunks) - hits)
+        hits, n = count_chunks([p for p in parts if p.kind != "chunk" or p.key is not None], lambda p: p.hit)
+        return LookedUp(tuple(parts), hits, n - hits)
 
     def _subspans(self, part: Part, source: str) -> list[Part] | None:
         """The parts serving a chunk's token runs from the stored cache of the text it
@@ -516,8 +515,8 @@ class QCFuseEngine:
             sel.details.setdefault("layer_ms", out.layer_ms)
             sel.details.setdefault("row_sets", out.row_sets)
         cache.length = T
-        hits = sum(s.cache_hit for s in prompt.segments if s.kind == "chunk")
-        n_chunks = sum(1 for s in prompt.segments if s.kind == "chunk" and (s.chunk is not None or s.cache_hit))
+        hits, n_chunks = count_chunks([s for s in prompt.segments if s.kind != "chunk" or s.chunk is not None or s.cache_hit],
+                                      lambda s: s.cache_hit)
         return Prefilled(logits, cache, prompt, sel, recomputed, hits, n_chunks - hits, report)
 
     def _take_cache(self, n: int) -> KVCache:

@@ -105,3 +105,24 @@ def serve(ids: torch.Tensor, node_id: str | None, source: KVChunk, fingerprint: 
 def served_tokens(segments) -> int:
     """Tokens of a fused prompt served from slices of stored chunks."""
     return sum(len(s) for s in segments if isinstance(s.chunk, SliceChunk))
+
+
+def count_chunks(items, hit) -> tuple[int, int]:
+    """(hits, chunks) over a prompt's parts or segments (`kind`, `chunk`), `hit(item)` telling
+    a hit: the slices one re-rendered text was served in (the same source, with only fresh
+    text between them) count as one chunk, a hit - a text is counted once however many runs
+    of it were served."""
+    hits = total = 0
+    prev = None  # source of the last counted slice while only text followed it
+    for it in items:
+        if it.kind != "chunk":
+            if it.kind != "text":
+                prev = None
+            continue
+        src = it.chunk.source if isinstance(it.chunk, SliceChunk) else None
+        if src is not None and src == prev:
+            continue
+        prev = src
+        total += 1
+        hits += bool(hit(it))
+    return hits, total

@@ -113,3 +113,13 @@ def test_runs_obey_their_minimum_lengths(monkeypatch):
     assert subspans.runs(ids, src, min_prefix=6) == [(6, 10, 20)]
     monkeypatch.setattr(subspans, "MIN_RUN", 41)  # prefixes only
     assert subspans.runs(ids, src) == [(0, 0, 5)]
+
+
+def test_a_text_served_in_several_runs_counts_as_one_chunk(engine):
+    """NORMALISED is served in two runs (its paragraphs); the statistics count one chunk, a hit."""
+    looked = engine.lookup(pieces(engine, NORMALISED), "qcfuse", streaming=False)
+    assert sum(isinstance(p.chunk, subspans.SliceChunk) for p in looked.parts) == 2
+    assert (looked.hits, looked.misses) == (1, 0)
+    got = engine.complete(f"Context:\n{NORMALISED}\n\nQuestion: {QUESTION}",
+                          [Piece("chunk", NORMALISED, "doc-1", source=STORED)], max_new_tokens=2)
+    assert got.cache_hits == 1 and got.cache_misses == 0 and got.subspan_tokens > 0
