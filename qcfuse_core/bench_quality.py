@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from qcfuse_core import lockstep
 from qcfuse_core import metrics as M
 from qcfuse_core.datasets import Example, dataset_name, load_dataset
 from qcfuse_core.engine import QCFuseEngine
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 ROW_KEYS = ("dataset", "method", "ratio", "n", "f1", "em", "contains", "rouge_l", "agree_exact", "agree_rouge_l",
             "kl_first_token", "answer_kl", "gold_nll", "recompute_share", "ttft_ms")
 DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
+# fused-prompt caches kept at once per question to decode their answers together (they are
+# fused first, then decoded as a group): the variants are split into groups that fit
+DECODE_BYTES = 4 << 30
 
 
 def _greedy_seq(engine: QCFuseEngine, cache: KVCache, first_logits: torch.Tensor, max_new: int,
@@ -141,7 +145,8 @@ def _text_scores(answer: str, ex: Example, full_answer: str | None) -> dict:
 
 def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dict, max_new: int,
                 gold_tokens: int = 64, *, variants: list[tuple[str, str, float | None, dict]] | None = None,
-                target: str = "gold", reference: Path | None = None, storage: str = "auto") -> list[dict]:
+                target: str = "gold", reference: Path | None = None, storage: str = "auto",
+                decode_bytes: int = DECODE_BYTES) -> list[dict]:
     """All methods on one example -> per (method, ratio) records.
 
     variants: explicit (label, method, ratio, options) runs instead of methods x ratios
@@ -212,7 +217,9 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
                     **_text_scores(full_answer, ex, full_answer))]
     fuse_loading = loading if storage == "auto" else Loading(round_trip(prompt, storage))
     suffix = "" if storage == "auto" else ":" + storage
-    # 3. every other method (or variant)
+    # 3. every other method (or variant): select and fuse, then decode in groups (lockstep)
+    group = max(1, decode_bytes // max(1, _cache_bytes(engine, T + G + max_new)))
+    pending: list[tuple] = []
     for label, method, ratio, opts in variants:
         t2 = time.perf_counter()
         # the engine's own steps; the selection never sees the gold tokens (teacher-forced after it)
@@ -221,14 +228,40 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
         pre = engine.fuse(fuse_loading, selected, method, capacity=max_new, teacher=gold)
         ttft = (time.perf_counter() - t2) * 1e3
         tail = pre.logits  # positions T-1 .. T+G-1
-        per_token = answer_kl(full_seq_logits, forced_logits(engine, pre.cache, tail[0], full_seq))
-        answer = _greedy(engine, pre.cache, tail[0], max_new)
-        sel = selected.selection
-        rec = dict(common, method=method + suffix, ratio=ratio, kl_first_token=M.kl_divergence(full_first, tail[0]),
+        scores = dict(kl_first_token=M.kl_divergence(full_first, tail[0]), gold_nll=M.nll(tail[:G], gold),
+                      recompute_share=pre.recomputed_tokens / max(1, prompt.context_tokens), ttft_ms=ttft,
+                      select_ms=select_ms)
+        pending.append((label, method, ratio, opts, selected.selection, scores, pre.cache, tail[0].clone()))
+        del pre, tail
+        if len(pending) == group:
+            records += _finish(engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage,
+                               max_new)
+            pending = []
+    if pending:
+        records += _finish(engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage,
+                           max_new)
+    return records
+
+
+def _cache_bytes(engine: QCFuseEngine, tokens: int) -> int:
+    s = engine.adapter.shape
+    return 2 * s.num_layers * tokens * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=engine.adapter.dtype).element_size()
+
+
+def _finish(engine: QCFuseEngine, group: list[tuple], ex: Example, full_answer: str, full_seq: list[int],
+            full_seq_logits: torch.Tensor, common: dict, suffix: str, storage: str, max_new: int) -> list[dict]:
+    """The records of fused variants: each one's greedy answer and answer-level KL, all decoded
+    at once (`decode_answers`)."""
+    answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new)
+    records = []
+    for (label, method, ratio, opts, sel, sc, _, _), ids, rows in zip(group, answers, forced):
+        per_token = answer_kl(full_seq_logits, rows)
+        answer = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        rec = dict(common, method=method + suffix, ratio=ratio, kl_first_token=sc["kl_first_token"],
                    answer_kl=float(per_token.mean()), answer_tokens=len(full_seq),
                    answer_kl_tokens=[round(float(x), 6) for x in per_token],
-                   gold_nll=M.nll(tail[:G], gold), recompute_share=pre.recomputed_tokens / max(1, prompt.context_tokens),
-                   ttft_ms=ttft, select_ms=select_ms, **_text_scores(answer, ex, full_answer))
+                   gold_nll=sc["gold_nll"], recompute_share=sc["recompute_share"],
+                   ttft_ms=sc["ttft_ms"], select_ms=sc["select_ms"], **_text_scores(answer, ex, full_answer))
         if storage != "auto":
             rec["storage"] = storage
         if label != method:
@@ -241,6 +274,59 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
             rec["target_mass"] = sel.details["target_mass"]
         records.append(rec)
     return records
+
+
+def decode_answers(engine: QCFuseEngine, caches: list[KVCache], firsts: list[torch.Tensor], seq: list[int],
+                   max_new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Per prompt cache (its first-token logits beside it): the greedy answer ids as `_greedy`
+    decodes them, and the teacher forcing of `seq` as `forced_logits` computes it - the same
+    numbers, with fewer decode steps:
+
+    - a forced row is the distribution after the prompt and seq[:i]; while the greedy answer
+      so far equals seq's start, that is the greedy step's own logits (the same decode steps
+      on the same cache), so the forced pass only decodes from where the answers part;
+    - the caches advance together, one token each per `lockstep.decode_steps` call (each
+      sequence's arithmetic unchanged, the weights read once for all of them).
+
+    -> (answer ids per cache, forced logits (len(seq) or 1, vocab) per cache). Each cache is
+    left at a length past its prompt (decode from it again only after resetting length)."""
+    eos = engine._eos_ids()
+    B, n = len(caches), len(seq)
+    need = 1 + max(0, n - 1)  # forced rows: the first token's, then one per seq token but the last
+    start = [c.length for c in caches]
+    ids: list[list[int]] = [[] for _ in range(B)]
+    rows: list[list[torch.Tensor]] = [[f.float()] for f in firsts]
+    match = [True] * B  # ids[b] == seq[:len(ids[b])] so far
+    token = [int(torch.argmax(f)) for f in firsts]
+    active = [b for b in range(B) if token[b] not in eos and max_new > 0]
+    while active:  # greedy, as _greedy_seq
+        stepping = []
+        for b in active:
+            i = len(ids[b])
+            match[b] = match[b] and i < n and seq[i] == token[b]
+            ids[b].append(token[b])
+            if len(ids[b]) < max_new:
+                stepping.append(b)
+        if not stepping:
+            break
+        for b, logits in zip(stepping, lockstep.decode_steps(engine.adapter, [caches[b] for b in stepping],
+                                                             [token[b] for b in stepping])):
+            if match[b] and len(rows[b]) == len(ids[b]) and len(rows[b]) < need:  # prefix seq[:len(ids)]
+                rows[b].append(logits.float())
+            token[b] = int(torch.argmax(logits))
+        active = [b for b in stepping if token[b] not in eos]
+    # the forced pass from where each answer left seq: row i decodes seq[i - 1] after seq[:i - 1]
+    for b in range(B):
+        caches[b].length = start[b] + len(rows[b]) - 1
+    todo = [b for b in range(B) if len(rows[b]) < need]
+    while todo:
+        outs = lockstep.decode_steps(engine.adapter, [caches[b] for b in todo], [seq[len(rows[b]) - 1] for b in todo])
+        for b, logits in zip(todo, outs):
+            rows[b].append(logits.float())
+        todo = [b for b in todo if len(rows[b]) < need]
+    for c, s in zip(caches, start):
+        c.length = s
+    return ids, [torch.stack(r) for r in rows]
 
 
 def _reference_key(engine: QCFuseEngine, prompt: FusedPrompt, max_new: int) -> str:
