@@ -303,6 +303,7 @@ def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
     assert re.search(r"(Waiting to load|Converting|Loading|Warming up) gemma-3-270m|loading the model",
                      notice.inner_text()), notice.inner_text()
     page.wait_for_selector("[data-testid=model-loading]", state="detached")
+    page.wait_for_selector("[data-testid=prompt-frame][data-kind=plain]")  # the page shows the loaded model
     assert page.locator("[data-testid=error]").count() == 0
     assert page.input_value("[data-testid=model-select]") == "gemma3-270m"
     assert " 18 layers " in f" {page.inner_text('[data-testid=store-info]')} "
@@ -348,6 +349,9 @@ def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
     shot(page, "studio-1280x800-gemma.png")
 
     page.select_option("[data-testid=model-select]", "smollm2-135m")
+    # SmolLM2 is still loaded: the switch may finish before any loading notice is drawn, so
+    # wait for what the page shows of the model, not for the notice to go
+    page.wait_for_selector("[data-testid=prompt-frame][data-kind=chat]")
     page.wait_for_selector("[data-testid=model-loading]", state="detached")
     assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "chat"
     smol = run_on_current_model(q)
