@@ -585,7 +585,7 @@ class QCFuseEngine:
             ratio=request.ratio if selector is not None and selector.uses_ratio else None, ttft_ms=ttft,
             total_ms=clock.since_start_ms(), context_tokens=prompt.context_tokens, prompt_tokens=prompt.num_tokens,
             recomputed_tokens=pre.recomputed_tokens, cache_hits=pre.hits, cache_misses=pre.misses,
-            chunks=len(prompt.chunk_spans()), finish_reason=finish, timings_ms={**clock.stages, **request.extra},
+            chunks=count_chunks(prompt.segments, lambda s: s.cache_hit)[1], finish_reason=finish, timings_ms={**clock.stages, **request.extra},
             selection=pre.selection, store_stats=_counters(self.store), plan=request.plan,
             load=pre.load_report, threads=request.threads, prompt_ids=prompt.token_ids,
             spans=tuple(PromptSpan(s.kind, st, st + len(s), s.node_id, s.cache_hit)

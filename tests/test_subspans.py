@@ -122,4 +122,4 @@ def test_a_text_served_in_several_runs_counts_as_one_chunk(engine):
     assert (looked.hits, looked.misses) == (1, 0)
     got = engine.complete(f"Context:\n{NORMALISED}\n\nQuestion: {QUESTION}",
                           [Piece("chunk", NORMALISED, "doc-1", source=STORED)], max_new_tokens=2)
-    assert got.cache_hits == 1 and got.cache_misses == 0 and got.subspan_tokens > 0
+    assert got.chunks == 1 and got.cache_hits == 1 and got.cache_misses == 0 and got.subspan_tokens > 0
