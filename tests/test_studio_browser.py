@@ -183,6 +183,23 @@ def shot(pg, name: str, **kw) -> Path:
     return path
 
 
+def run_and_check_cards(page) -> dict:
+    """Click Run; -> the run the stream's `done` event carries, after checking that every
+    answer card shows that run's TTFT, answer and speedup."""
+    with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
+        page.click("[data-testid=run-button]")
+    page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
+    events = sse_events(got.value.text())
+    assert events[-1][0] == "done", events[-1]
+    run = events[-1][1]
+    for r in run["results"]:
+        card = page.locator(f"[data-testid=answer-card][data-index='{r['index']}']")
+        assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
+        assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
+        assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
+    return run
+
+
 def test_run_two_modes_and_the_details_match_the_api(page, server):
     q = "How tall is the Cape Wrayth lighthouse?"
     page.goto(server["url"])
@@ -196,19 +213,8 @@ def test_run_two_modes_and_the_details_match_the_api(page, server):
     assert [page.get_attribute(f"[data-testid=mode-{m}]", "aria-pressed") for m in ("qcfuse", "full", "cacheblend")] == \
         ["true", "true", "false"]  # two modes by default
 
-    with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
-        page.click("[data-testid=run-button]")
-    page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
-    events = sse_events(got.value.text())
-    assert events[-1][0] == "done", events[-1]
-    run = events[-1][1]
+    run = run_and_check_cards(page)
     assert run["chunk_ids"] == chunk_ids and [r["method"] for r in run["results"]] == ["qcfuse", "full"]
-
-    for r in run["results"]:
-        card = page.locator(f"[data-testid=answer-card][data-index='{r['index']}']")
-        assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
-        assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
-        assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
     shot(page, "studio-1280x800.png")
 
     # details of qcfuse: the highlighted tokens are exactly the API's recomputed positions
@@ -320,18 +326,7 @@ def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
             page.click("[data-testid=search-button]")
         page.wait_for_selector("[data-testid=chunk-card]:first-child[data-source='10-lighthouse.md']")
         assert page.locator("[data-testid=chunk-card]").count() == 1
-        with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
-            page.click("[data-testid=run-button]")
-        page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
-        events = sse_events(got.value.text())
-        assert events[-1][0] == "done", events[-1]
-        run = events[-1][1]
-        for r in run["results"]:
-            card = page.locator(f"[data-testid=answer-card][data-index='{r['index']}']")
-            assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
-            assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
-            assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
-        return run
+        return run_and_check_cards(page)
 
     q = "How tall is the Cape Wrayth lighthouse?"
     gemma = run_on_current_model(q)
