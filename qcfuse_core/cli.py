@@ -292,7 +292,7 @@ def cmd_ask(args) -> int:
             warn(f"dropped {fit.dropped} of {len(docs)} retrieved chunks: the prompt must fit the "
                  f"{limit:,}-token context ({fit.prompt_tokens:,} prompt + {args.max_new_tokens} new tokens kept)")
             ids, docs = ids[: fit.kept], docs[: fit.kept]
-    kw = dict(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+    kw = dict(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens, stop=engine.frame_stops)
     if args.json:
         result = engine.answer(args.question, docs, node_ids=ids, **kw)
         print(json.dumps({"question": args.question, **result.to_dict(), "sources": ids}))
@@ -319,7 +319,7 @@ def cmd_demo(args) -> int:
     print(f"sample corpus: {stats['chunks']} chunks ({stats['caches_built']} caches built now) in {args.store}\n")
     method = args.method or engine.config.method
     ratio = engine.config.ratio if args.ratio is None else args.ratio
-    kw = dict(max_new_tokens=args.max_new_tokens)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop=engine.frame_stops)
     _, warm_docs = retrieve(collection, DEMO_QUESTIONS[0], args.top_k)
     engine.answer("warm-up", warm_docs, method="full", max_new_tokens=1)
     engine.answer("warm-up", warm_docs, method=method, ratio=ratio, max_new_tokens=1)

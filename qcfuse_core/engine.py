@@ -125,6 +125,17 @@ class QCFuseEngine:
         return cls(load_model(model, dtype=dtype, device=device), store=store, config=config, text_index=text_index)
 
     @property
+    def frame_stops(self) -> tuple[str, ...]:
+        """Stop strings the prompt frame calls for: none with a chat template (the model ends
+        its turn); with the plain frame of a base model, which has no end of turn and goes on
+        writing the frame's next question after its answer, the question line's label
+        ("\nQuestion:" for the default `question_template`)."""
+        if getattr(self.adapter.tokenizer, "chat_template", None):
+            return ()
+        label = self.config.question_template.split("{question}")[0].strip()
+        return (f"\n{label}",) if label else ()
+
+    @property
     def tokenizer(self):
         if self.adapter.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids to the low-level fusion API")

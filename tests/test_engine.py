@@ -165,3 +165,23 @@ def test_completion_pieces_layout(smol):
     assert [p.kind for p in no_chunks] == ["prefix", "suffix"]
     with pytest.raises(ValueError, match="does not occur"):
         eng.completion_pieces("unrelated", [chunk])
+
+
+def test_frame_stops_follow_the_prompt_frame(smol_engine):
+    """A chat template ends the model's turn: no stop strings. The plain frame of a base model
+    (here a tiny model whose tokenizer has no chat template) stops where the frame's next
+    question would start, following a custom question_template; and an answer that runs into
+    that label ends there."""
+    from qcfuse_core.testing import tiny_model
+
+    assert smol_engine.frame_stops == ()
+    base = tiny_model("llama", tokenizer=True)
+    assert not getattr(base.tokenizer, "chat_template", None)
+    assert QCFuseEngine(base).frame_stops == ("\nQuestion:",)
+    custom = QCFuseEngine(base, config=EngineConfig(question_template="\n\nQ: {question}\nA:"))
+    assert custom.frame_stops == ("\nQ:",)
+    assert QCFuseEngine(base, config=EngineConfig(question_template="{question}")).frame_stops == ()
+    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame_stops)
+    for t in base.tokenizer("Paris.\nQuestion: and", add_special_tokens=False).input_ids:
+        asm.push(t)
+    assert asm.stopped and asm.text == "Paris."

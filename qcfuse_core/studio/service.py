@@ -533,9 +533,6 @@ def _question(q: Any) -> str:
     return q.strip()
 
 
-PLAIN_STOP = ("\nQuestion:",)  # a base model answers, then goes on with the frame's next question
-
-
 def prompt_frame(engine) -> dict:
     """The frame every prompt of this model gets, with placeholders for the question and the
     documents: the model's chat template, or (a base model: none) the engine's plain frame.
@@ -545,7 +542,7 @@ def prompt_frame(engine) -> dict:
     text = "".join(p.text for p in pieces)
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     return {"kind": "chat" if chat else "plain", "label": "the model's chat template" if chat else
-            "plain frame (base model: no chat template)", "text": text, "stop": [] if chat else list(PLAIN_STOP)}
+            "plain frame (base model: no chat template)", "text": text, "stop": list(engine.frame_stops)}
 
 
 def _summary(r: FusionResult, mode: Mode, peak: dict) -> dict:
