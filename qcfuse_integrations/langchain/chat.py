@@ -45,12 +45,12 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
-from qcfuse_core.engine import QCFuseEngine
 from qcfuse_integrations import chat as turns
+from qcfuse_integrations.langchain.fields import EngineFields
 from qcfuse_integrations.base import (
-    ENGINE_FIELDS, FUSION_OPTIONS, GENERATION_OPTIONS, Call, EngineBacked, GenerationOptions, check_method,
+    FUSION_OPTIONS, GENERATION_OPTIONS, Call, EngineBacked, GenerationOptions,
     check_options, default_model_name, iterate_in_thread,
 )
 
@@ -58,38 +58,14 @@ CALL_OPTIONS = (*GENERATION_OPTIONS, *FUSION_OPTIONS, "tools", "tool_choice", "r
                 "ls_structured_output_format", "model")
 
 
-class ChatQCFuse(EngineBacked, BaseChatModel):
+class ChatQCFuse(EngineFields, EngineBacked, BaseChatModel):
     """LangChain chat model over a QCFuse engine (one per store folder and model per process)."""
 
-    store_dir: str | None = Field(default=None, description=ENGINE_FIELDS["store_dir"])
-    model: str | None = Field(default=None, description=ENGINE_FIELDS["model"])
-    dtype: str | None = Field(default=None, description=ENGINE_FIELDS["dtype"])
-    device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
-    method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")
-    ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
     max_tokens: int | None = Field(default=256, ge=1, description="Most tokens generated per answer")
-    temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
-    top_k: int = Field(default=0, ge=0, description="0: off")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, description="1: off")
-    seed: int | None = Field(default=None, description="Sampling seed")
     stop: list[str] | None = Field(default=None, description="Stop strings (cut from the answer)")
     streaming: bool = Field(default=False, description="invoke() streams through the callbacks")
     timeout: float | None = Field(default=None, description="Accepted for compatibility; a local model has no request timeout")
     max_retries: int = Field(default=0, ge=0, description="Accepted for compatibility; a local call is not retried")
-
-    _engine: QCFuseEngine | None = PrivateAttr(default=None)
-
-    @classmethod
-    def from_engine(cls, engine: QCFuseEngine, **fields: Any) -> "ChatQCFuse":
-        """A chat model over an engine built by hand (tests, a custom store)."""
-        chat = cls(**fields)
-        chat._engine = engine
-        return chat
-
-    def model_post_init(self, context: Any) -> None:
-        super().model_post_init(context)
-        check_method(self.method)
 
     # ------------------------------------------------------------------ LangChain surface
     @property
@@ -98,10 +74,7 @@ class ChatQCFuse(EngineBacked, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model or "embedded", "dtype": self.dtype, "device": self.device,
-                "store_dir": self.store_dir, "method": self.method, "ratio": self.ratio,
-                "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "repetition_penalty": self.repetition_penalty, "seed": self.seed}
+        return self._engine_params(max_tokens=self.max_tokens)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)

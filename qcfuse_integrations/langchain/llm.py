@@ -29,46 +29,22 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
-from qcfuse_core.engine import QCFuseEngine
 from qcfuse_integrations.base import (
-    ENGINE_FIELDS, FUSION_OPTIONS, GENERATION_OPTIONS, Call, EngineBacked, GenerationOptions, check_method,
+    FUSION_OPTIONS, GENERATION_OPTIONS, Call, EngineBacked, GenerationOptions,
     check_options, default_model_name, iterate_in_thread,
 )
 from qcfuse_integrations.langchain.chunks import locate_chunks
+from qcfuse_integrations.langchain.fields import EngineFields
 
 CALL_OPTIONS = (*GENERATION_OPTIONS, *FUSION_OPTIONS, "documents", "doc_ids")
 
 
-class QCFuseLLM(EngineBacked, BaseLLM):
+class QCFuseLLM(EngineFields, EngineBacked, BaseLLM):
     """LangChain LLM over a QCFuse engine (one per store folder and model per process)."""
 
-    store_dir: str | None = Field(default=None, description=ENGINE_FIELDS["store_dir"])
-    model: str | None = Field(default=None, description=ENGINE_FIELDS["model"])
-    dtype: str | None = Field(default=None, description=ENGINE_FIELDS["dtype"])
-    device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
-    method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")
-    ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
     max_new_tokens: int = Field(default=64, ge=1, description="Most tokens generated per prompt (call option: max_tokens)")
-    temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
-    top_k: int = Field(default=0, ge=0, description="0: off")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, description="1: off")
-    seed: int | None = Field(default=None, description="Sampling seed")
-
-    _engine: QCFuseEngine | None = PrivateAttr(default=None)
-
-    @classmethod
-    def from_engine(cls, engine: QCFuseEngine, **fields: Any) -> "QCFuseLLM":
-        """An LLM over an engine built by hand (tests, a custom store)."""
-        llm = cls(**fields)
-        llm._engine = engine
-        return llm
-
-    def model_post_init(self, context: Any) -> None:
-        super().model_post_init(context)
-        check_method(self.method)
 
     # ------------------------------------------------------------------ LangChain surface
     @property
@@ -77,13 +53,7 @@ class QCFuseLLM(EngineBacked, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model or "embedded", "dtype": self.dtype, "device": self.device,
-            "store_dir": self.store_dir, "method": self.method, "ratio": self.ratio,
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "repetition_penalty": self.repetition_penalty,
-            "seed": self.seed,
-        }
+        return self._engine_params(max_new_tokens=self.max_new_tokens)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)
