@@ -270,7 +270,7 @@ def fused_prefill(
     all_rows = torch.arange(T)
     cur = all_rows if full_layers > 0 else rows  # (R,) host copy, for bookkeeping
     # device copies made once per row set (not per layer): no host syncs in the layer loop
-    ropes = adapter.rope_layers(torch.arange(T, device=dev))  # per layer (T, D) cos, sin
+    ropes = adapter.rope_layers(torch.arange(T, device=dev), max_position=T - 1)  # per layer (T, D) cos, sin
     cur_dev = to_device(cur, dev)
     ropes_cur = _rows_of(ropes, cur_dev)  # per layer (R, D) cos, sin
     inv = K.inverse_rows(cur_dev, T)  # (T,) position -> row index or -1, shared by every layer
@@ -371,7 +371,7 @@ def decode_step(adapter: ModelAdapter, cache: KVCache, token_id: int) -> torch.T
         raise ValueError(f"KV cache full ({cache.capacity} tokens)")
     dev = adapter.device
     positions = torch.tensor([pos], device=dev)
-    ropes = adapter.rope_layers(positions)
+    ropes = adapter.rope_layers(positions, max_position=pos)
     h = adapter.embed(torch.tensor([token_id], device=dev))  # (1, hidden)
     for layer in range(adapter.num_layers):
         cos, sin = ropes[layer]

@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,6 +314,10 @@ class ModelAdapter:
         self.rope_keys: list[str | None] = [
             cfg.layer_types[i] if self.gemma else None for i in range(len(self.layers))]
         self.final_softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
+        # cached cos/sin per RoPE key for positions [0, cap) (`rope`); None: on CUDA only
+        self.rope_tables: bool | None = None
+        self._rope_tab: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_lock = threading.Lock()
         self._fingerprint: str | None = None
         self.weights_digest = weights_digest  # content hash of the weight files (fingerprint.py)
         # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
@@ -349,25 +354,67 @@ class ModelAdapter:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(to_device(ids, self.device))
 
-    def rope(self, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, layer: int | None = None, *,
+             max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (R, D) in fp32 for arbitrary positions (every RoPE scaling type HF knows) with
         layer `layer`'s RoPE (None: a full-attention layer's; one RoPE serves every layer except
-        in Gemma 3, whose sliding layers have a local base)."""
+        in Gemma 3, whose sliding layers have a local base).
+
+        A static RoPE (its frequencies fixed at load: default, linear, llama3, yarn) is
+        elementwise in the position, so on CUDA the values come from a table of HF's own
+        cos/sin for positions [0, cap), grown by doubling: one gather instead of HF's rotary
+        forward (~10 kernels) per call, the same numbers (tests/test_model.py). The table
+        needs the largest position: read from host positions, or `max_position` for device
+        ones (without it, device positions take HF's forward: no device sync here)."""
+        key = self.rope_keys[layer] if (layer is not None and self.gemma) else (
+            "full_attention" if self.gemma else None)
+        if self._use_rope_table(key):
+            hi = int(positions.max()) if positions.device.type == "cpu" and positions.numel() else max_position
+            if hi is not None:
+                cos, sin = self._rope_table(key, hi + 1)
+                idx = to_device(positions.to(torch.int64), self.device)
+                return cos.index_select(0, idx), sin.index_select(0, idx)
+        return self._rope_hf(positions, key)
+
+    def _rope_hf(self, positions: torch.Tensor, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         pos = to_device(positions.to(torch.int64), self.device)[None]
         probe = torch.empty(0, device=self.device, dtype=torch.float32)
         if self.gemma:
-            kind = "full_attention" if layer is None else self.rope_keys[layer]
-            cos, sin = self.model.model.rotary_emb(probe, pos, kind)
+            cos, sin = self.model.model.rotary_emb(probe, pos, key)
         else:
             cos, sin = self.model.model.rotary_emb(probe, pos)
         return cos[0], sin[0]
 
-    def rope_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _use_rope_table(self, key: str | None) -> bool:
+        on = self.device.type == "cuda" if self.rope_tables is None else self.rope_tables
+        if not on:
+            return False
+        kind = getattr(self.model.model.rotary_emb, "rope_type", None)
+        kind = kind.get(key) if isinstance(kind, dict) else kind
+        return kind in STATIC_ROPE_TYPES
+
+    def _rope_table(self, key: str | None, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of HF's rotary for positions [0, cap), cap >= need (a power of two, at
+        least 4096). Built once per size; the tensors are never written after, so readers in
+        other threads may keep using an older, smaller pair."""
+        got = self._rope_tab.get(key)
+        if got is not None and got[0].shape[0] >= need:
+            return got
+        with self._rope_lock:
+            got = self._rope_tab.get(key)
+            if got is None or got[0].shape[0] < need:
+                cap = max(4096, 1 << (need - 1).bit_length())
+                with torch.inference_mode():
+                    got = self._rope_hf(torch.arange(cap), key)
+                self._rope_tab[key] = got
+            return got
+
+    def rope_layers(self, positions: torch.Tensor, *, max_position: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, `rope(positions, layer)`; layers sharing a RoPE share the tensors."""
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         for key in self.rope_keys:
             if key not in tables:
-                tables[key] = self.rope(positions, self.rope_keys.index(key))
+                tables[key] = self.rope(positions, self.rope_keys.index(key), max_position=max_position)
         return [tables[key] for key in self.rope_keys]
 
     def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -468,6 +515,9 @@ class ModelAdapter:
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
+
+# HF RoPE types whose frequencies are fixed at load (the others rescale with the sequence length)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device` without stalling the host: a host tensor goes through pinned memory

@@ -431,7 +431,11 @@ class LoadSession:
             except BaseException:
                 self.close()
                 raise
-        elif self.config.threaded:
+        elif self.config.threaded and (self.cuda or self._disk_jobs):
+            # a CPU request from memory tiers loads each layer in its own thread when asked: a
+            # loader thread there only copies RAM to RAM, and beside the compute threads' team
+            # it slowed the probe by ~40% on 2 cores (team barriers wait for the switched-out
+            # thread; docs/benchmarks.md "CPU")
             self._thread = threading.Thread(target=self._loader, name="qcfuse-prefetch", daemon=True)
             self._thread.start()
 
@@ -448,11 +452,16 @@ class LoadSession:
             self._host_ready[layer].wait()
             if self._error is not None:
                 raise RuntimeError("prefetch failed") from self._error
-        elif self._enqueued:
-            self._issue(min(self.adapter.num_layers, layer + 1 + self.config.ahead))
         else:
-            with torch.inference_mode():
-                self._load(layer)
+            try:
+                if self._enqueued:
+                    self._issue(min(self.adapter.num_layers, layer + 1 + self.config.ahead))
+                else:
+                    with torch.inference_mode():
+                        self._load(layer)
+            except Exception as e:  # the same error as from the loader thread
+                self._error = e
+                raise RuntimeError("prefetch failed") from e
         host_wait = (time.perf_counter() - t0) * 1e3
         T = self._prompt.num_tokens
         if self.cuda:

@@ -80,7 +80,7 @@ class ProbeResult:
 
     q: dict[int, torch.Tensor]  # layer -> (S, H, D) rotated to the query positions
     k: dict[int, torch.Tensor]  # layer -> (S, Hkv, D) rotated
-    hidden: torch.Tensor  # (S, hidden) after the last probed layer
+    hidden: torch.Tensor | None  # (S, hidden) after the last probed layer (None unless asked for)
     layer_ms: list[float] = field(default_factory=list)  # host time per layer (eager runs only)
     context_sizes: list[int] = field(default_factory=list)  # N per probed layer
     elapsed_ms: float = 0.0  # host time of the whole probe (a CUDA-graph replay does not wait)
@@ -172,6 +172,7 @@ def run_probe(
     *,
     graphs: bool | None = None,
     pad: bool = False,
+    hidden: bool = False,
 ) -> ProbeResult:
     """ids, positions (S,) -> ProbeResult with q/k kept at `keep` layers.
 
@@ -182,6 +183,8 @@ def run_probe(
     captured per bucket (rows rounded up to PAD_ROWS, context entries to PAD_CONTEXT), and
     the padding is invisible: padded context entries sit at position HIDDEN, padded query
     rows after the real ones. pad: use the padded layout without a graph (tests).
+    hidden: also run the last layer's attention and MLP and return its output (tests; a
+    selection needs only that layer's Q and K, so by default it stops there).
     """
     if not keep:
         raise ValueError("keep at least one layer")
@@ -204,7 +207,7 @@ def run_probe(
     # all layers are rotated at once, outside the layer loop
     q_pos = torch.cat([pos, pos[-1] + 1 + torch.arange(Sp - S)])
     all_pos = to_device(torch.cat([q_pos, ctx.pos.reshape(-1)]), dev)
-    groups, tables = _rope_groups(adapter, all_pos)  # one RoPE table per group of layers
+    groups, tables = _rope_groups(adapter, all_pos, int(q_pos[-1]))  # one RoPE table per group of layers
     cos = torch.stack([c for c, _ in tables])  # (G, Sp + Lp*N, D)
     sin = torch.stack([s_ for _, s_ in tables])
     q_pos_dev, ctx_pos_dev = all_pos[:Sp], all_pos[Sp:].view(Lp, N)
@@ -220,7 +223,7 @@ def run_probe(
     res = ProbeResult({}, {}, ids, context_sizes=[N] * Lp)
     if use_graph:
         try:
-            qs, ks, h = _graph_cache(adapter).run(adapter, inputs, Sp, Np, tuple(sorted(set(keep))), Lp)
+            qs, ks, h = _graph_cache(adapter).run(adapter, inputs, Sp, Np, tuple(sorted(set(keep))), Lp, hidden)
             res.graphed = True
         except Exception as e:  # noqa: BLE001 - a capture failure must not fail the request
             _graph_cache(adapter).broken = True
@@ -229,18 +232,19 @@ def run_probe(
     if not use_graph:
         if Np > N:
             inputs = inputs.padded(Np)
-        qs, ks, h = _probe_layers(adapter, inputs, Lp, set(keep), res.layer_ms)
+        qs, ks, h = _probe_layers(adapter, inputs, Lp, set(keep), res.layer_ms, hidden)
     res.q = {l: q[:S] for l, q in qs.items()}
     res.k = {l: k[:S] for l, k in ks.items()}
-    res.hidden = h[:S]
+    res.hidden = h[:S] if h is not None else None
     res.elapsed_ms = (time.perf_counter() - t0) * 1e3
     return res
 
 
-def _rope_groups(adapter: ModelAdapter, positions: torch.Tensor) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+def _rope_groups(adapter: ModelAdapter, positions: torch.Tensor,
+                 max_position: int | None = None) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
     """-> (per layer its group's index, per group (cos, sin) at `positions`): layers sharing a
     RoPE form one group (one group except for Gemma 3's local and global layers)."""
-    ropes = adapter.rope_layers(positions)
+    ropes = adapter.rope_layers(positions, max_position=max_position)
     index: dict[int, int] = {}
     tables = []
     for cos, sin in ropes:
@@ -304,8 +308,10 @@ class _ProbeInputs:
 
 
 def _probe_layers(adapter: ModelAdapter, x: _ProbeInputs, Lp: int, keep: set[int],
-                  layer_ms: list[float] | None = None) -> tuple[dict, dict, torch.Tensor]:
-    """The layer loop over fixed-shape device tensors (graph-capturable: no host syncs)."""
+                  layer_ms: list[float] | None = None, hidden: bool = True) -> tuple[dict, dict, torch.Tensor]:
+    """The layer loop over fixed-shape device tensors (graph-capturable: no host syncs).
+    Without `hidden` the last layer stops after its Q and K (its attention and MLP would only
+    feed the hidden state)."""
     qs, ks = {}, {}
     h = adapter.embed(x.ids)  # (S, hidden)
     visible_q = x.q_pos[None, :] <= x.q_pos[:, None]  # (S, S) query rows among themselves
@@ -316,6 +322,12 @@ def _probe_layers(adapter: ModelAdapter, x: _ProbeInputs, Lp: int, keep: set[int
         cos, sin = x.cos[groups[layer]], x.sin[groups[layer]]
         q = K.apply_rope(q_pre, cos, sin)
         kq = K.apply_rope(k_new, cos, sin)
+        if layer in keep:
+            qs[layer], ks[layer] = q, kq
+        if layer == Lp - 1 and not hidden:
+            if layer_ms is not None:
+                layer_ms.append((time.perf_counter() - t0) * 1e3)
+            break
         keys = torch.cat([x.k_rot[layer], kq])  # (N+S, Hkv, D)
         vals = torch.cat([x.v[layer], v_new])
         visible = torch.cat([x.k_pos[layer][None, :] <= x.q_pos[:, None], visible_q], dim=1)  # (S, N+S)
@@ -328,34 +340,32 @@ def _probe_layers(adapter: ModelAdapter, x: _ProbeInputs, Lp: int, keep: set[int
             attn_mask=visible[None, None], scale=adapter.scale, enable_gqa=True,
         )[0].transpose(0, 1)  # (S, H, D)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
-        if layer in keep:
-            qs[layer], ks[layer] = q, kq
         if layer_ms is not None:
             layer_ms.append((time.perf_counter() - t0) * 1e3)
-    return qs, ks, h
+    return qs, ks, (h if hidden else None)
 
 
 class _ProbeGraph:
     """One captured layer loop: static input buffers, the graph, its output tensors."""
 
-    def __init__(self, adapter: ModelAdapter, S: int, N: int, Lp: int, keep: tuple[int, ...]) -> None:
+    def __init__(self, adapter: ModelAdapter, S: int, N: int, Lp: int, keep: tuple[int, ...], hidden: bool) -> None:
         self.inputs = _ProbeInputs.empty(adapter, S, N, Lp)
         dev = adapter.device
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: kernels compiled, cuBLAS workspaces made
-            _probe_layers(adapter, self.inputs, Lp, set(keep))
+            _probe_layers(adapter, self.inputs, Lp, set(keep), hidden=hidden)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the prefetcher's loader thread keeps issuing copies while we capture
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = _probe_layers(adapter, self.inputs, Lp, set(keep))
+            self.out = _probe_layers(adapter, self.inputs, Lp, set(keep), hidden=hidden)
 
     def run(self, x: _ProbeInputs) -> tuple[dict, dict, torch.Tensor]:
         self.inputs.load(x)
         self.graph.replay()
         qs, ks, h = self.out  # overwritten by the next replay: hand out copies
-        return {l: q.clone() for l, q in qs.items()}, {l: k.clone() for l, k in ks.items()}, h.clone()
+        return {l: q.clone() for l, q in qs.items()}, {l: k.clone() for l, k in ks.items()}, h.clone() if h is not None else None
 
 
 class _GraphCache:
@@ -364,12 +374,13 @@ class _GraphCache:
         self.lock = threading.Lock()
         self.broken = False  # a capture failed: this model's probe runs eagerly from then on
 
-    def run(self, adapter: ModelAdapter, x: _ProbeInputs, S: int, N: int, keep: tuple[int, ...], Lp: int):
-        key = (S, N, Lp, keep, adapter.dtype)
+    def run(self, adapter: ModelAdapter, x: _ProbeInputs, S: int, N: int, keep: tuple[int, ...], Lp: int,
+            hidden: bool):
+        key = (S, N, Lp, keep, adapter.dtype, hidden)
         with self.lock:
             g = self.graphs.get(key)
             if g is None:
-                g = _ProbeGraph(adapter, S, N, Lp, keep)
+                g = _ProbeGraph(adapter, S, N, Lp, keep, hidden)
                 self.graphs[key] = g
                 while len(self.graphs) > MAX_GRAPHS:
                     self.graphs.popitem(last=False)

@@ -169,6 +169,37 @@ def test_gemma3_rope_bases_differ_by_layer_type():
     assert torch.equal(m.rope(pos, 2)[0], local[0])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rope_table_equals_hf_rotary(arch):
+    """The cached cos/sin table (on by default on CUDA) gives HF's rotary values bit for bit,
+    for host positions, for device positions with their bound, across its growth; without
+    a bound device positions go through HF's forward."""
+    m = tiny_model(arch)
+    m.rope_tables = True
+    g = torch.Generator().manual_seed(0)
+    for hi in (100, 9000):  # 9000 grows the table past its first 4096 entries
+        pos = torch.randint(0, hi, (333,), generator=g)
+        for layer in range(m.num_layers):
+            key = m.rope_keys[layer] if m.gemma else None
+            want = m._rope_hf(pos, key)
+            for got in (m.rope(pos, layer), m.rope(pos.clone(), layer, max_position=int(pos.max()))):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (arch, hi, layer)
+    assert max(t[0].shape[0] for t in m._rope_tab.values()) == 16384
+    m2 = tiny_model(arch)
+    m2.rope_tables = False
+    assert torch.equal(m2.rope(pos, 0)[0], m.rope(pos, 0)[0]) and not m2._rope_tab
+
+
+def test_rope_table_not_used_for_dynamic_rope():
+    """A RoPE that rescales with the sequence length (dynamic, longrope) is never tabled."""
+    m = tiny_model("llama")
+    m.rope_tables = True
+    m.model.model.rotary_emb.rope_type = "dynamic"
+    assert not m._use_rope_table(None)
+    m.rope(torch.arange(5), 0)
+    assert not m._rope_tab
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral-swa"])
 def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     """A chunk's stored pre-RoPE keys, rotated to offset o, equal HF's keys for the same chunk run

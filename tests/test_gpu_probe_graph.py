@@ -34,8 +34,8 @@ def test_graph_replay_equals_eager(dtype, atol):
     runs = []
     for lens, seed in (([6, 40, 2, 30, 20, 7], 0), ([5, 33, 2, 41, 18, 9], 1), ([6, 300, 2, 400, 200, 20], 2)):
         ids, pos, ctx = _inputs(m, lens, seed)
-        eager = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=False)
-        graph = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=True)
+        eager = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=False, hidden=True)
+        graph = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=True, hidden=True)
         assert graph.graphed and not eager.graphed
         for l in (0, 2):
             assert graph.q[l].shape == eager.q[l].shape
@@ -47,6 +47,20 @@ def test_graph_replay_equals_eager(dtype, atol):
     assert len(P._graph_cache(m).graphs) == 2
     first_graph, first_eager = runs[0]
     assert torch.allclose(first_graph.q[2].float(), first_eager.q[2].float(), atol=atol)  # not overwritten
+
+
+def test_graph_without_hidden_stops_at_the_last_qk():
+    """The selection's probe (no hidden state) is its own graph and gives eager's Q and K."""
+    m = tiny_model("llama", dtype=torch.bfloat16)
+    m.model.to("cuda")
+    P._CACHES.pop(m, None)
+    ids, pos, ctx = _inputs(m, [6, 40, 2, 30, 20, 7], 0)
+    eager = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=False)
+    graph = run_probe(m, ids, pos, ctx, keep=[0, 2], graphs=True)
+    assert graph.graphed and graph.hidden is None and eager.hidden is None
+    for l in (0, 2):
+        assert torch.allclose(graph.q[l].float(), eager.q[l].float(), atol=3e-2)
+        assert torch.allclose(graph.k[l].float(), eager.k[l].float(), atol=3e-2)
 
 
 def test_qcfuse_selector_uses_the_graph_on_cuda():

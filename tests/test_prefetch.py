@@ -163,8 +163,9 @@ def test_view_without_sidecar_raises(adapter, parts, tmp_path):
 
 
 def _started_with_window_1(adapter, parts, tmp_path):
-    """A threaded prefetcher's session over host-tier chunks, one layer ahead at most."""
-    store = _store(tmp_path, "host")
+    """A threaded prefetcher's session over disk-tier chunks, one layer ahead at most (a CPU
+    request from memory tiers has no loader thread: see the test below)."""
+    store = _store(tmp_path, "disk")
     for c in parts[3]:
         store.put(c)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, window=1))
@@ -187,6 +188,27 @@ def test_loader_stays_within_its_window(adapter, parts, tmp_path):
     assert [o for o in rep.order if o.startswith("layer:")] == [f"layer:{l}" for l in range(adapter.num_layers)]
     with pytest.raises(ValueError, match="window"):
         PrefetchConfig(window=0)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cpu_loader_thread_only_for_disk_sources(adapter, parts, tmp_path, tier):
+    """On a CPU a request from memory tiers copies each layer in its own thread when asked (a
+    loader thread beside the compute team slowed the probe ~40% on 2 cores); disk reads keep
+    the loader, which waits on I/O. The layers are the same either way."""
+    store = _store(tmp_path, tier)
+    for c in parts[3]:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True))
+    ref, lazy = _prompts(pf, parts)
+    s = pf.start(lazy)
+    assert (s._thread is not None) == (tier == "disk")
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+    for l in range(adapter.num_layers):
+        k, v = s.layer(l, like)
+        rk, rv = ref.layer(l, like)
+        assert torch.equal(k, rk) and torch.equal(v, rv), (tier, l)
+    rep = s.finish()
+    assert [o for o in rep.order if o.startswith("layer:")] == [f"layer:{l}" for l in range(adapter.num_layers)]
 
 
 def test_finish_releases_a_loader_left_waiting(adapter, parts, tmp_path):

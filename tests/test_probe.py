@@ -29,7 +29,7 @@ def test_probe_with_all_tokens_equals_full_prefill(arch):
     ref, _ = m.hf_forward(prompt.token_ids, keep=None)  # (T, vocab)
     ids, pos = _suffix(prompt)
     L = m.num_layers
-    probe = run_probe(m, ids, pos, gather_context(prompt, L, None), keep=[L - 1])
+    probe = run_probe(m, ids, pos, gather_context(prompt, L, None), keep=[L - 1], hidden=True)
     got = m.logits(probe.hidden)
     err = (got - ref[pos]).abs().max().item()
     assert err < 1e-4, f"max abs err {err:.3e}"
@@ -108,8 +108,8 @@ def test_padded_layout_equals_unpadded(arch):
     m = tiny_model(arch)
     ids, pos, ctx = _anchor_probe_inputs(m)
     assert len(ids) % 16 and ctx.pos.shape[1] % 256  # really padded
-    a = run_probe(m, ids, pos, ctx, keep=[0, 2])
-    b = run_probe(m, ids, pos, ctx, keep=[0, 2], pad=True)
+    a = run_probe(m, ids, pos, ctx, keep=[0, 2], hidden=True)
+    b = run_probe(m, ids, pos, ctx, keep=[0, 2], pad=True, hidden=True)
     assert b.q[2].shape == a.q[2].shape and b.hidden.shape == a.hidden.shape
     for l in (0, 2):
         assert torch.allclose(a.q[l], b.q[l], atol=1e-5) and torch.allclose(a.k[l], b.k[l], atol=1e-5)
@@ -135,3 +135,17 @@ def test_graphs_need_cuda():
     ids, pos, ctx = _anchor_probe_inputs(m)
     with pytest.raises(ValueError, match="CUDA"):
         run_probe(m, ids, pos, ctx, keep=[1], graphs=True)
+
+
+def test_probe_stops_at_the_last_layers_qk_unless_hidden_is_asked():
+    """A selection needs the kept layers' Q and K only: by default the last layer stops after
+    them (no attention, no MLP) and gives the same Q and K as a run that goes on."""
+    m = tiny_model("llama")
+    prompt, _ = prompt_exact(m, LENS_NO_GLUE, KINDS_NO_GLUE)
+    ids, pos = _suffix(prompt)
+    ctx = gather_context(prompt, m.num_layers, None)
+    full = run_probe(m, ids, pos, ctx, keep=[0, 2], hidden=True)
+    short = run_probe(m, ids, pos, ctx, keep=[0, 2])
+    assert short.hidden is None and full.hidden is not None
+    for layer in (0, 2):
+        assert torch.equal(short.q[layer], full.q[layer]) and torch.equal(short.k[layer], full.k[layer])
