@@ -14,7 +14,7 @@ STORE=/tmp/qcfuse-ttft-store  # GBs of chunk data: outside $OUT, which comes bac
 BENCH="python3 -m qcfuse_core.cli bench ttft --shape llama-3.1-8b --device cuda --dtype bf16 --query-tokens 32"
 METHODS="--methods full naive qcfuse cacheblend epic --ratios 0.15 0.3"
 tests() {
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py \
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_kernels_pointwise.py tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py \
       tests/test_store_gpu.py tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
       2>&1 | tee "$OUT/tests.log" | grep --line-buffered -E "passed|failed|error|Error" | tail -20
   timeout 60 python3 benchmarks/run_ttft.py check-cuda 2>&1 | tee "$OUT/check_cuda.log" | tail -3

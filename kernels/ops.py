@@ -195,6 +195,17 @@ def _attention_configs(group: int, block_d: int, interpret: bool, fp32: bool) ->
     return cfgs or [LaunchConfig(min_m, 32 if block_d <= 128 else 16, 4, 1)]
 
 
+def _lse_splits(programs: int, T: int, block_n: int, interpret: bool) -> int:
+    """Key ranges the log-sum-exp pass splits into: enough programs for every SM about
+    four times over (132 SMs on an H200), each range at least 8 key blocks. Under the
+    interpreter: 2 when there are at least 2 blocks, so CPU tests run the split path."""
+    blocks = _cdiv(T, block_n)
+    if interpret:
+        return 2 if blocks >= 2 else 1
+    want = _cdiv(4 * 132, max(1, programs))
+    return max(1, min(want, blocks // 8))
+
+
 def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
     min_m = max(16, _next_pow2(group))
     if interpret:
@@ -302,7 +313,18 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     qk_scale = float(scale) * _LOG2E
-    lse_kernel[(_cdiv(R, cfg.block_m // group), Hkv)](q, k, q_pos, lse, R, T, qk_scale, **common)
+    tiles = _cdiv(R, cfg.block_m // group)
+    splits = _lse_splits(tiles * Hkv, T, cfg.block_n, interpret)
+    split_n = _cdiv(_cdiv(T, splits), cfg.block_n) * cfg.block_n
+    splits = _cdiv(T, split_n)
+    if splits > 1:  # partial (max, sum) per key range, combined here: lse = M + log2 sum l 2^(m - M)
+        m_part = torch.empty((splits, R, H), device=device, dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
+        lse_kernel[(tiles, Hkv, splits)](q, k, q_pos, lse, m_part, l_part, R, T, qk_scale, split_n, SPLIT=True, **common)
+        top = m_part.amax(0)  # finite: every row sees key 0, in split 0
+        lse = torch.log2((l_part * torch.exp2(m_part - top)).sum(0)).add_(top)
+    else:
+        lse_kernel[(tiles, Hkv, 1)](q, k, q_pos, lse, lse, lse, R, T, qk_scale, T, SPLIT=False, **common)
     mass_kernel[(_cdiv(T, cfg.block_n), Hkv)](q, k, q_pos, lse, part, R, T, qk_scale, **common)
     return part.sum(0).div_(R * H)  # (T,)
 

@@ -4,7 +4,10 @@
 
 The (R, H, T) probability matrix is never stored:
 
-    pass 1  lse_kernel   grid (cdiv(R, ROWS), Hkv):   lse[r, h] = log2 sum_{j<=pos} 2^(s_rhj)
+    pass 1  lse_kernel   grid (cdiv(R, ROWS), Hkv, splits):   lse[r, h] = log2 sum_{j<=pos} 2^(s_rhj)
+            (with several splits each program covers one range of keys and stores its running
+            max and sum; the launcher combines them - a few dozen rows over ~10K keys are
+            otherwise 32 programs for 132 SMs)
     pass 2  mass_kernel  grid (cdiv(T, BLOCK_N), Hkv): part[kvh, j] = sum_{r, g} 2^(s_rhj - lse[r, h])
 
 with s = q.k * scale * log2(e) (base-2 exponentials). The launcher sums `part` over KV heads
@@ -46,14 +49,16 @@ def _load_query_tile(
 
 @triton.jit
 def lse_kernel(
-    Q, K, POS, LSE,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H) fp32
-    R, T, qk_scale,
+    Q, K, POS, LSE, MPART, LPART,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H) fp32; partials (splits, R, H)
+    R, T, qk_scale, split_n,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Pass 1, grid (cdiv(R, BLOCK_M // GROUP), Hkv): base-2 log-sum-exp per (row, head)."""
+    """Pass 1, grid (cdiv(R, BLOCK_M // GROUP), Hkv, splits): base-2 log-sum-exp per (row,
+    head) into LSE; with SPLIT, split s covers keys [s * split_n, (s + 1) * split_n) (split_n
+    a multiple of BLOCK_N) and stores its running max and sum into MPART / LPART[s]."""
     KV_STRIDE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     H: tl.constexpr = NUM_KV_HEADS * GROUP
     tile = tl.program_id(0)
@@ -63,9 +68,13 @@ def lse_kernel(
     )
     offs_d = tl.arange(0, BLOCK_D)
     end = tl.minimum(tl.max(pos, 0) + 1, T)  # keys beyond the tile's last position are never loaded
+    lo = 0
+    if SPLIT:
+        lo = tl.program_id(2) * split_n
+        end = tl.minimum(end, lo + split_n)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, end, BLOCK_N):
+    for start_n in range(lo, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = K + kvh * HEAD_DIM + offs_n[None, :] * KV_STRIDE + offs_d[:, None]  # (BLOCK_D, BLOCK_N)
         k = tl.load(k_ptrs, mask=(offs_n[None, :] < end) & (offs_d[:, None] < HEAD_DIM), other=0.0)
@@ -74,10 +83,19 @@ def lse_kernel(
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is in the first block
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        if SPLIT:  # a later split's first block may hide every key from a row: keep -inf out of m - m
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        else:
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
-    lse = m_i + tl.log2(l_i)
-    tl.store(LSE + row * H + head, lse, mask=m_ok)
+    if SPLIT:
+        at = tl.program_id(2) * R * H + row * H + head
+        tl.store(MPART + at, m_i, mask=m_ok)
+        tl.store(LPART + at, l_i, mask=m_ok)
+    else:
+        lse = m_i + tl.log2(l_i)
+        tl.store(LSE + row * H + head, lse, mask=m_ok)
 
 
 @triton.jit

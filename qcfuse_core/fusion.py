@@ -69,6 +69,7 @@ class FusedPrompt:
     starts: list[int] = field(init=False)
     _kinds: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) int8 KINDS index
     _uncached: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) bool
+    _masks: dict = field(init=False, repr=False, default_factory=dict)  # kinds -> (T,) bool
 
     def __post_init__(self) -> None:
         if not self.segments or self.segments[-1].kind != "suffix" or len(self.segments[-1]) == 0:
@@ -92,13 +93,17 @@ class FusedPrompt:
         return out
 
     def mask(self, *kinds: str) -> torch.Tensor:
-        """(T,) bool: positions in segments of the given kinds (a fresh tensor)."""
-        if self._kinds is None:
-            self._kinds = self._per_token([KINDS.index(s.kind) for s in self.segments])
-        m = torch.zeros(self.num_tokens, dtype=torch.bool)
-        for k in kinds:
-            m |= self._kinds == KINDS.index(k)
-        return m
+        """(T,) bool: positions in segments of the given kinds (a fresh tensor; each kind set
+        is built once per prompt)."""
+        m = self._masks.get(kinds)
+        if m is None:
+            if self._kinds is None:
+                self._kinds = self._per_token([KINDS.index(s.kind) for s in self.segments])
+            m = torch.zeros(self.num_tokens, dtype=torch.bool)
+            for k in kinds:
+                m |= self._kinds == KINDS.index(k)
+            self._masks[kinds] = m
+        return m.clone()
 
     def uncached_mask(self) -> torch.Tensor:
         """(T,) bool: positions without a cache (a fresh tensor). A prompt's segments are not

@@ -205,20 +205,25 @@ def run_probe(
     Sp, Np = (_round_up(S, PAD_ROWS), _round_up(N, PAD_CONTEXT)) if (use_graph or pad) else (S, N)
     # every position this probe touches goes to the device in one copy; the context keys of
     # all layers are rotated at once, outside the layer loop
+    # (and the token ids with them: one pinned copy)
     q_pos = torch.cat([pos, pos[-1] + 1 + torch.arange(Sp - S)])
-    all_pos = to_device(torch.cat([q_pos, ctx.pos.reshape(-1)]), dev)
+    ids_host = ids.to(torch.int64).cpu()
+    if Sp > S:
+        ids_host = torch.cat([ids_host, ids_host.new_zeros(Sp - S)])
+    staged = to_device(torch.cat([q_pos, ctx.pos.reshape(-1), ids_host]), dev)
+    all_pos, ids = staged[: Sp + Lp * N], staged[Sp + Lp * N :]
     groups, tables = _rope_groups(adapter, all_pos, int(q_pos[-1]))  # one RoPE table per group of layers
-    cos = torch.stack([c for c, _ in tables])  # (G, Sp + Lp*N, D)
-    sin = torch.stack([s_ for _, s_ in tables])
+    if len(tables) == 1:
+        cos, sin = tables[0][0][None], tables[0][1][None]  # (1, Sp + Lp*N, D) views
+    else:
+        cos = torch.stack([c for c, _ in tables])  # (G, Sp + Lp*N, D)
+        sin = torch.stack([s_ for _, s_ in tables])
     q_pos_dev, ctx_pos_dev = all_pos[:Sp], all_pos[Sp:].view(Lp, N)
     k_flat = ctx.k_pre.to(dev, dtype).reshape(Lp * N, *ctx.k_pre.shape[2:])
     rotated = [K.apply_rope(k_flat, cos[g, Sp:], sin[g, Sp:]).view(Lp, N, *k_flat.shape[1:])
                for g in range(len(tables))]
     k_rot = rotated[0] if len(rotated) == 1 else torch.stack([rotated[groups[l]][l] for l in range(Lp)])
     v = ctx.v.to(dev, dtype)
-    ids = to_device(ids.to(torch.int64), dev)
-    if Sp > S:
-        ids = torch.cat([ids, ids.new_zeros(Sp - S)])
     inputs = _ProbeInputs(ids, cos[:, :Sp], sin[:, :Sp], q_pos_dev, k_rot, v, ctx_pos_dev)
     res = ProbeResult({}, {}, ids, context_sizes=[N] * Lp)
     if use_graph:
@@ -416,7 +421,7 @@ def context_keys_at(adapter: ModelAdapter, prompt: FusedPrompt, layers: Sequence
     """`context_keys` for several layers: the positions and their cos/sin are built once."""
     segs = [(s, start) for s, start in zip(prompt.segments, prompt.starts) if s.chunk is not None and s.kind in ("prefix", "chunk")]
     pos = torch.cat([torch.arange(start, start + len(s)) for s, start in segs])
-    ropes = adapter.rope_layers(pos)
+    ropes = adapter.rope_layers(pos)  # host positions: a table lookup on CUDA (ModelAdapter.rope)
     out = []
     for layer in layers:
         k = torch.cat([s.chunk.k[layer].to(adapter.device, adapter.dtype) for s, _ in segs])

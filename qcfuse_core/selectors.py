@@ -340,12 +340,15 @@ class QueryAwareSelector(Selector):
         t0 = time.perf_counter()
         adapter = ctx.adapter
         acc = None
-        for layer, (k_ctx, pos) in zip(layers, context_keys_at(adapter, ctx.prompt, layers)):
+        keys = context_keys_at(adapter, ctx.prompt, layers)
+        pos = keys[0][1]  # the same positions at every layer
+        pos_dev = to_device(pos, adapter.device)
+        for layer, (k_ctx, _) in zip(layers, keys):
             m = query_mass(probe.q[layer], k_ctx, probe.k[layer], adapter.scale, last=query_rows,  # (N,) on the device
-                           window=adapter.windows[layer], ctx_pos=pos, q_start=ctx.prompt.starts[-1])
-            acc = m if acc is None else acc + m  # same positions at every layer
+                           window=adapter.windows[layer], ctx_pos=pos_dev, q_start=ctx.prompt.starts[-1])
+            acc = m if acc is None else acc + m
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
-        mass[to_device(pos, acc.device)] = acc / len(layers)
+        mass[pos_dev] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
 
 

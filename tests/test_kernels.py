@@ -470,6 +470,20 @@ def test_gpu_attention_mass(use_backend, dtype):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_backend", ["triton"], indirect=True)
+def test_gpu_attention_mass_split_over_many_key_ranges(use_backend):
+    """The probe's shape on an 8B model (52 rows, ~10K keys): the log-sum-exp pass splits the
+    keys into many ranges; rows early in the prompt see nothing in the later ones."""
+    q, k, _, _ = make_attention(52, 10300, 32, 8, 128, torch.bfloat16, device="cuda")
+    q_pos = torch.cat([torch.tensor([0, 700, 3000]), torch.arange(10300 - 49, 10300)]).cuda()
+    assert ops._lse_splits(ops._cdiv(52, ops._mass_config(4, 128, False).block_m // 4) * 8, 10300, 64, False) > 4
+    mass = ops.attention_mass(q, k, q_pos, 128 ** -0.5)
+    assert_close(mass, ref.attention_mass_ref(q, k, q_pos, 128 ** -0.5), **MASS_TOL, what="gpu mass, split")
+    assert abs(mass.sum().item() - 1.0) < 1e-4
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_backend", ["triton"], indirect=True)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_gpu_rerotate_scatter(use_backend, dtype):
     T, Hkv, D = GPU_SHAPE["T"], GPU_SHAPE["Hkv"], GPU_SHAPE["D"]
