@@ -298,7 +298,7 @@ class QueryAwareSelector(Selector):
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         if opts.deviation_pool:
             return self._deviation_rerank(ctx, opts, mass.cpu(), rank_by.cpu(), cand, int(n), details, ctx_pos)
-        return ctx.finalize(self.name, chosen, scores=mass[ctx_pos], details=details)
+        return ctx.finalize(self.name, chosen, scores=_at(mass, ctx_pos), details=details)
 
     def _deviation_rerank(self, ctx: SelectionContext, opts: QCFuseOptions, mass: torch.Tensor, rank_by: torch.Tensor,
                           cand: torch.Tensor, n: int, details: dict, ctx_pos: torch.Tensor) -> SelectionResult:
@@ -350,6 +350,16 @@ class QueryAwareSelector(Selector):
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
         mass[pos_dev] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
+
+
+def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """values[positions] for sorted host positions; a contiguous run (the context between
+    prefix and suffix, as the engine lays prompts out) is sliced, not gathered - indexing
+    ~10K host scores took ~0.3-0.6 ms on the H200's host."""
+    n = positions.numel()
+    if n and int(positions[-1]) - int(positions[0]) + 1 == n:
+        return values[int(positions[0]) : int(positions[-1]) + 1]
+    return values[positions]
 
 
 def _covered(mass: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor) -> float:
