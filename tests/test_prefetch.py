@@ -14,6 +14,14 @@ from qcfuse_core.testing import tiny_model
 CRITICAL = [1]  # tiny models have 3 layers; probe depth 2
 
 
+def _assert_layers_match(session, ref, num_layers, like, tag, on_cuda=False):
+    """Every layer the session streams equals the reference prompt's (bitwise)."""
+    for l in range(num_layers):
+        k, v = session.layer(l, like)
+        rk, rv = ref.layer(l, like)
+        assert (k.is_cuda or not on_cuda) and torch.equal(k, rk) and torch.equal(v, rv), (tag, l)
+
+
 @pytest.fixture(scope="module")
 def adapter():
     return tiny_model("llama")
@@ -64,10 +72,7 @@ def test_layers_equal_default_source(adapter, parts, tmp_path, tier, threaded):
         ref, lazy = _prompts(pf, parts, recompute, views=tier != "tensor")
         s = pf.start(lazy)
         like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
-        for l in range(adapter.num_layers):
-            k, v = s.layer(l, like)
-            rk, rv = ref.layer(l, like)
-            assert torch.equal(k, rk) and torch.equal(v, rv), (tier, l, recompute)
+        _assert_layers_match(s, ref, adapter.num_layers, like, (tier, recompute))
         rep = s.finish()
         expect = {"host": "host", "disk": "disk", "tensor": "tensor"}[tier]
         assert rep.sources[expect] == (4 if tier == "tensor" else 3) - len(recompute)
@@ -94,10 +99,7 @@ def test_host_images_plain_and_fp8_mixed_with_tensors(adapter, parts, tmp_path, 
     ref = FusedPrompt([Segment(s.kind, s.token_ids, d) for s, d in zip(segs, decoded)] + [segs[-1]])
     s = pf.start(FusedPrompt(segs))
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
-    for l in range(adapter.num_layers):
-        k, v = s.layer(l, like)
-        rk, rv = ref.layer(l, like)
-        assert torch.equal(k, rk) and torch.equal(v, rv), (storage, l)
+    _assert_layers_match(s, ref, adapter.num_layers, like, storage)
     rep = s.finish()
     assert rep.sources == {"tensor": 2, "host": 2, "none": 1}
     cached = sum(len(s) for s in segs[:-1])
@@ -203,10 +205,7 @@ def test_cpu_loader_thread_only_for_disk_sources(adapter, parts, tmp_path, tier)
     s = pf.start(lazy)
     assert (s._thread is not None) == (tier == "disk")
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
-    for l in range(adapter.num_layers):
-        k, v = s.layer(l, like)
-        rk, rv = ref.layer(l, like)
-        assert torch.equal(k, rk) and torch.equal(v, rv), (tier, l)
+    _assert_layers_match(s, ref, adapter.num_layers, like, tier)
     rep = s.finish()
     assert [o for o in rep.order if o.startswith("layer:")] == [f"layer:{l}" for l in range(adapter.num_layers)]
 
@@ -237,10 +236,7 @@ def test_pinned_host_images_stream_to_the_gpu_like_their_decode(tmp_path, storag
     ref = FusedPrompt([Segment("chunk", ids, store.get(c.key)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
     s = pf.start(lazy)
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype, device="cuda")
-    for l in range(adapter.num_layers):
-        k, v = s.layer(l, like)
-        rk, rv = ref.layer(l, like)
-        assert k.is_cuda and torch.equal(k, rk) and torch.equal(v, rv), (storage, l)
+    _assert_layers_match(s, ref, adapter.num_layers, like, storage, on_cuda=True)
     rep = s.finish()
     assert rep.sources == {"host": 3, "none": 1}
     if storage == "fp8":
@@ -262,10 +258,7 @@ def test_fp8_entries_stream_from_disk_like_their_decode(adapter, parts, tmp_path
     ref = FusedPrompt([Segment("chunk", ids, store.get(c.key)) for ids, c in zip(chunk_ids, chunks)] + [suffix])
     s = pf.start(lazy)
     like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
-    for l in range(adapter.num_layers):
-        k, v = s.layer(l, like)
-        rk, rv = ref.layer(l, like)
-        assert torch.equal(k, rk) and torch.equal(v, rv), l
+    _assert_layers_match(s, ref, adapter.num_layers, like, "fp8 disk")
     assert s.finish().sources == {"disk": 3, "none": 1}
     assert not torch.equal(ref.layer(0, like)[0][: len(chunk_ids[0])], chunks[0].k[0])  # really quantised
     store.close()
