@@ -7,10 +7,12 @@ Fused prefill asks for layer l only after it has enqueued layer l-1's compute, a
 one event per layer, so layer l's compute overlaps the loads of layers l+1, l+2, ... The
 probe and the selection overlap the first loads too.
 
-Who issues the loads: with a disk source (or on a CPU), a loader thread per request; on
-CUDA with memory tiers only, the request's own thread - the first `ahead` layers when the
-request starts, then layer l + ahead each time fused prefill asks for layer l (a loader
-thread there competed with the selection for the interpreter lock).
+Who issues the loads: with a disk source, a loader thread per request; on CUDA with memory
+tiers only, the request's own thread - the first `ahead` layers when the request starts,
+then layer l + ahead each time fused prefill asks for layer l (a loader thread there
+competed with the selection for the interpreter lock); on a CPU with memory tiers only, the
+request's own thread copies layer l when fused prefill asks for it (a loader thread there
+only copied RAM to RAM beside the compute threads and slowed their team).
 
 The shared `Prefetcher` keeps what outlives a request (the side stream, reusable buffers,
 probe sidecars on the compute device); each request's loads, events and report live in its
@@ -193,7 +195,7 @@ class ChunkView:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    threaded: bool = True  # a loader thread runs ahead; False: each layer loads when asked
+    threaded: bool = True  # a loader thread runs ahead (on a CPU only for disk sources); False: each layer loads when asked
     staging_slots: int = 3  # pinned disk staging buffers (CUDA), layers in flight from disk
     # layers the loader may run ahead of the consumer (None: all). Bounding it (4) did not
     # speed up the probe on the H200 and slowed `naive` from 41 to 61 ms (2026-11-30 runs 2/4)
