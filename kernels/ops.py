@@ -195,15 +195,23 @@ def _attention_configs(group: int, block_d: int, interpret: bool, fp32: bool) ->
     return cfgs or [LaunchConfig(min_m, 32 if block_d <= 128 else 16, 4, 1)]
 
 
-def _lse_splits(programs: int, T: int, block_n: int, interpret: bool) -> int:
-    """Key ranges the log-sum-exp pass splits into: enough programs for every SM about
-    four times over (132 SMs on an H200), each range at least 8 key blocks. Under the
+def _lse_splits(programs: int, T: int, block_n: int, interpret: bool, sms: int = 132) -> int:
+    """Key ranges the log-sum-exp pass splits into: enough programs for every SM (`sms`,
+    132 on an H200) about four times over, each range at least 8 key blocks. Under the
     interpreter: 2 when there are at least 2 blocks, so CPU tests run the split path."""
     blocks = _cdiv(T, block_n)
     if interpret:
         return 2 if blocks >= 2 else 1
-    want = _cdiv(4 * 132, max(1, programs))
+    want = _cdiv(4 * sms, max(1, programs))
     return max(1, min(want, blocks // 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 when it is not one)."""
+    if device.type != "cuda":
+        return 132
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
@@ -314,7 +322,7 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
     )
     qk_scale = float(scale) * _LOG2E
     tiles = _cdiv(R, cfg.block_m // group)
-    splits = _lse_splits(tiles * Hkv, T, cfg.block_n, interpret)
+    splits = _lse_splits(tiles * Hkv, T, cfg.block_n, interpret, _sm_count(device))
     split_n = _cdiv(_cdiv(T, splits), cfg.block_n) * cfg.block_n
     splits = _cdiv(T, split_n)
     if splits > 1:  # partial (max, sum) per key range, combined here: lse = M + log2 sum l 2^(m - M)
