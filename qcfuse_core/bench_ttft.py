@@ -346,12 +346,13 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
         rates = dataclasses.replace(rates, prefill_ms_per_token=full_ms / T)
     if "full" in args.methods:
         fb = [timed_answer(engine, work, "full", 0.0, sync_stages=True) for _ in range(args.breakdown_runs)]
-        rows.append(_row(base, "full", None, timed[-1], fb, full_ms))
+        rows.append(_row(base, "full", None, timed[-1], fb, full_ms, [r.ttft_ms for r in timed[-1]]))
     for i, (label, ratio, opts) in enumerate(configs):
         use(opts)
         method = method_of(label, opts)
         bd = [timed_answer(engine, work, method, ratio, sync_stages=True, drop=drop) for _ in range(args.breakdown_runs)]
-        row = _row(base, label, ratio if get_selector(method).uses_ratio else None, timed[i], bd, full_ms)
+        row = _row(base, label, ratio if get_selector(method).uses_ratio else None, timed[i], bd, full_ms,
+                   [r.ttft_ms for r in timed[-1]])
         rows.append(row if opts is None else dict(row, options=opts))
     save_rates(rates, rpath)  # with the measured selection overheads: the engine's planner reads them
     for r in rows:
@@ -409,8 +410,13 @@ def _repeat(fn, args, warmup: int, runs: int | None = None) -> list[RunResult]:
     return [fn() for _ in range(args.runs if runs is None else runs)]
 
 
-def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], bd: list[RunResult], full_ms: float) -> dict:
+def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], bd: list[RunResult], full_ms: float,
+         full_runs: list[float] | None = None) -> dict:
+    """One table row. full_runs: full prefill's timed runs, round by round with `rs`: the
+    per-round speedups (full's run / this method's run of the same round) cancel a drift of
+    the machine that the ratio of the two medians keeps."""
     med, lo, hi = _stats([r.ttft_ms for r in rs])
+    paired = [f / r.ttft_ms for f, r in zip(full_runs or [], rs)]
     stage = lambda name, src: round(statistics.median(r.stages.get(name, 0.0) for r in src), 3) if src else 0.0  # noqa: E731
     src = bd or rs
     plans = [r.plan for r in rs if r.plan]
@@ -420,6 +426,10 @@ def _row(base: dict, method: str, ratio: float | None, rs: list[RunResult], bd: 
         **base, "method": method, "ratio": ratio,
         "ttft_ms_median": round(med, 3), "ttft_ms_min": round(lo, 3), "ttft_ms_max": round(hi, 3),
         "speedup_vs_full": round(full_ms / med, 3),
+        "speedup_paired_median": round(statistics.median(paired), 3) if paired else None,
+        "speedup_paired_min": round(min(paired), 3) if paired else None,
+        "speedup_paired_max": round(max(paired), 3) if paired else None,
+        "ttft_ms_runs": [round(r.ttft_ms, 3) for r in rs],
         "select_ms": stages["select_ms"], "probe_ms": round(statistics.median(r.probe_ms for r in src), 3),
         "fuse_ms": stages["prefill_ms"], "load_wait_ms": stage("load_wait_ms", src),
         "sidecar_ms": stages["load_start_ms"], "stages_ms": stages,

@@ -81,7 +81,15 @@ def test_bench_ttft_times_methods_round_robin(tmp_path, monkeypatch):
     timed = [m for m, synced in order if not synced]
     rounds = ["full", "naive", "epic"] * 3
     assert timed[-len(rounds):] == rounds, timed
-    assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["interleaved"] is True
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert rows[0]["interleaved"] is True
+    # per-round speedups: full's run of each round over the method's run of the same round
+    full = rows[0]["ttft_ms_runs"]
+    assert rows[0]["method"] == "full" and len(full) == 3 and rows[0]["speedup_paired_median"] == 1.0
+    for r in rows[1:]:
+        pairs = sorted(f / m for f, m in zip(full, r["ttft_ms_runs"]))
+        assert abs(r["speedup_paired_median"] - pairs[1]) < 2e-3, (r["method"], pairs)
+        assert r["speedup_paired_min"] <= r["speedup_paired_median"] <= r["speedup_paired_max"]
 
 
 def test_bench_ttft_measures_ingestion_into_a_default_store(tmp_path):
