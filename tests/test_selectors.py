@@ -182,6 +182,30 @@ def test_deviation_pool_reranks_the_pool_by_mass_times_layer1_deviation(setup):
         QCFuseOptions(deviation_pool=2, budget="adaptive")
 
 
+def test_chunk_sinks_recompute_each_chunks_first_tokens_within_the_budget(setup):
+    """chunk_sinks=k: the first k tokens of every chunk come first (the chunks start at 6, 28
+    and 52), the rest of the budget goes by mass; toy masses, exact positions."""
+    from qcfuse_core.selectors import chunk_heads
+
+    m, prompt = setup
+    heads = chunk_heads(prompt, 2)
+    assert torch.nonzero(heads).flatten().tolist() == [6, 7, 28, 29, 52, 53]
+    mass = torch.zeros(prompt.num_tokens)
+    mass[torch.tensor([40, 25, 60, 28])] = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    ctx = SelectionContext(m, prompt, 8 / 62)  # a budget of 8 chunk tokens
+    sel = get_selector("qcfuse").choose(ctx, QCFuseOptions(chunk_sinks=2), mass.clone(), {})
+    assert sel.details["positions"].tolist() == [6, 7, 25, 28, 29, 40, 52, 53]  # 6 heads + the 2 best others
+    assert sel.details["chunk_sinks"] == 2 and torch.equal(sel.details["selected_scores"], mass[sel.details["positions"]])
+    _check_rules(prompt, sel.rows)
+    small = get_selector("qcfuse").choose(SelectionContext(m, prompt, 4 / 62), QCFuseOptions(chunk_sinks=2), mass.clone(), {})
+    assert small.details["positions"].tolist() == [6, 7, 28, 29]  # a budget below the heads: the earliest heads
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_sinks"):
+            QCFuseOptions(chunk_sinks=bad)
+    with pytest.raises(ValueError, match="fixed"):
+        QCFuseOptions(chunk_sinks=2, budget="adaptive")
+
+
 def test_position_prior_reweights_the_ranking_by_position_inside_the_chunk(setup):
     """position_prior=a: chunk tokens ranked by mass x (1 + position inside their chunk)^-a -
     exact on toy masses (the first chunk starts at 6, the second at 28, the third at 52)."""
