@@ -363,7 +363,7 @@ class ModelAdapter:
         A static RoPE (its frequencies fixed at load: default, linear, llama3, yarn) is
         elementwise in the position, so on CUDA the values come from a table of HF's own
         cos/sin for positions [0, cap), grown by doubling: one gather instead of HF's rotary
-        forward (~10 kernels) per call, the same numbers (tests/test_model.py). The table
+        forward (~10 kernels) per call, the same numbers (tests/test_fusion_exact.py). The table
         needs the largest position: read from host positions, or `max_position` for device
         ones (without it, device positions take HF's forward: no device sync here)."""
         key = self.rope_keys[layer] if (layer is not None and self.gemma) else (
@@ -518,6 +518,7 @@ class ModelAdapter:
 
 # HF RoPE types whose frequencies are fixed at load (the others rescale with the sequence length)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device` without stalling the host: a host tensor goes through pinned memory

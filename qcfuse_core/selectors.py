@@ -275,8 +275,7 @@ class QueryAwareSelector(Selector):
         if opts.position_prior:
             rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
         if opts.chunk_sinks:  # each chunk's first tokens rank before every scored token
-            heads = to_device(chunk_heads(prompt, opts.chunk_sinks), rank_by.device)
-            rank_by = torch.where(heads, torch.full_like(rank_by, float("inf")), rank_by)
+            rank_by = rank_by.masked_fill(to_device(chunk_heads(prompt, opts.chunk_sinks), rank_by.device), float("inf"))
         if opts.allocation == "chunk":  # an ablation: each chunk gets budget x its share of the mass
             n = ctx.budget
             mass, rank_by = mass.cpu(), rank_by.cpu()
@@ -318,7 +317,7 @@ class QueryAwareSelector(Selector):
         """Layers 0-1 for the top pool x n candidates by mass; after layer 1 keep the n with the
         largest mass x V deviation (host tensors in, rows narrowed by the hook)."""
         pool = top_budget(cand, rank_by[cand], int(round(opts.deviation_pool * n)))
-        sel = ctx.finalize(self.name, pool, scores=mass[ctx_pos], details=details)
+        sel = ctx.finalize(self.name, pool, scores=_at(mass, ctx_pos), details=details)
         chunk_mask = ctx.prompt.mask("chunk")
         details.update(pool=pool)
 
