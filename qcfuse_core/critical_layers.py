@@ -12,13 +12,19 @@ they come from, first match wins:
 Profile file format (both the packaged table's entries and user profiles):
 
     {"model": "SmolLM2-135M-Instruct", "match": ["smollm2-135m"], "fingerprints": ["..."],
-     "layers": [12, 15, 9], "source": "qcfuse profile-layers ...", "ranking": [...]}
+     "layers": [12, 15, 9], "source": "qcfuse profile-layers ...", "ranking": [...],
+     "options": {"position_prior": 1.5}}
+
+"options" (optional) are selection options calibrated together with the layers: the ranking
+modifiers of a fixed budget in `PROFILE_OPTIONS`. The engine applies them to `qcfuse` where
+the layers come from the profile, the budget is fixed and the caller did not set the option.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -43,29 +49,67 @@ def heuristic_layers(num_layers: int) -> list[int]:
     return sorted({min(num_layers - 1, max(0, round(f * (num_layers - 1)))) for f in (0.45, 0.55, 0.65)})
 
 
-def lookup(adapter: ModelAdapter) -> tuple[list[int], str]:
-    """-> (critical layers, where they came from) for this model."""
+# selection options a profile may carry: how a fixed budget ranks the probed mass
+PROFILE_OPTIONS = ("position_prior", "chunk_sinks")
+
+
+@dataclass(frozen=True)
+class Profile:
+    layers: list[int]
+    source: str  # where it came from (logged, and in a selection's details)
+    options: dict = field(default_factory=dict)  # PROFILE_OPTIONS calibrated with the layers
+
+
+def resolve(adapter: ModelAdapter) -> Profile:
+    """This model's profile: a user profile, else the packaged table, else the depth heuristic."""
     fp = adapter.fingerprint()
     user = profile_dir() / f"{fp}.json"
     if user.is_file():
-        return _checked(json.loads(user.read_text())["layers"], adapter), f"profile {user}"
+        return _profile(json.loads(user.read_text()), adapter, f"profile {user}")
     name = adapter.name.lower()
     profiles = packaged_profiles()
     for p in profiles:
         if fp in p.get("fingerprints", []):
-            return _checked(p["layers"], adapter), f"packaged profile {p['model']} (fingerprint)"
+            return _profile(p, adapter, f"packaged profile {p['model']} (fingerprint)")
     for p in profiles:
         if any(m.lower() in name for m in p.get("match", [])):
-            return _checked(p["layers"], adapter), f"packaged profile {p['model']} (name)"
+            return _profile(p, adapter, f"packaged profile {p['model']} (name)")
     layers = heuristic_layers(adapter.num_layers)
     log.warning("no critical-layer profile for %s (%s); using depth heuristic %s - run `qcfuse profile-layers`",
                 adapter.name, fp, layers)
-    return layers, "depth heuristic"
+    return Profile(layers, "depth heuristic")
+
+
+def lookup(adapter: ModelAdapter) -> tuple[list[int], str]:
+    """-> (critical layers, where they came from) for this model."""
+    p = resolve(adapter)
+    return p.layers, p.source
+
+
+def _profile(entry: dict, adapter: ModelAdapter, source: str) -> Profile:
+    return Profile(_checked(entry["layers"], adapter), source, checked_options(entry.get("options") or {}, source))
+
+
+def checked_options(options: dict, where: str = "profile") -> dict:
+    """A profile's options, validated as qcfuse selection options with a fixed budget."""
+    from qcfuse_core.selectors import QCFuseOptions
+
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}: options must be an object, got {options!r}")
+    unknown = sorted(set(options) - set(PROFILE_OPTIONS))
+    if unknown:
+        raise ValueError(f"{where}: options {unknown} cannot come from a profile; valid: {', '.join(PROFILE_OPTIONS)}")
+    try:
+        QCFuseOptions(**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+    return dict(options)
 
 
 def save_profile(profile: dict, path: Path | None, adapter: ModelAdapter) -> Path:
     """Write a profile (to `path`, or the user profile dir keyed by fingerprint)."""
     _checked(profile["layers"], adapter)
+    checked_options(profile.get("options") or {})
     target = path or profile_dir() / f"{adapter.fingerprint()}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(profile, indent=1) + "\n")

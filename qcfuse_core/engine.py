@@ -104,6 +104,7 @@ class QCFuseEngine:
         self.texts = text_index if text_index is not None else ChunkTextIndex()
         self._critical: list[int] | None = None
         self._critical_source = ""
+        self._profile_options: dict = {}  # selection options of the profile the layers came from
         self._opts = None  # (config, its parsed QCFuseOptions)
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
@@ -266,7 +267,8 @@ class QCFuseEngine:
         if opts.critical_layers:
             return list(opts.critical_layers)
         if self._critical is None:
-            self._critical, self._critical_source = critical_layers.lookup(self.adapter)
+            prof = critical_layers.resolve(self.adapter)
+            self._critical, self._critical_source, self._profile_options = prof.layers, prof.source, prof.options
         return self._critical
 
     def _probe_sidecar(self, chunk: KVChunk) -> tuple[dict, dict]:
@@ -469,6 +471,9 @@ class QCFuseEngine:
         filled = method in PROBING_METHODS and opts.get("critical_layers") is None
         if filled:
             opts["critical_layers"] = self.critical_layers
+            if method == "qcfuse" and opts.get("budget", "fixed") == "fixed":
+                # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS)
+                opts = {**self._profile_options, **opts}
         sel = get_selector(method).select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
                                                            options=opts))
         if filled and self._critical_source:

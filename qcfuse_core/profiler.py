@@ -27,12 +27,13 @@ import torch
 
 from qcfuse_core import metrics as M
 from qcfuse_core.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
+from qcfuse_core.critical_layers import checked_options
 from qcfuse_core.datasets import load_dataset
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.pipeline import Loading, Selected
 from qcfuse_core.probe import context_keys_at, gather_context, query_mass, run_probe
 from qcfuse_core.scoring import top_budget
-from qcfuse_core.selectors import SelectionContext
+from qcfuse_core.selectors import QCFuseOptions, SelectionContext, candidates, ranking_scores
 from qcfuse_core.store import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,18 @@ def prepare_example(engine: QCFuseEngine, question: str, passages, anchors: Anch
     return PreparedExample(prompt, ref[-1], mass)
 
 
-def score_set(engine: QCFuseEngine, ex: PreparedExample, layer_set, ratio: float) -> tuple[float, float]:
-    """Recompute the top `ratio` chunk tokens by the mean mass of `layer_set` (as the qcfuse
-    selector does with those critical layers), fused by the engine's own step
-    -> (first-token KL(full || fused), top-1 agreement)."""
+def score_set(engine: QCFuseEngine, ex: PreparedExample, layer_set, ratio: float,
+              options: dict | None = None) -> tuple[float, float]:
+    """Recompute the top `ratio` chunk tokens by the mean mass of `layer_set`, ranked as the
+    qcfuse selector ranks with those critical layers and `options` (a profile's
+    PROFILE_OPTIONS), fused by the engine's own step -> (first-token KL(full || fused), top-1
+    agreement)."""
     prompt = ex.prompt
     mass = sum(ex.mass[layer] for layer in layer_set) / len(layer_set)
     ctx = SelectionContext(engine.adapter, prompt, ratio)
-    cand = torch.nonzero(prompt.mask("chunk")).flatten()
-    sel = ctx.finalize("profile", top_budget(cand, mass[cand], ctx.budget))
+    cand = candidates(engine.adapter, prompt)
+    rank_by = ranking_scores(prompt, mass, QCFuseOptions(**(options or {})))
+    sel = ctx.finalize("profile", top_budget(cand, rank_by[cand], ctx.budget))
     logits = engine.fuse(Loading(prompt), Selected(sel), "profile").logits[-1]
     return M.kl_divergence(ex.ref, logits), float(int(logits.argmax()) == int(ex.ref.argmax()))
 
@@ -97,7 +101,7 @@ SEARCHES = ("singles", "greedy")
 
 def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio: float = 0.15, top_k: int = 3,
                    anchors: AnchorConfig | None = None, layers: list[int] | None = None,
-                   search: str = "singles") -> dict:
+                   search: str = "singles", options: dict | None = None) -> dict:
     """Rank layers on a calibration set -> profile dict (see critical_layers.py for the format).
 
     search "singles": the profile keeps the `top_k` best layers by their own mean KL (one
@@ -106,9 +110,13 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
     it, up to `top_k` layers. A layer that ranks poorly alone can complete a set well (the
     selector averages the layers' mass), which single ranks cannot see; greedy keeps every
     example's prompt and caches in memory and runs ~top_k times as many fused prefills.
+
+    options: ranking options (critical_layers.PROFILE_OPTIONS, e.g. a position prior) that
+    every layer is scored with; they are saved in the profile and applied with its layers.
     """
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
+    options = checked_options(options or {}, "profile-layers")
     anchors = anchors or AnchorConfig()
     adapter = engine.adapter
     layers = layers or list(range(1, adapter.num_layers))
@@ -121,7 +129,7 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
     for i, ex in enumerate(examples):
         prep = prepare_example(engine, ex.question, ex.passages, anchors, layers)
         for layer in layers:
-            kl, agree = score_set(engine, prep, [layer], ratio)
+            kl, agree = score_set(engine, prep, [layer], ratio, options)
             sums[layer][0] += kl
             sums[layer][1] += agree
         if search == "greedy":
@@ -137,6 +145,9 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
         "source": f"qcfuse profile-layers --dataset {Path(dataset).name} --limit {n} --ratio {ratio} --search {search}",
         "ranking": ranking,
     }
+    if options:
+        profile["options"] = options
+        profile["source"] += "".join(f" --option {k}={v}" for k, v in options.items())
     if search == "greedy":
         best = ranking[0]
         chosen, steps = [best["layer"]], [{"layers": [best["layer"]], "kl": best["kl"], "top1_agree": best["top1_agree"]}]
@@ -145,7 +156,7 @@ def profile_layers(engine: QCFuseEngine, dataset: str, *, limit: int = 8, ratio:
             for layer in layers:
                 if layer in chosen:
                     continue
-                scores = [score_set(engine, prep, chosen + [layer], ratio) for prep in prepared]
+                scores = [score_set(engine, prep, chosen + [layer], ratio, options) for prep in prepared]
                 trials.append({"layers": chosen + [layer], "kl": sum(s[0] for s in scores) / n,
                                "top1_agree": sum(s[1] for s in scores) / n})
             if not trials:

@@ -51,6 +51,9 @@ def add_commands(sub) -> None:
                         "adding the layer that lowers the set's KL most (~top x the fused prefills, "
                         "every example kept in memory)")
     p.add_argument("--out", default=None, help="profile JSON (None: the user profile dir, keyed by fingerprint)")
+    p.add_argument("--option", action="append", default=[], type=_selection_option, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="ranking options every layer is scored with and the profile keeps, applied with its "
+                        "layers: position_prior, chunk_sinks (e.g. position_prior=1.5)")
     _model_args(p)
     _selection_args(p)
     p.set_defaults(func=cmd_profile_layers)
@@ -139,7 +142,8 @@ def cmd_profile_layers(args) -> int:
     engine = _open(args)
     prof = profile_layers(engine, args.dataset, limit=args.limit, ratio=args.ratio, top_k=args.top,
                           anchors=AnchorConfig(args.anchor_method, args.anchor_share),
-                          layers=args.critical_layers, search=args.search)
+                          layers=args.critical_layers, search=args.search,
+                          options={k: v for o in args.option for k, v in o.items()})
     path = critical_layers.save_profile(prof, Path(args.out) if args.out else None, engine.adapter)
     print(format_ranking(prof))
     print(f"critical layers {prof['layers']} -> {path}")

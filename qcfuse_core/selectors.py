@@ -270,12 +270,8 @@ class QueryAwareSelector(Selector):
         while the GPU idles); the chosen positions and the scores come back in one copy.
         """
         prompt = ctx.prompt
-        cand = torch.nonzero(prompt.mask("chunk") & ~exact_rows(ctx.adapter, prompt)).flatten()  # (M,) host; windows.py
-        rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
-        if opts.position_prior:
-            rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
-        if opts.chunk_sinks:  # each chunk's first tokens rank before every scored token
-            rank_by = rank_by.masked_fill(to_device(chunk_heads(prompt, opts.chunk_sinks), rank_by.device), float("inf"))
+        cand = candidates(ctx.adapter, prompt)
+        rank_by = ranking_scores(prompt, mass, opts)
         if opts.allocation == "chunk":  # an ablation: each chunk gets budget x its share of the mass
             n = ctx.budget
             mass, rank_by = mass.cpu(), rank_by.cpu()
@@ -362,6 +358,23 @@ class QueryAwareSelector(Selector):
         mass = torch.zeros(ctx.prompt.num_tokens, device=acc.device)
         mass[pos_dev] = acc / len(layers)
         return mass, (time.perf_counter() - t0) * 1e3
+
+
+def candidates(adapter: ModelAdapter, prompt: FusedPrompt) -> torch.Tensor:
+    """(M,) host positions a selection may recompute: chunk tokens whose cache is not already
+    exact (windows.py: deep inside a chunk, in models whose first layers are windowed)."""
+    return torch.nonzero(prompt.mask("chunk") & ~exact_rows(adapter, prompt)).flatten()
+
+
+def ranking_scores(prompt: FusedPrompt, mass: torch.Tensor, opts: QCFuseOptions) -> torch.Tensor:
+    """(T,) probed mass -> what a fixed budget ranks by: the mass, spread to neighbours,
+    weighted by the position prior, with each chunk's first `chunk_sinks` tokens first."""
+    rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
+    if opts.position_prior:
+        rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
+    if opts.chunk_sinks:  # each chunk's first tokens rank before every scored token
+        rank_by = rank_by.masked_fill(to_device(chunk_heads(prompt, opts.chunk_sinks), rank_by.device), float("inf"))
+    return rank_by
 
 
 def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -102,3 +102,70 @@ def test_cli_profile_layers_greedy_writes_the_profile(toy_set, tmp_path, capsys)
     assert set(prof["layers"]) <= {2, 5} and "--search greedy" in prof["source"]
     printed = capsys.readouterr().out
     assert "greedy set" in printed and f"critical layers {prof['layers']}" in printed
+
+
+def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(smol_engine, toy_set):
+    """With a profile's ranking options (a position prior, chunk sinks) a layer set scores what
+    the qcfuse selector does with those layers and options; the profile keeps the options."""
+    adapter = smol_engine.adapter
+    q, passages, _ = QUESTIONS[0]
+    prep = prepare_example(smol_engine, q, passages, AnchorConfig(), LAYERS)
+    full = prep.ref
+    for options in ({"position_prior": 2.0}, {"chunk_sinks": 3}):
+        kl, _ = score_set(smol_engine, prep, [5, 8], 0.3, options)
+        sel = get_selector("qcfuse").select(SelectionContext(adapter, prep.prompt, 0.3,
+                                                             options={"critical_layers": [5, 8], **options}))
+        logits = fused_prefill(adapter, prep.prompt, sel.rows, logits_last=1).logits[-1]
+        assert kl == pytest.approx(M.kl_divergence(full, logits), rel=1e-4, abs=1e-7)
+    plain = get_selector("qcfuse").select(SelectionContext(adapter, prep.prompt, 0.3, options={"critical_layers": [5, 8]}))
+    steep = get_selector("qcfuse").select(SelectionContext(adapter, prep.prompt, 0.3,
+                                                           options={"critical_layers": [5, 8], "position_prior": 2.0}))
+    assert not torch.equal(plain.rows, steep.rows)  # the prior really re-ranks
+    prof = profile_layers(smol_engine, str(toy_set), limit=1, ratio=0.3, top_k=2, layers=LAYERS,
+                          options={"position_prior": 2.0})
+    assert prof["options"] == {"position_prior": 2.0} and "--option position_prior=2.0" in prof["source"]
+    assert prof["ranking"][0]["kl"] == pytest.approx(
+        min(score_set(smol_engine, prep, [x], 0.3, {"position_prior": 2.0})[0] for x in LAYERS), rel=1e-4, abs=1e-7)
+    with pytest.raises(ValueError, match="cannot come from a profile"):
+        profile_layers(smol_engine, str(toy_set), limit=1, layers=LAYERS, options={"spread": 2})
+    with pytest.raises(ValueError, match="position_prior must be"):
+        profile_layers(smol_engine, str(toy_set), limit=1, layers=LAYERS, options={"position_prior": -1})
+
+
+def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp_path, monkeypatch):
+    """A user profile's options reach qcfuse's fixed budget when its layers are used; a caller's
+    own option wins; explicit critical layers, an adaptive budget and other methods do not
+    take them; a profile with an option it may not carry is refused, naming it."""
+    from qcfuse_core import critical_layers
+    from qcfuse_core.engine import QCFuseEngine
+
+    monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
+    adapter = smol_engine.adapter
+    path = tmp_path / f"{adapter.fingerprint()}.json"
+    path.write_text(json.dumps({"layers": [5, 8], "options": {"position_prior": 2.0}}))
+    prof = critical_layers.resolve(adapter)
+    assert prof.layers == [5, 8] and prof.options == {"position_prior": 2.0} and str(path) in prof.source
+    assert critical_layers.lookup(adapter) == ([5, 8], prof.source)
+
+    eng = QCFuseEngine(adapter)
+    q, passages, _ = QUESTIONS[0]
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
+
+    def rows(method="qcfuse", **options):
+        return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=options)).rows
+
+    got = eng.select(prompt, "qcfuse", 0.3).selection
+    assert got.details["position_prior"] == 2.0 and torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0))
+    assert not torch.equal(got.rows, rows(critical_layers=[5, 8]))
+    own = eng.select(prompt, "qcfuse", 0.3, {"position_prior": 0.0}).selection  # the caller's own setting wins
+    assert own.details["position_prior"] == 0.0 and torch.equal(own.rows, rows(critical_layers=[5, 8]))
+    explicit = eng.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
+    assert explicit.details["position_prior"] == 0.0
+    adaptive = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    assert adaptive.details["position_prior"] == 0.0 and adaptive.details["budget_mode"] == "adaptive"
+
+    path.write_text(json.dumps({"layers": [5, 8], "options": {"deviation_pool": 2}}))
+    with pytest.raises(ValueError, match=r"options \['deviation_pool'\] cannot come from a profile"):
+        critical_layers.resolve(adapter)
+    with pytest.raises(ValueError, match="cannot come from a profile"):
+        critical_layers.save_profile({"layers": [5], "options": {"spread": 1}}, tmp_path / "p.json", adapter)
