@@ -39,8 +39,12 @@ def test_gemma_shape_windows_and_profile(gemma):
     assert gemma.arch == "gemma3" and gemma.num_layers == 18
     assert gemma.windows == ([512] * 5 + [None]) * 3
     assert gemma.scale == pytest.approx(256 ** -0.5)  # query_pre_attn_scalar
-    layers, source = critical_layers.lookup(gemma)
-    assert source.startswith("packaged profile gemma-3-270m"), source
+    prof = critical_layers.resolve(gemma)
+    assert prof.source.startswith("packaged profile gemma-3-270m"), prof.source
+    # profiled with a position prior, the query's mass at a sliding layer reaches only the last
+    # 512 positions: the profile keeps the three full-attention layers, and its prior
+    assert sorted(prof.layers) == [5, 11, 17] and all(gemma.windows[x] is None for x in prof.layers)
+    assert prof.options == {"position_prior": 2}
 
 
 def test_full_recompute_across_the_window_equals_hf(gemma):
@@ -56,6 +60,25 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
     out = fused_prefill(gemma, prompt, torch.arange(prompt.num_tokens), logits_last=8)
     err = (out.logits - ref).abs().max().item()
     assert err <= 1e-3, f"max abs err {err:.3e}"  # logits of order 10-30; fp32 summation order
+
+
+def test_qcfuse_on_gemma_ranks_with_the_profiles_prior_at_full_attention_layers(gemma):
+    """engine.select on the packaged model: the profile's layers and prior reach the selector,
+    and the rows are those of the selector run with them explicitly."""
+    from qcfuse_core.selectors import SelectionContext, get_selector
+
+    eng = QCFuseEngine(gemma)
+    passages = [" ".join(f"Harbour {i} shipped {i * 3} crates of tea in {1800 + i}." for i in range(k, k + 30))
+                for k in (0, 30, 60)]
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many crates did harbour 75 ship?", passages))
+    assert prompt.num_tokens > 1000  # the first chunks lie outside the last token's window
+    got = eng.select(prompt, "qcfuse", 0.3).selection
+    assert got.details["position_prior"] == 2 and sorted(got.details["critical_layers"]) == [5, 11, 17]
+    want = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
+        "critical_layers": eng.critical_layers, "position_prior": 2}))
+    assert torch.equal(got.rows, want.rows)
+    first = prompt.chunk_spans()[0]
+    assert int(((got.rows >= first[0]) & (got.rows < first[1])).sum()) > 0  # rows outside the window too
 
 
 def test_plain_prompt_frame_for_the_base_model(gemma):
