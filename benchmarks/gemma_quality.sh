@@ -6,6 +6,14 @@
 # interruption. Then the table:
 #     bash benchmarks/gemma_quality.sh          # runs until every question is done, then the table
 #     bash benchmarks/gemma_quality.sh table    # only rebuild quality.json / .png / .summary.json
+# Records per set S (hotpot, musique, wikimqa), one file per role, so a new profile reruns
+# only qcfuse:
+#     S.base.records.jsonl             full, naive, cacheblend, epic (they read no profile)
+#     S.qcfuse.records.jsonl           qcfuse with the packaged profile (its full rows repeat
+#                                      the base file's and are dropped from the table)
+#     S.qcfuse_sliding.records.jsonl   qcfuse with the earlier profile (sliding layers
+#                                      [7, 13, 9], no prior): kept for docs/quality-history.md
+# The table covers the questions both files of a set hold.
 # Full prefill's per-question outputs are kept in $R/reference (not committed) for reruns.
 # The table step also rebuilds SmolLM2-135M's table over the same questions from its
 # committed records ($R/quality_smollm2_same_questions.json), for the side-by-side.
@@ -16,10 +24,12 @@ D=../shared/data
 PY=${PYTHON:-.venv/bin/python}
 STEP=${STEP:-5}
 mkdir -p $R
-M="--model gemma3-270m --methods full naive qcfuse cacheblend epic --ratios 0.15 0.3 --max-new-tokens 24 --threads 1 --reference $R/reference"
+M="--model gemma3-270m --ratios 0.15 0.3 --max-new-tokens 24 --threads 1 --reference $R/reference"
 one() {  # name, data file, limit
-    $PY -m qcfuse_core.cli bench quality --dataset "$D/$2" $M --limit "$3" --jsonl "$R/$1.records.jsonl" \
-        --json "$R/.$1.part.json" >> "$R/$1.log" 2>&1
+    $PY -m qcfuse_core.cli bench quality --dataset "$D/$2" $M --methods full naive cacheblend epic --limit "$3" \
+        --jsonl "$R/$1.base.records.jsonl" --json "$R/.$1.part.json" >> "$R/$1.log" 2>&1
+    $PY -m qcfuse_core.cli bench quality --dataset "$D/$2" $M --methods qcfuse --limit "$3" \
+        --jsonl "$R/$1.qcfuse.records.jsonl" --json "$R/.$1.part.json" >> "$R/$1.qcfuse.log" 2>&1
 }
 if [ "${1:-}" != "table" ]; then
     for ((n = STEP; n < 150 + STEP; n += STEP)); do  # musique_s has 150 questions, the others ~100
@@ -28,7 +38,16 @@ if [ "${1:-}" != "table" ]; then
         one wikimqa 2wikimqa/wikimqa_s_clean.json $n
     done
 fi
-cat $R/hotpot.records.jsonl $R/musique.records.jsonl $R/wikimqa.records.jsonl > $R/.all.records.jsonl
+$PY - $R/{hotpot,musique,wikimqa} > $R/.all.records.jsonl <<'PYEOF'
+import json, sys
+for stem in sys.argv[1:]:
+    base = [json.loads(l) for l in open(stem + ".base.records.jsonl")]
+    ours = [r for r in map(json.loads, open(stem + ".qcfuse.records.jsonl")) if r["method"] == "qcfuse"]
+    both = {r["id"] for r in base} & {r["id"] for r in ours}
+    for r in base + ours:
+        if r["id"] in both:
+            print(json.dumps(r))
+PYEOF
 $PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
     $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.all.records.jsonl \
     --json $R/quality.json --plot $R/quality.png
