@@ -40,7 +40,10 @@ if [ "${1:-}" != "table" ]; then
 fi
 $PY - $R/{hotpot,musique,wikimqa} > $R/.all.records.jsonl <<'PYEOF'
 import json, sys
+from pathlib import Path
 for stem in sys.argv[1:]:
+    if not (Path(stem + ".base.records.jsonl").is_file() and Path(stem + ".qcfuse.records.jsonl").is_file()):
+        continue  # a set not started yet
     base = [json.loads(l) for l in open(stem + ".base.records.jsonl")]
     ours = [r for r in map(json.loads, open(stem + ".qcfuse.records.jsonl")) if r["method"] == "qcfuse"]
     both = {r["id"] for r in base} & {r["id"] for r in ours}
@@ -64,4 +67,34 @@ PYEOF
 $PY -m qcfuse_core.cli bench quality --dataset $D/hotpotqa/hotpotqa_train.json $D/musique/musique_s.json \
     $D/2wikimqa/wikimqa_s_clean.json --aggregate-only --jsonl $R/.smol.records.jsonl \
     --json $R/quality_smollm2_same_questions.json
+# the docs' table: Gemma beside SmolLM2 over the same questions and over every question
+$PY - $R .all.records.jsonl benchmarks/results/quality/quality.summary.json > $R/quality_table.md <<'PYEOF'
+import json, sys
+R = sys.argv[1]
+gem = json.load(open(f"{R}/quality.summary.json"))["per_set"]
+same = json.load(open(f"{R}/quality_smollm2_same_questions.summary.json"))["per_set"]
+every = json.load(open(sys.argv[3]))["per_set"]
+kl = {(r["dataset"], r["method"] + ("" if r.get("ratio") is None else f"@{r['ratio']}")): r["kl_first_token"]
+      for r in json.load(open(f"{R}/quality.json"))}
+n = {}
+for line in open(f"{R}/{sys.argv[2]}"):
+    r = json.loads(line)
+    n.setdefault(r["dataset"], set()).add(r["id"])
+labels = ["qcfuse@0.15", "cacheblend@0.15", "epic@0.15", "qcfuse@0.3", "cacheblend@0.3", "epic@0.3"]
+sets = [d for d in ("hotpotqa_train", "musique_s", "wikimqa_s_clean") if d in gem]
+pct = lambda x: f"{100 * x:.1f}%"
+print("| set (questions) | method | Gemma-3-270M KL gap closed (95% CI) | SmolLM2-135M, same questions | SmolLM2-135M, every question |")
+print("|---|---|---|---|---|")
+for d in sets:
+    for lab in labels:
+        g = gem[d][lab]
+        lo, hi = g["kl_gap_closed_ci"]
+        print(f"| {d} ({len(n[d])}) | {lab} | {pct(g['kl_gap_closed'])} ({100 * lo:.1f}-{100 * hi:.1f}) | "
+              f"{pct(same[d][lab]['kl_gap_closed'])} | {pct(every[d][lab]['kl_gap_closed'])} |")
+print()
+print("| set | naive KL | " + " | ".join(labels) + " |")
+print("|---|---|" + "---|" * len(labels))
+for d in sets:
+    print(f"| {d} | {kl[(d, 'naive')]:.4f} | " + " | ".join(f"{kl[(d, lab)]:.4f}" for lab in labels) + " |")
+PYEOF
 rm -f $R/.all.records.jsonl $R/.smol.records.jsonl $R/.*.part*.json
