@@ -11,9 +11,9 @@ they come from, first match wins:
 
 Profile file format (both the packaged table's entries and user profiles):
 
-    {"model": "SmolLM2-135M-Instruct", "match": ["smollm2-135m"], "fingerprints": ["..."],
-     "layers": [12, 15, 9], "source": "qcfuse profile-layers ...", "ranking": [...],
-     "options": {"position_prior": 1.5}}
+    {"model": "gemma-3-270m", "match": ["gemma3-270m"], "fingerprints": ["..."],
+     "layers": [17, 11, 5], "source": "qcfuse profile-layers ...", "ranking": [...],
+     "options": {"position_prior": 2}}
 
 "options" (optional) are selection options calibrated together with the layers: the ranking
 modifiers of a fixed budget in `PROFILE_OPTIONS`. The engine applies them to `qcfuse` where
