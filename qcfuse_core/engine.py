@@ -102,9 +102,7 @@ class QCFuseEngine:
         self.rates = rates  # measured load/compute rates: enable the load-or-recompute planner
         self.store = store if store is not None else MemoryStore()
         self.texts = text_index if text_index is not None else ChunkTextIndex()
-        self._critical: list[int] | None = None
-        self._critical_source = ""
-        self._profile_options: dict = {}  # selection options of the profile the layers came from
+        self._profile = None  # critical_layers.Profile, resolved on first use
         self._opts = None  # (config, its parsed QCFuseOptions)
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
@@ -266,10 +264,9 @@ class QCFuseEngine:
         opts = self._qcfuse_options()
         if opts.critical_layers:
             return list(opts.critical_layers)
-        if self._critical is None:
-            prof = critical_layers.resolve(self.adapter)
-            self._critical, self._critical_source, self._profile_options = prof.layers, prof.source, prof.options
-        return self._critical
+        if self._profile is None:
+            self._profile = critical_layers.resolve(self.adapter)
+        return self._profile.layers
 
     def _probe_sidecar(self, chunk: KVChunk) -> tuple[dict, dict]:
         """What the probe needs of a chunk (anchors + their K/V, critical-layer K)."""
@@ -468,16 +465,17 @@ class QCFuseEngine:
         """Step 4: the method's rows. Selection options default to the engine's config; the
         critical layers the engine resolved once are passed on."""
         opts = dict(self.config.selection_options if options is None else options)
-        filled = method in PROBING_METHODS and opts.get("critical_layers") is None
-        if filled:
+        profile = None  # the model's profile, where the layers filled in come from it
+        if method in PROBING_METHODS and opts.get("critical_layers") is None:
             opts["critical_layers"] = self.critical_layers
-            if method == "qcfuse" and opts.get("budget", "fixed") == "fixed":
+            profile = None if self._qcfuse_options().critical_layers else self._profile
+            if profile is not None and method == "qcfuse" and opts.get("budget", "fixed") == "fixed":
                 # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS)
-                opts = {**self._profile_options, **opts}
+                opts = {**profile.options, **opts}
         sel = get_selector(method).select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
                                                            options=opts))
-        if filled and self._critical_source:
-            sel.details["layers_source"] = self._critical_source
+        if profile is not None:
+            sel.details["layers_source"] = profile.source
         return Selected(sel)
 
     def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0,

@@ -163,6 +163,14 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     assert explicit.details["position_prior"] == 0.0
     adaptive = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
     assert adaptive.details["position_prior"] == 0.0 and adaptive.details["budget_mode"] == "adaptive"
+    # layers from the engine's config, not the profile: no profile options, also when a call
+    # passes options without layers
+    from qcfuse_core.engine import EngineConfig
+    configured = QCFuseEngine(adapter, config=EngineConfig(selection_options={"critical_layers": [5, 8]}))
+    for opts in (None, {"spread": 0}):
+        sel = configured.select(prompt, "qcfuse", 0.3, opts).selection
+        assert sel.details["position_prior"] == 0.0 and sel.details["layers_source"] == "option"
+        assert torch.equal(sel.rows, rows(critical_layers=[5, 8]))
 
     path.write_text(json.dumps({"layers": [5, 8], "options": {"deviation_pool": 2}}))
     with pytest.raises(ValueError, match=r"options \['deviation_pool'\] cannot come from a profile"):
