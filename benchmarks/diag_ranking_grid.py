@@ -21,7 +21,7 @@ from qcfuse_core import metrics as M
 from qcfuse_core.datasets import load_dataset
 from qcfuse_core.engine import EngineConfig, QCFuseEngine
 from qcfuse_core.model import load_model
-from qcfuse_core.pipeline import Planned, Selected
+from qcfuse_core.pipeline import Loading, Selected
 from qcfuse_core.selectors import parse_selection_options
 from qcfuse_core.store import MemoryStore
 
@@ -60,9 +60,8 @@ def main(argv=None) -> int:
                        config=EngineConfig(selection_options={"critical_layers": deepest} if deepest else {}))
     for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
         eng.store = MemoryStore()
-        looked = eng.lookup(eng.rag_pieces(ex.question, list(ex.passages)), "naive", streaming=False)
-        loading = eng.start_loading(looked, Planned("qcfuse", frozenset()))
-        prompt = loading.prompt
+        prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, list(ex.passages)))
+        loading = Loading(prompt)
         full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
 
         def kl(method, ratio, options=None):

@@ -19,7 +19,7 @@ from qcfuse_core import metrics as M
 from qcfuse_core.datasets import load_dataset
 from qcfuse_core.engine import EngineConfig, QCFuseEngine
 from qcfuse_core.model import load_model
-from qcfuse_core.pipeline import Planned, Selected
+from qcfuse_core.pipeline import Loading, Selected
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.types import SelectionResult
 
@@ -43,9 +43,8 @@ def main(argv=None) -> int:
     windows = [w for w in eng.adapter.windows if w is not None]
     window = min(windows) if windows else None
     ex = load_dataset(args.dataset, limit=1, offset=args.index)[0]
-    looked = eng.lookup(eng.rag_pieces(ex.question, list(ex.passages)), "naive", streaming=False)
-    loading = eng.start_loading(looked, Planned("qcfuse", frozenset()))
-    prompt = loading.prompt
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, list(ex.passages)))
+    loading = Loading(prompt)
     T, spans = prompt.num_tokens, prompt.chunk_spans()
     full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
     naive_rows = eng.select(prompt, "naive", 0.0).selection.rows  # the suffix (and what is not cached)
