@@ -37,7 +37,7 @@ import torch
 
 from qcfuse_core.model import ModelAdapter, cache_dir
 from qcfuse_core.scoring import AdaptiveBudget, adaptive_count
-from qcfuse_core.selectors import QCFuseSelector, SelectionContext, register
+from qcfuse_core.selectors import QCFuseOptions, QCFuseSelector, SelectionContext, ranking_scores, register
 from qcfuse_core.types import SelectionResult
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class AdaptiveSelector(QCFuseSelector):
         if cal is None:
             raise ValueError(f"no adaptive-budget calibration for {ctx.adapter.name}; run `qcfuse calibrate-budget "
                              "--dataset CALIBRATION.json` first")
+        check_calibrated_ranking(cal, QCFuseOptions.from_options(ctx.options))
         opts = dict(ctx.options, budget="adaptive", target_mass=target_for(cal, ctx.ratio),
                     floor=cal.get("floor", 0.05), ceiling=cal.get("ceiling", 0.5))
         sel = super().select(replace(ctx, options=opts))
@@ -104,11 +105,38 @@ class AdaptiveSelector(QCFuseSelector):
         return sel
 
 
+# options that change the scores the adaptive count adds up (a target mass calibrated on one
+# ranking gives another mean share on another)
+RANKING_OPTIONS = ("position_prior", "spread")
+
+
+def ranking_options(opts: QCFuseOptions) -> dict:
+    """The ranking options of `opts` that are set (not at their defaults)."""
+    return {k: getattr(opts, k) for k in RANKING_OPTIONS if getattr(opts, k)}
+
+
+def check_calibrated_ranking(cal: dict, opts: QCFuseOptions) -> None:
+    """Refuses a selection whose ranking differs from the calibration's: the same critical
+    layers (where both name them) and the same ranking options, else the target mass would
+    not give the calibrated mean share."""
+    layers = cal.get("critical_layers")
+    if layers and opts.critical_layers is not None and sorted(layers) != sorted(opts.critical_layers):
+        raise ValueError(f"the adaptive budget of {cal.get('model', 'this model')} was calibrated at critical layers "
+                         f"{layers}, this selection reads {list(opts.critical_layers)}; run `qcfuse calibrate-budget` "
+                         "with these layers")
+    want, have = cal.get("options", {}), ranking_options(opts)
+    if {k: float(v) for k, v in want.items()} != {k: float(v) for k, v in have.items()}:
+        raise ValueError(f"the adaptive budget of {cal.get('model', 'this model')} was calibrated with ranking options "
+                         f"{want or 'none'}, this selection has {have or 'none'}; run `qcfuse calibrate-budget` with "
+                         "these options")
+
+
 # ----------------------------------------------------------------------------- calibration
 
 
 def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0, options: dict | None = None):
-    """Per question: (candidate scores (M,) fp32 host, context tokens, glue tokens)."""
+    """Per question: (candidate scores (M,) fp32 host, context tokens, glue tokens). The
+    scores are the ones a selection with these options ranks and counts by."""
     from tqdm import tqdm
 
     from qcfuse_core.datasets import load_dataset
@@ -118,11 +146,15 @@ def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0,
     for ex in tqdm(load_dataset(dataset, limit=limit, offset=offset), desc="calibrate", unit="question", disable=None):
         engine.store = MemoryStore()
         prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-        sel = engine.select(prompt, "qcfuse", 0.15, options=dict(options or {}, budget="fixed"))
+        fixed = dict(options or {}, budget="fixed")
+        sel = engine.select(prompt, "qcfuse", 0.15, options=fixed)
         mass = torch.zeros(prompt.num_tokens)
         mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.selection.scores.float().cpu()
         cand = torch.nonzero(prompt.mask("chunk")).flatten()
-        out.append((mass[cand], prompt.context_tokens, int(prompt.mask("text").sum())))
+        # what the adaptive budget counts on: the ranking's scores (the mass, weighted by the
+        # profile's position prior where it has one)
+        scores = ranking_scores(prompt, mass, QCFuseOptions.from_options(engine.selection_options("qcfuse", fixed)))
+        out.append((scores[cand], prompt.context_tokens, int(prompt.mask("text").sum())))
         log.info("calibration question %s: %d context tokens", ex.id, prompt.context_tokens)
     return out
 
@@ -171,9 +203,11 @@ def calibrate(engine, dataset: str, *, shares=DEFAULT_SHARES, limit: int | None 
         targets[f"{s:g}"] = round(t, 6)
         achieved[f"{s:g}"] = round(mean_share(masses, round(t, 6), floor, ceiling), 5)
     adapter = engine.adapter
+    used = QCFuseOptions.from_options(engine.selection_options("qcfuse", dict(options or {}, budget="fixed")))
     return {
         "model": adapter.name, "fingerprints": [adapter.fingerprint()], "match": [],
-        "critical_layers": list(engine.critical_layers), "floor": floor, "ceiling": ceiling, "n": len(masses),
+        "critical_layers": list(used.critical_layers), "options": ranking_options(used),
+        "floor": floor, "ceiling": ceiling, "n": len(masses),
         "targets": targets, "mean_share_at_target": achieved, "unreachable_shares": skipped,
         "source": f"qcfuse calibrate-budget --dataset {Path(dataset).name} --offset {offset} --limit {len(masses)}",
         "seconds": round(time.perf_counter() - t0, 1),

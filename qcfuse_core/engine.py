@@ -36,6 +36,10 @@ from qcfuse_core.types import ChunkKey, FusionResult, KVChunk, NodeId, Piece, Pr
 
 log = logging.getLogger(__name__)
 
+# methods that rank by the probed mass with the model's profile (its layers and ranking
+# options); the oracle re-ranks by what full prefill knows
+PROFILED_METHODS = frozenset({"qcfuse", "adaptive"})
+
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided."
 
 
@@ -464,19 +468,30 @@ class QCFuseEngine:
     def select(self, prompt: FusedPrompt, method: str, ratio: float, options: dict | None = None) -> Selected:
         """Step 4: the method's rows. Selection options default to the engine's config; the
         critical layers the engine resolved once are passed on."""
-        opts = dict(self.config.selection_options if options is None else options)
-        profile = None  # the model's profile, where the layers filled in come from it
-        if method in PROBING_METHODS and opts.get("critical_layers") is None:
-            opts["critical_layers"] = self.critical_layers
-            profile = None if self._qcfuse_options().critical_layers else self._profile
-            if profile is not None and method == "qcfuse" and opts.get("budget", "fixed") == "fixed":
-                # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS)
-                opts = {**profile.options, **opts}
+        opts, profile = self._selection_options(method, options)
         sel = get_selector(method).select(SelectionContext(self.adapter, prompt, ratio, seed=self.config.seed,
                                                            options=opts))
         if profile is not None:
             sel.details["layers_source"] = profile.source
         return Selected(sel)
+
+    def selection_options(self, method: str, options: dict | None = None) -> dict:
+        """The options `select(prompt, method, ratio, options)` hands the selector: the
+        caller's (else the engine's config), the critical layers filled in, and the profile's
+        ranking options where those layers come from the profile."""
+        return self._selection_options(method, options)[0]
+
+    def _selection_options(self, method: str, options: dict | None):
+        opts = dict(self.config.selection_options if options is None else options)
+        profile = None  # the model's profile, where the layers filled in come from it
+        if method in PROBING_METHODS and opts.get("critical_layers") is None:
+            opts["critical_layers"] = self.critical_layers
+            profile = None if self._qcfuse_options().critical_layers else self._profile
+            if profile is not None and method in PROFILED_METHODS:
+                # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS);
+                # the adaptive budget's calibration counts on the same ranking
+                opts = {**profile.options, **opts}
+        return opts, profile
 
     def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0,
              teacher: torch.Tensor | None = None, request: Request | None = None,

@@ -177,7 +177,9 @@ class QCFuseOptions:
     # 0: off (the paper). a > 0: rank chunk tokens by mass x (1 + position inside the chunk)^-a.
     # A chunk cached alone is stalest at its start (its first tokens never saw what precedes
     # them in the prompt; measured staleness falls ~ (1 + position)^-0.8): a prior for how
-    # much recomputing an attended token changes, known without computing anything
+    # much recomputing an attended token changes, known without computing anything. With the
+    # adaptive budget the target is a share of these weighted scores (what calibrate-budget
+    # measures with the same option)
     position_prior: float = 0.0
     # 0: off. k > 0: the first k tokens of every chunk are recomputed before any ranked token
     # (within the same budget). A chunk cached alone began at position 0, where a model puts
@@ -205,8 +207,6 @@ class QCFuseOptions:
             raise ValueError(f"chunk_sinks must be a non-negative int (0: off), got {self.chunk_sinks!r}")
         if self.chunk_sinks and self.budget != "fixed":
             raise ValueError("chunk_sinks comes out of a fixed budget; use budget='fixed'")
-        if self.position_prior and self.budget != "fixed":
-            raise ValueError("position_prior re-weights a fixed budget's ranking; use budget='fixed'")
         if self.allocation != "global" and self.budget != "fixed":
             raise ValueError("allocation 'chunk' splits a fixed budget; use it with budget='fixed'")
         if self.budget not in BUDGET_MODES:
@@ -367,8 +367,9 @@ def candidates(adapter: ModelAdapter, prompt: FusedPrompt) -> torch.Tensor:
 
 
 def ranking_scores(prompt: FusedPrompt, mass: torch.Tensor, opts: QCFuseOptions) -> torch.Tensor:
-    """(T,) probed mass -> what a fixed budget ranks by: the mass, spread to neighbours,
-    weighted by the position prior, with each chunk's first `chunk_sinks` tokens first."""
+    """(T,) probed mass -> what a budget ranks by (and the adaptive budget counts its target
+    mass on): the mass, spread to neighbours, weighted by the position prior, with each
+    chunk's first `chunk_sinks` tokens first (a fixed budget only)."""
     rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
     if opts.position_prior:
         rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)

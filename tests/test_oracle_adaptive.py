@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from qcfuse_core import adaptive, oracle
+from qcfuse_core.datasets import load_dataset
 from qcfuse_core.scoring import top_budget
 from qcfuse_core.selectors import PROBING_METHODS, SelectionContext, get_selector
+from qcfuse_core.store import MemoryStore
 from qcfuse_core.testing import tiny_model
 from tests.qc_fixtures import prompt_alone
 
@@ -138,7 +140,7 @@ def test_adaptive_selector_is_qcfuse_with_the_calibrated_target(setup, monkeypat
         get_selector("adaptive").select(SelectionContext(m, prompt, 0.2))
 
 
-def test_calibrate_matches_the_requested_mean_share(setup, tmp_path):
+def test_calibrate_matches_the_requested_mean_share(setup, tmp_path, monkeypatch):
     """calibrate() on a two-question toy set: each share's target gives that mean share to
     within one token per question; the saved file is what lookup_calibration reads."""
     from qcfuse_core.engine import QCFuseEngine
@@ -161,6 +163,28 @@ def test_calibrate_matches_the_requested_mean_share(setup, tmp_path):
     assert cal["targets"]["0.15"] < cal["targets"]["0.3"]
     path = adaptive.save_calibration(cal, tmp_path / "cal.json", m)
     assert json.loads(path.read_text())["targets"] == cal["targets"]
+    assert cal["critical_layers"] == [1] and cal["options"] == {}
+
+    # with a position prior the count adds up the weighted scores, and the adaptive method at
+    # the calibrated share realises it on the calibration questions (within a token each)
+    opts = {"critical_layers": [1], "position_prior": 2.0}
+    cal = adaptive.calibrate(engine, str(data), shares=(0.15, 0.3), options=opts)
+    assert cal["options"] == {"position_prior": 2.0}
+    weighted = adaptive.question_masses(engine, str(data), limit=None, options=opts)
+    plain = adaptive.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
+    assert not torch.equal(weighted[0][0], plain[0][0])
+    monkeypatch.setattr(adaptive, "lookup_calibration", lambda adapter: (cal, "test"))
+    for s in (0.15, 0.3):
+        shares = []
+        for ex in load_dataset(str(data), limit=None):
+            engine.store = MemoryStore()
+            prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
+            sel = engine.select(prompt, "adaptive", s, options=opts).selection
+            assert sel.details["position_prior"] == 2.0
+            shares.append((sel.details["budget"] + int(prompt.mask("text").sum())) / prompt.context_tokens)
+        assert abs(sum(shares) / len(shares) - s) <= tol
+    with pytest.raises(ValueError, match="ranking options"):
+        engine.select(prompt, "adaptive", 0.3, options={"critical_layers": [1]})
 
 
 def test_forced_logits_equal_a_teacher_forced_fused_prefill(smol_engine):

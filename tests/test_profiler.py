@@ -133,9 +133,10 @@ def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(s
 
 
 def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp_path, monkeypatch):
-    """A user profile's options reach qcfuse's fixed budget when its layers are used; a caller's
-    own option wins; explicit critical layers, an adaptive budget and other methods do not
-    take them; a profile with an option it may not carry is refused, naming it."""
+    """A user profile's options reach qcfuse (either budget) and adaptive when its layers are
+    used; a caller's own option wins; explicit critical layers, layers from the engine's config
+    and other methods do not take them; a profile with an option it may not carry is refused,
+    naming it."""
     from qcfuse_core import critical_layers
     from qcfuse_core.engine import QCFuseEngine
 
@@ -162,7 +163,23 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     explicit = eng.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
     assert explicit.details["position_prior"] == 0.0
     adaptive = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
-    assert adaptive.details["position_prior"] == 0.0 and adaptive.details["budget_mode"] == "adaptive"
+    assert adaptive.details["position_prior"] == 2.0 and adaptive.details["budget_mode"] == "adaptive"
+    assert torch.equal(adaptive.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive"))
+    assert eng.selection_options("qcfuse") == {"critical_layers": [5, 8], "position_prior": 2.0}
+    assert eng.selection_options("cacheblend") == {}
+    # the adaptive method: its calibration must have counted on the same ranking
+    from qcfuse_core import adaptive as adaptive_mod
+    cal = {"targets": {"0.1": 0.4, "0.3": 0.8}, "floor": 0.0, "ceiling": 0.5, "critical_layers": [8, 5],
+           "options": {"position_prior": 2}}
+    monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
+    got = eng.select(prompt, "adaptive", 0.3).selection
+    assert got.details["position_prior"] == 2.0 and got.details["target_mass"] == 0.8
+    assert torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive", target_mass=0.8,
+                                      floor=0.0, ceiling=0.5))
+    with pytest.raises(ValueError, match="calibrated with ranking options"):
+        eng.select(prompt, "adaptive", 0.3, {"position_prior": 1.0})
+    with pytest.raises(ValueError, match="calibrated at critical layers"):
+        eng.select(prompt, "adaptive", 0.3, {"critical_layers": [5]})
     # layers from the engine's config, not the profile: no profile options, also when a call
     # passes options without layers
     from qcfuse_core.engine import EngineConfig

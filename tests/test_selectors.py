@@ -238,8 +238,12 @@ def test_position_prior_reweights_the_ranking_by_position_inside_the_chunk(setup
     for bad in (-0.1, 5, True, "0.5"):
         with pytest.raises(ValueError, match="position_prior"):
             QCFuseOptions(position_prior=bad)
-    with pytest.raises(ValueError, match="fixed"):
-        QCFuseOptions(position_prior=0.5, budget="adaptive")
+    # the adaptive budget counts its target on the weighted scores: of 4.67 in all, half is
+    # reached by 28 (2.0) and 52 (1.0); by the mass alone (16.5) by 40 (5.0) and 25 (4.0)
+    for prior, want in ((1.0, [28, 52]), (0.0, [25, 40])):
+        opts = QCFuseOptions(budget="adaptive", position_prior=prior, target_mass=0.5, floor=0.0, ceiling=0.5)
+        got = get_selector("qcfuse").choose(ctx, opts, mass.clone(), {})
+        assert got.details["positions"].tolist() == want and got.details["budget_mode"] == "adaptive"
 
 
 def test_qcall_uses_every_layer(setup):
