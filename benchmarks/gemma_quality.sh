@@ -13,7 +13,11 @@
 #                                      the base file's and are dropped from the table)
 #     S.qcfuse_sliding.records.jsonl   qcfuse with the earlier profile (sliding layers
 #                                      [7, 13, 9], no prior): kept for docs/quality-history.md
+#     S.oracle.records.jsonl           the selection bound (oracle), S.adaptive.records.jsonl the
+#                                      calibrated adaptive budget: first questions only (`bound`)
 # The table covers the questions both files of a set hold.
+#     bash benchmarks/gemma_quality.sh bound    # oracle and adaptive rows on the first questions,
+#                                               # then their table ($R/bound_table.md)
 # Full prefill's per-question outputs are kept in $R/reference (not committed) for reruns.
 # The table step also rebuilds SmolLM2-135M's table over the same questions from its
 # committed records ($R/quality_smollm2_same_questions.json), for the side-by-side.
@@ -31,6 +35,39 @@ one() {  # name, data file, limit
     $PY -m qcfuse_core.cli bench quality --dataset "$D/$2" $M --methods qcfuse --limit "$3" \
         --jsonl "$R/$1.qcfuse.records.jsonl" --json "$R/.$1.part.json" >> "$R/$1.qcfuse.log" 2>&1
 }
+if [ "${1:-}" = "bound" ]; then  # as SmolLM2's partial sets: hotpotqa 15, musique 10, wikimqa 5 questions
+    for spec in hotpot:hotpotqa/hotpotqa_train.json:15 musique:musique/musique_s.json:10 wikimqa:2wikimqa/wikimqa_s_clean.json:5; do
+        IFS=: read -r name file n <<< "$spec"
+        for method in oracle adaptive; do
+            $PY -m qcfuse_core.cli bench quality --dataset "$D/$file" $M --methods $method --limit "$n" \
+                --jsonl "$R/$name.$method.records.jsonl" --json "$R/.$name.part.json" >> "$R/$name.$method.log" 2>&1
+        done
+    done
+    $PY - $R > $R/bound_table.md <<'PYEOF'
+import json, sys
+from qcfuse_core.bench_quality import aggregate
+R = sys.argv[1]
+sets = {"hotpot": "hotpotqa_train", "musique": "musique_s", "wikimqa": "wikimqa_s_clean"}
+labels = ["naive", "qcfuse@0.15", "adaptive@0.15", "oracle@0.15", "epic@0.15", "qcfuse@0.3", "adaptive@0.3",
+          "oracle@0.3", "epic@0.3"]
+print("| set (questions) | " + " | ".join(labels) + " |")
+print("|---|" + "---|" * len(labels))
+for stem, name in sets.items():
+    recs = {}
+    for role in ("base", "qcfuse", "oracle", "adaptive"):
+        for r in map(json.loads, open(f"{R}/{stem}.{role}.records.jsonl")):
+            if r["method"] != "full" or role == "base":
+                recs.setdefault(r["id"], []).append(r)
+    ids = [i for i, rs in recs.items() if {r["method"] for r in rs} >= {"full", "naive", "qcfuse", "oracle", "adaptive"}]
+    rows = {r["method"] + ("" if r["ratio"] is None else f"@{r['ratio']}"): r
+            for r in aggregate([r for i in ids for r in recs[i]])}
+    naive = rows["naive"]["kl_first_token"]
+    cell = lambda lab: f"{rows[lab]['kl_first_token']:.4f} ({100 * (1 - rows[lab]['kl_first_token'] / naive):.1f}%)"
+    print(f"| {name} ({len(ids)}) | {naive:.4f} | " + " | ".join(cell(lab) for lab in labels[1:]) + " |")
+PYEOF
+    cat $R/bound_table.md
+    exit 0
+fi
 if [ "${1:-}" != "table" ]; then
     for ((n = STEP; n < 150 + STEP; n += STEP)); do  # musique_s has 150 questions, the others ~100
         one hotpot hotpotqa/hotpotqa_train.json $n

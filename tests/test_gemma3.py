@@ -81,6 +81,24 @@ def test_qcfuse_on_gemma_ranks_with_the_profiles_prior_at_full_attention_layers(
     assert int(((got.rows >= first[0]) & (got.rows < first[1])).sum()) > 0  # rows outside the window too
 
 
+def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, tmp_path):
+    """The shipped adaptive-budget calibration was counted on the shipped profile's ranking (its
+    layers and prior), so `adaptive` serves on the packaged model with it."""
+    from qcfuse_core import adaptive
+
+    monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path))  # no user calibration (the model is loaded)
+    cal, source = adaptive.lookup_calibration(gemma)
+    prof = critical_layers.resolve(gemma)
+    assert source.startswith("packaged calibration gemma-3-270m"), source
+    assert sorted(cal["critical_layers"]) == sorted(prof.layers) and cal["options"] == prof.options
+    eng = QCFuseEngine(gemma)
+    passages = [" ".join(f"Mill {i} ground {i * 5} sacks of rye in {1700 + i}." for i in range(k, k + 20)) for k in (0, 20)]
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many sacks did mill 25 grind?", passages))
+    got = eng.select(prompt, "adaptive", 0.3).selection
+    assert got.details["position_prior"] == 2 and got.details["target_mass"] == adaptive.target_for(cal, 0.3)
+    assert got.details["budget_mode"] == "adaptive" and got.rows.numel() > 0
+
+
 def test_plain_prompt_frame_for_the_base_model(gemma):
     """No chat template: BOS, the system line, the documents, the question, "Answer:"."""
     eng = QCFuseEngine(gemma)
