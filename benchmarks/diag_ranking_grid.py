@@ -46,9 +46,14 @@ def main(argv=None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
     ap.add_argument("--variant", action="append", default=None, help="NAME=KEY=VALUE[,KEY=VALUE] (repeatable)")
+    ap.add_argument("--join", type=int, default=1,
+                    help="join every K passages into one chunk (longer chunks from a calibration split "
+                         "of short ones, e.g. musique_train's ~120-token paragraphs)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jsonl", type=Path, default=None, help="append one line per question here")
     args = ap.parse_args(argv)
+    if args.join < 1:
+        ap.error("--join must be >= 1")
     torch.set_num_threads(args.threads)
     variants = {}
     for v in args.variant or GRID:
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
                        config=EngineConfig(selection_options={"critical_layers": deepest} if deepest else {}))
     for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
         eng.store = MemoryStore()
-        prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, list(ex.passages)))
+        passages = ["\n\n".join(ex.passages[i : i + args.join]) for i in range(0, len(ex.passages), args.join)]
+        prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, passages))
         loading = Loading(prompt)
         full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
 
@@ -68,7 +74,7 @@ def main(argv=None) -> int:
             sel = eng.select(prompt, method, ratio, options)
             return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
 
-        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "naive": kl("naive", 0.0)}
+        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages), "naive": kl("naive", 0.0)}
         for ratio in args.ratios:
             row[f"epic@{ratio}"] = kl("epic", ratio)
             row[f"cacheblend@{ratio}"] = kl("cacheblend", ratio)
