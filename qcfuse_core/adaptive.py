@@ -142,18 +142,19 @@ def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0,
     from qcfuse_core.datasets import load_dataset
     from qcfuse_core.store import MemoryStore
 
+    fixed = dict(options or {}, budget="fixed")
+    # what the adaptive budget counts on: the ranking's scores (the mass, weighted by the
+    # profile's position prior where it has one)
+    ranking = QCFuseOptions.from_options(engine.selection_options("qcfuse", fixed))
     out = []
     for ex in tqdm(load_dataset(dataset, limit=limit, offset=offset), desc="calibrate", unit="question", disable=None):
         engine.store = MemoryStore()
         prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-        fixed = dict(options or {}, budget="fixed")
         sel = engine.select(prompt, "qcfuse", 0.15, options=fixed)
         mass = torch.zeros(prompt.num_tokens)
         mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.selection.scores.float().cpu()
         cand = torch.nonzero(prompt.mask("chunk")).flatten()
-        # what the adaptive budget counts on: the ranking's scores (the mass, weighted by the
-        # profile's position prior where it has one)
-        scores = ranking_scores(prompt, mass, QCFuseOptions.from_options(engine.selection_options("qcfuse", fixed)))
+        scores = ranking_scores(prompt, mass, ranking)
         out.append((scores[cand], prompt.context_tokens, int(prompt.mask("text").sum())))
         log.info("calibration question %s: %d context tokens", ex.id, prompt.context_tokens)
     return out
