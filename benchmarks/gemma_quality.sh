@@ -11,8 +11,10 @@
 #     S.base.records.jsonl             full, naive, cacheblend, epic (they read no profile)
 #     S.qcfuse.records.jsonl           qcfuse with the packaged profile (its full rows repeat
 #                                      the base file's and are dropped from the table)
-#     S.qcfuse_sliding.records.jsonl   qcfuse with the earlier profile (sliding layers
+#     S.qcfuse_sliding.records.jsonl   qcfuse with the first profile (sliding layers
 #                                      [7, 13, 9], no prior): kept for docs/quality-history.md
+#     S.qcfuse_prior2.records.jsonl    qcfuse with the second ([17, 11, 5], position_prior=2),
+#     S.adaptive_prior2.records.jsonl  and adaptive calibrated on its ranking: the same
 #     S.oracle.records.jsonl           the selection bound (oracle), S.adaptive.records.jsonl the
 #                                      calibrated adaptive budget: first questions only (`bound`)
 # The table covers the questions both files of a set hold.

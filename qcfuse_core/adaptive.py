@@ -142,10 +142,11 @@ def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0,
     from qcfuse_core.datasets import load_dataset
     from qcfuse_core.store import MemoryStore
 
-    fixed = dict(options or {}, budget="fixed")
     # what the adaptive budget counts on: the ranking's scores (the mass, weighted by the
-    # profile's position prior where it has one)
-    ranking = QCFuseOptions.from_options(engine.selection_options("qcfuse", fixed))
+    # profile's position prior where it has one), with the options an adaptive selection gets
+    adaptive_opts = engine.selection_options("adaptive", options or {})
+    ranking = QCFuseOptions.from_options(dict(adaptive_opts, budget="adaptive"))  # refuses chunk_sinks
+    fixed = dict(adaptive_opts, budget="fixed")
     out = []
     for ex in tqdm(load_dataset(dataset, limit=limit, offset=offset), desc="calibrate", unit="question", disable=None):
         engine.store = MemoryStore()
@@ -204,7 +205,7 @@ def calibrate(engine, dataset: str, *, shares=DEFAULT_SHARES, limit: int | None 
         targets[f"{s:g}"] = round(t, 6)
         achieved[f"{s:g}"] = round(mean_share(masses, round(t, 6), floor, ceiling), 5)
     adapter = engine.adapter
-    used = QCFuseOptions.from_options(engine.selection_options("qcfuse", dict(options or {}, budget="fixed")))
+    used = QCFuseOptions.from_options(engine.selection_options("adaptive", options or {}))
     return {
         "model": adapter.name, "fingerprints": [adapter.fingerprint()], "match": [],
         "critical_layers": list(used.critical_layers), "options": ranking_options(used),

@@ -13,11 +13,12 @@ Profile file format (both the packaged table's entries and user profiles):
 
     {"model": "gemma-3-270m", "match": ["gemma3-270m"], "fingerprints": ["..."],
      "layers": [17, 11, 5], "source": "qcfuse profile-layers ...", "ranking": [...],
-     "options": {"position_prior": 2}}
+     "options": {"position_prior": 1, "chunk_sinks": 16}}
 
 "options" (optional) are selection options calibrated together with the layers: the ranking
-modifiers of a fixed budget in `PROFILE_OPTIONS`. The engine applies them to `qcfuse` where
-the layers come from the profile, the budget is fixed and the caller did not set the option.
+modifiers in `PROFILE_OPTIONS`. The engine applies them to `qcfuse` and `adaptive` where the
+layers come from the profile and the caller did not set the option; an adaptive budget takes
+only those it accepts (not chunk_sinks: selectors.FIXED_BUDGET_OPTIONS).
 """
 
 from __future__ import annotations

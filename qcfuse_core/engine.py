@@ -28,7 +28,7 @@ from qcfuse_core.planner import plan as plan_chunks
 from qcfuse_core.threads import configure_cpu_threads
 from qcfuse_core.pipeline import Loading, LookedUp, Part, Planned, Prefilled, Request, Selected, StageClock
 from qcfuse_core.prefetch import ChunkView, Prefetcher
-from qcfuse_core.selectors import PROBING_METHODS, SELECTORS, SelectionContext, get_selector
+from qcfuse_core.selectors import FIXED_BUDGET_OPTIONS, PROBING_METHODS, SELECTORS, SelectionContext, get_selector
 from qcfuse_core.store import ChunkStore, MemoryStore
 from qcfuse_core.segment import ChunkTextIndex, split_prompt
 from qcfuse_core.subspans import count_chunks, served_tokens
@@ -489,8 +489,11 @@ class QCFuseEngine:
             profile = None if self._qcfuse_options().critical_layers else self._profile
             if profile is not None and method in PROFILED_METHODS:
                 # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS);
-                # the adaptive budget's calibration counts on the same ranking
-                opts = {**profile.options, **opts}
+                # the adaptive budget's calibration counts on the same ranking, less the options
+                # only a fixed budget takes (chunk_sinks: tokens placed before any score)
+                adaptive = method == "adaptive" or opts.get("budget") == "adaptive"
+                opts = {**{k: v for k, v in profile.options.items() if not (adaptive and k in FIXED_BUDGET_OPTIONS)},
+                        **opts}
         return opts, profile
 
     def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0,

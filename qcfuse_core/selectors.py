@@ -153,6 +153,9 @@ QUERY_ROWS = 0
 row yields the first token) were tried on the calibration split musique_train: first-token KL
 at 0.3 fell 20% on 24 questions but rose 6% on 24 others, and agreement with full's answer
 fell (docs/quality-history.md, "Scoring variants") - so the option stays an off-by-default ablation."""
+FIXED_BUDGET_OPTIONS = ("chunk_sinks", "deviation_pool")
+"""Options only a fixed budget takes (QCFuseOptions refuses them with the adaptive one): a
+model profile's are left out where the budget is adaptive."""
 
 
 @dataclass(frozen=True)

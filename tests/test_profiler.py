@@ -132,6 +132,46 @@ def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(s
         profile_layers(smol_engine, str(toy_set), limit=1, layers=LAYERS, options={"position_prior": -1})
 
 
+
+def test_an_adaptive_budget_takes_a_profiles_options_less_the_fixed_only_ones(smol_engine, toy_set, tmp_path,
+                                                                                  monkeypatch):
+    """A profile with chunk sinks (a fixed budget's option): qcfuse at a fixed budget places
+    them; qcfuse's adaptive budget, the adaptive method and its calibration take the profile's
+    prior only (an adaptive budget refuses chunk sinks)."""
+    from qcfuse_core import adaptive as adaptive_mod
+    from qcfuse_core import critical_layers
+    from qcfuse_core.engine import QCFuseEngine
+
+    monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
+    adapter = smol_engine.adapter
+    (tmp_path / f"{adapter.fingerprint()}.json").write_text(
+        json.dumps({"layers": [5, 8], "options": {"position_prior": 0.5, "chunk_sinks": 3}}))
+    eng = QCFuseEngine(adapter)
+    q, passages, _ = QUESTIONS[0]
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
+
+    def rows(method="qcfuse", **options):
+        return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=options)).rows
+
+    fixed = eng.select(prompt, "qcfuse", 0.3).selection
+    assert torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5, chunk_sinks=3))
+    assert not torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5))
+    heads = [s for s, _ in prompt.chunk_spans()]
+    assert all(h in set(fixed.rows.tolist()) for h in heads)  # every chunk's first token recomputed
+    assert eng.selection_options("adaptive") == {"critical_layers": [5, 8], "position_prior": 0.5}
+    assert eng.selection_options("qcfuse", {"budget": "adaptive"}) == {
+        "critical_layers": [5, 8], "position_prior": 0.5, "budget": "adaptive"}
+    budget = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    assert torch.equal(budget.rows, rows(critical_layers=[5, 8], position_prior=0.5, budget="adaptive"))
+    cal = adaptive_mod.calibrate(eng, str(toy_set), shares=(0.3,))
+    assert cal["critical_layers"] == [5, 8] and cal["options"] == {"position_prior": 0.5}
+    monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
+    got = eng.select(prompt, "adaptive", 0.3).selection
+    assert got.details["position_prior"] == 0.5 and got.details["chunk_sinks"] == 0
+    with pytest.raises(ValueError, match="fixed budget"):  # a caller's own sinks are still refused
+        eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive", "chunk_sinks": 3})
+
+
 def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp_path, monkeypatch):
     """A user profile's options reach qcfuse (either budget) and adaptive when its layers are
     used; a caller's own option wins; explicit critical layers, layers from the engine's config
