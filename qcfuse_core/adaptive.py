@@ -107,7 +107,7 @@ class AdaptiveSelector(QCFuseSelector):
 
 # options that change the scores the adaptive count adds up (a target mass calibrated on one
 # ranking gives another mean share on another)
-RANKING_OPTIONS = ("position_prior", "spread")
+RANKING_OPTIONS = ("position_prior", "prior_depth", "spread")
 
 
 def ranking_options(opts: QCFuseOptions) -> dict:

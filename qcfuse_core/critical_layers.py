@@ -13,7 +13,7 @@ Profile file format (both the packaged table's entries and user profiles):
 
     {"model": "gemma-3-270m", "match": ["gemma3-270m"], "fingerprints": ["..."],
      "layers": [17, 11, 5], "source": "qcfuse profile-layers ...", "ranking": [...],
-     "options": {"position_prior": 1, "chunk_sinks": 16}}
+     "options": {"position_prior": 2, "prior_depth": 64}}
 
 "options" (optional) are selection options calibrated together with the layers: the ranking
 modifiers in `PROFILE_OPTIONS`. The engine applies them to `qcfuse` and `adaptive` where the
@@ -51,7 +51,7 @@ def heuristic_layers(num_layers: int) -> list[int]:
 
 
 # selection options a profile may carry: how a fixed budget ranks the probed mass
-PROFILE_OPTIONS = ("position_prior", "chunk_sinks")
+PROFILE_OPTIONS = ("position_prior", "prior_depth", "chunk_sinks")
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,11 @@ class QCFuseOptions:
     # adaptive budget the target is a share of these weighted scores (what calibrate-budget
     # measures with the same option)
     position_prior: float = 0.0
+    # 0: off. d > 0: the position prior stops falling at position d inside a chunk (every
+    # deeper token weighs (1 + d)^-a). Measured staleness flattens after a chunk's first
+    # ~128 tokens (Gemma-3-270M, docs/benchmarks.md "Long chunks"), while (1 + position)^-a
+    # keeps falling: on long chunks a steep prior would leave the deep attended tokens stale
+    prior_depth: int = 0
     # 0: off. k > 0: the first k tokens of every chunk are recomputed before any ranked token
     # (within the same budget). A chunk cached alone began at position 0, where a model puts
     # its attention sink; in the fused prompt those cached entries are the stalest of all, and
@@ -206,6 +211,10 @@ class QCFuseOptions:
         if not isinstance(self.position_prior, (int, float)) or isinstance(self.position_prior, bool) or not (
                 0 <= self.position_prior <= 4):
             raise ValueError(f"position_prior must be a number in [0, 4] (0: off), got {self.position_prior!r}")
+        if isinstance(self.prior_depth, bool) or not isinstance(self.prior_depth, int) or self.prior_depth < 0:
+            raise ValueError(f"prior_depth must be a non-negative int (0: off), got {self.prior_depth!r}")
+        if self.prior_depth and not self.position_prior:
+            raise ValueError("prior_depth bounds the position prior; set position_prior too")
         if isinstance(self.chunk_sinks, bool) or not isinstance(self.chunk_sinks, int) or self.chunk_sinks < 0:
             raise ValueError(f"chunk_sinks must be a non-negative int (0: off), got {self.chunk_sinks!r}")
         if self.chunk_sinks and self.budget != "fixed":
@@ -304,7 +313,8 @@ class QueryAwareSelector(Selector):
         details.update(
             budget_mode=opts.budget, budget=int(n), positions=chosen, selected_scores=mass[chosen],
             mass_covered=covered, spread=opts.spread, allocation=opts.allocation, query_rows=opts.query_rows,
-            deviation_pool=opts.deviation_pool, position_prior=opts.position_prior, chunk_sinks=opts.chunk_sinks,
+            deviation_pool=opts.deviation_pool, position_prior=opts.position_prior, prior_depth=opts.prior_depth,
+            chunk_sinks=opts.chunk_sinks,
         )
         ctx_pos = torch.nonzero(prompt.mask("chunk", "text")).flatten()
         if opts.deviation_pool:
@@ -375,7 +385,7 @@ def ranking_scores(prompt: FusedPrompt, mass: torch.Tensor, opts: QCFuseOptions)
     chunk's first `chunk_sinks` tokens first (a fixed budget only)."""
     rank_by = spread_scores(mass, opts.spread)  # the mass itself unless spread > 0
     if opts.position_prior:
-        rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device)
+        rank_by = rank_by * chunk_position_prior(prompt, opts.position_prior, rank_by.device, opts.prior_depth)
     if opts.chunk_sinks:  # each chunk's first tokens rank before every scored token
         rank_by = rank_by.masked_fill(to_device(chunk_heads(prompt, opts.chunk_sinks), rank_by.device), float("inf"))
     return rank_by
@@ -406,14 +416,17 @@ def chunk_heads(prompt: FusedPrompt, k: int) -> torch.Tensor:
     return out
 
 
-def chunk_position_prior(prompt: FusedPrompt, a: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(T,) fp32 on `device`: (1 + position inside the chunk)^-a on chunk tokens, 1 elsewhere.
+def chunk_position_prior(prompt: FusedPrompt, a: float, device: torch.device | str = "cpu",
+                         depth: int = 0) -> torch.Tensor:
+    """(T,) fp32 on `device`: (1 + position inside the chunk)^-a on chunk tokens, 1 elsewhere;
+    with depth d > 0 the position is taken as min(position, d).
 
     Built where it is used: a host tensor copied to a GPU from pageable memory would wait for
     the probe's kernels (a stream sync) before the ranking could start."""
     prior = torch.ones(prompt.num_tokens, device=device)
     for s, e in prompt.chunk_spans():
-        prior[s:e] = torch.arange(1, e - s + 1, dtype=torch.float32, device=device) ** -a
+        pos = torch.arange(1, e - s + 1, dtype=torch.float32, device=device)
+        prior[s:e] = (pos.clamp(max=depth + 1) if depth else pos) ** -a
     return prior
 
 

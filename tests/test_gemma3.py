@@ -44,7 +44,7 @@ def test_gemma_shape_windows_and_profile(gemma):
     # profiled with a position prior, the query's mass at a sliding layer reaches only the last
     # 512 positions: the profile keeps the three full-attention layers, and its ranking options
     assert sorted(prof.layers) == [5, 11, 17] and all(gemma.windows[x] is None for x in prof.layers)
-    assert prof.options == {"position_prior": 1, "chunk_sinks": 16}
+    assert prof.options == {"position_prior": 2, "prior_depth": 64}
 
 
 def test_full_recompute_across_the_window_equals_hf(gemma):
@@ -63,8 +63,8 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
 
 
 def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layers(gemma):
-    """engine.select on the packaged model: the profile's layers, prior and chunk sinks reach
-    the selector, and the rows are those of the selector run with them explicitly."""
+    """engine.select on the packaged model: the profile's layers and prior (with its depth)
+    reach the selector, and the rows are those of the selector run with them explicitly."""
     from qcfuse_core.selectors import SelectionContext, get_selector
 
     eng = QCFuseEngine(gemma)
@@ -73,21 +73,21 @@ def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layer
     prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many crates did harbour 75 ship?", passages))
     assert prompt.num_tokens > 1000  # the first chunks lie outside the last token's window
     got = eng.select(prompt, "qcfuse", 0.3).selection
-    assert got.details["position_prior"] == 1 and got.details["chunk_sinks"] == 16
+    assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert sorted(got.details["critical_layers"]) == [5, 11, 17]
     want = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
-        "critical_layers": eng.critical_layers, "position_prior": 1, "chunk_sinks": 16}))
+        "critical_layers": eng.critical_layers, "position_prior": 2, "prior_depth": 64}))
     assert torch.equal(got.rows, want.rows)
-    chosen = set(got.rows.tolist())
-    assert all(set(range(s, s + 16)) <= chosen for s, _ in prompt.chunk_spans())  # every chunk's first 16
+    steep = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
+        "critical_layers": eng.critical_layers, "position_prior": 2}))
+    assert not torch.equal(got.rows, steep.rows)  # chunks of ~340 tokens: the depth re-ranks
     first = prompt.chunk_spans()[0]
     assert int(((got.rows >= first[0]) & (got.rows < first[1])).sum()) > 0  # rows outside the window too
 
 
 def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, tmp_path):
     """The shipped adaptive-budget calibration was counted on the shipped profile's ranking (its
-    layers and prior; chunk sinks are a fixed budget's), so `adaptive` serves on the packaged
-    model with it."""
+    layers and prior), so `adaptive` serves on the packaged model with it."""
     from qcfuse_core import adaptive
 
     monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path))  # no user calibration (the model is loaded)
@@ -95,12 +95,12 @@ def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, t
     prof = critical_layers.resolve(gemma)
     assert source.startswith("packaged calibration gemma-3-270m"), source
     assert sorted(cal["critical_layers"]) == sorted(prof.layers)
-    assert cal["options"] == {k: v for k, v in prof.options.items() if k != "chunk_sinks"} == {"position_prior": 1}
+    assert cal["options"] == prof.options == {"position_prior": 2, "prior_depth": 64}
     eng = QCFuseEngine(gemma)
     passages = [" ".join(f"Mill {i} ground {i * 5} sacks of rye in {1700 + i}." for i in range(k, k + 20)) for k in (0, 20)]
     prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many sacks did mill 25 grind?", passages))
     got = eng.select(prompt, "adaptive", 0.3).selection
-    assert got.details["position_prior"] == 1 and got.details["chunk_sinks"] == 0
+    assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert got.details["target_mass"] == adaptive.target_for(cal, 0.3)
     assert got.details["budget_mode"] == "adaptive" and got.rows.numel() > 0
 

@@ -246,6 +246,30 @@ def test_position_prior_reweights_the_ranking_by_position_inside_the_chunk(setup
         assert got.details["positions"].tolist() == want and got.details["budget_mode"] == "adaptive"
 
 
+def test_prior_depth_stops_the_position_prior_falling(setup):
+    """prior_depth=d: the prior is (1 + min(position, d))^-a, so deeper tokens compete by mass -
+    exact on the toy masses above (chunks start at 6, 28 and 52)."""
+    from qcfuse_core.selectors import chunk_position_prior
+
+    m, prompt = setup
+    prior = chunk_position_prior(prompt, 1.0, depth=2)
+    assert prior[6].item() == 1.0 and prior[7].item() == 0.5 and prior[8].item() == pytest.approx(1 / 3)
+    assert prior[6 + 19].item() == pytest.approx(1 / 3) and prior[:6].eq(1).all() and prior[68:].eq(1).all()
+    assert torch.equal(chunk_position_prior(prompt, 1.0, depth=0), chunk_position_prior(prompt, 1.0))
+    mass = torch.zeros(prompt.num_tokens)
+    # weighted by 1/(1 + min(position, 2)): 28 (2.0 x 1), 40 (5.0 / 3), 25 (4.0 / 3), then
+    # 60 (3.0 / 3) and 52 (1.0 x 1), 53 (1.5 / 2); without the depth 28, 52, 53 (test above)
+    mass[torch.tensor([40, 25, 60, 28, 52, 53])] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 1.5])
+    ctx = SelectionContext(m, prompt, 3 / 62)
+    got = get_selector("qcfuse").choose(ctx, QCFuseOptions(position_prior=1.0, prior_depth=2), mass.clone(), {})
+    assert got.details["positions"].tolist() == [25, 28, 40] and got.details["prior_depth"] == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prior_depth"):
+            QCFuseOptions(position_prior=1.0, prior_depth=bad)
+    with pytest.raises(ValueError, match="set position_prior"):
+        QCFuseOptions(prior_depth=8)
+
+
 def test_qcall_uses_every_layer(setup):
     m, prompt = setup
     sel = get_selector("qcall").select(SelectionContext(m, prompt, 0.2))
