@@ -133,26 +133,33 @@ def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(s
 
 
 
+def _profiled(smol_engine, tmp_path, monkeypatch, options: dict):
+    """An engine whose model has a user profile (layers [5, 8] and `options`), a prompt of
+    QUESTIONS[0], and rows(method, **options): the selector's rows with explicit options."""
+    from qcfuse_core import critical_layers
+    from qcfuse_core.engine import QCFuseEngine
+
+    monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
+    adapter = smol_engine.adapter
+    (tmp_path / f"{adapter.fingerprint()}.json").write_text(json.dumps({"layers": [5, 8], "options": options}))
+    eng = QCFuseEngine(adapter)
+    q, passages, _ = QUESTIONS[0]
+    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
+
+    def rows(method="qcfuse", **opts):
+        return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=opts)).rows
+
+    return eng, prompt, rows
+
+
 def test_an_adaptive_budget_takes_a_profiles_options_less_the_fixed_only_ones(smol_engine, toy_set, tmp_path,
                                                                                   monkeypatch):
     """A profile with chunk sinks (a fixed budget's option): qcfuse at a fixed budget places
     them; qcfuse's adaptive budget, the adaptive method and its calibration take the profile's
     prior only (an adaptive budget refuses chunk sinks)."""
     from qcfuse_core import adaptive as adaptive_mod
-    from qcfuse_core import critical_layers
-    from qcfuse_core.engine import QCFuseEngine
 
-    monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
-    adapter = smol_engine.adapter
-    (tmp_path / f"{adapter.fingerprint()}.json").write_text(
-        json.dumps({"layers": [5, 8], "options": {"position_prior": 0.5, "chunk_sinks": 3}}))
-    eng = QCFuseEngine(adapter)
-    q, passages, _ = QUESTIONS[0]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
-
-    def rows(method="qcfuse", **options):
-        return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=options)).rows
-
+    eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, {"position_prior": 0.5, "chunk_sinks": 3})
     fixed = eng.select(prompt, "qcfuse", 0.3).selection
     assert torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5, chunk_sinks=3))
     assert not torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5))
@@ -188,13 +195,7 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     assert prof.layers == [5, 8] and prof.options == {"position_prior": 2.0} and str(path) in prof.source
     assert critical_layers.lookup(adapter) == ([5, 8], prof.source)
 
-    eng = QCFuseEngine(adapter)
-    q, passages, _ = QUESTIONS[0]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
-
-    def rows(method="qcfuse", **options):
-        return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=options)).rows
-
+    eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, prof.options)
     got = eng.select(prompt, "qcfuse", 0.3).selection
     assert got.details["position_prior"] == 2.0 and torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0))
     assert not torch.equal(got.rows, rows(critical_layers=[5, 8]))
