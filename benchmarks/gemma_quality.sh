@@ -13,8 +13,9 @@
 #                                      the base file's and are dropped from the table)
 #     S.qcfuse_sliding.records.jsonl   qcfuse with the first profile (sliding layers
 #                                      [7, 13, 9], no prior): kept for docs/quality-history.md
-#     S.qcfuse_prior2.records.jsonl    qcfuse with the second ([17, 11, 5], position_prior=2),
-#     S.adaptive_prior2.records.jsonl  and adaptive calibrated on its ranking: the same
+#     S.qcfuse_prior2.records.jsonl    qcfuse with the second profile ([17, 11, 5],
+#                                      position_prior=2), kept for quality-history.md
+#     S.adaptive_prior2.records.jsonl  adaptive calibrated on that profile's ranking, likewise
 #     S.oracle.records.jsonl           the selection bound (oracle), S.adaptive.records.jsonl the
 #                                      calibrated adaptive budget: first questions only (`bound`)
 # The table covers the questions both files of a set hold.

@@ -491,9 +491,10 @@ class QCFuseEngine:
                 # what the profile calibrated with its layers (critical_layers.PROFILE_OPTIONS);
                 # the adaptive budget's calibration counts on the same ranking, less the options
                 # only a fixed budget takes (chunk_sinks: tokens placed before any score)
-                adaptive = method == "adaptive" or opts.get("budget") == "adaptive"
-                opts = {**{k: v for k, v in profile.options.items() if not (adaptive and k in FIXED_BUDGET_OPTIONS)},
-                        **opts}
+                prof = profile.options
+                if method == "adaptive" or opts.get("budget") == "adaptive":
+                    prof = {k: v for k, v in prof.items() if k not in FIXED_BUDGET_OPTIONS}
+                opts = {**prof, **opts}
         return opts, profile
 
     def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0,

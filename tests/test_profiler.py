@@ -132,7 +132,6 @@ def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(s
         profile_layers(smol_engine, str(toy_set), limit=1, layers=LAYERS, options={"position_prior": -1})
 
 
-
 def _profiled(smol_engine, tmp_path, monkeypatch, options: dict):
     """An engine whose model has a user profile (layers [5, 8] and `options`), a prompt of
     QUESTIONS[0], and rows(method, **options): the selector's rows with explicit options."""
