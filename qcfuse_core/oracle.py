@@ -39,8 +39,9 @@ from qcfuse_core.selectors import QCFuseOptions, QCFuseSelector, QueryAwareSelec
 from qcfuse_core.types import KVChunk, SelectionResult
 
 _MEMO = "_oracle_staleness"  # attribute of the FusedPrompt holding its (T,) staleness
-# qcfuse options that re-rank or re-size the probed mass: the oracle replaces the ranking
-_RANKING_OPTIONS = ("deviation_pool", "position_prior", "spread", "allocation")
+# qcfuse options that re-rank, re-size or pre-place the probed mass: the oracle replaces the
+# ranking (a profile's prior_depth without its position_prior would not even validate)
+_RANKING_OPTIONS = ("deviation_pool", "position_prior", "prior_depth", "spread", "allocation", "chunk_sinks")
 
 
 def deviations(adapter: ModelAdapter, prompt: FusedPrompt) -> tuple[torch.Tensor, torch.Tensor]:

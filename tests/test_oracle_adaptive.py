@@ -90,6 +90,18 @@ def test_oracle_selects_the_top_mass_times_staleness(setup):
     assert "oracle" in PROBING_METHODS and "adaptive" in PROBING_METHODS
 
 
+def test_oracle_ignores_qcfuses_ranking_options(setup):
+    """A profile's ranking options (the Gemma profile's position prior with its depth, chunk
+    sinks) do not touch the oracle's ranking: the same rows as without them."""
+    m, _ = setup
+    prompt = prompt_alone(m)
+    plain = get_selector("oracle").select(SelectionContext(m, prompt, 0.2))
+    ranked = get_selector("oracle").select(SelectionContext(
+        m, prompt, 0.2, options={"position_prior": 2, "prior_depth": 4, "chunk_sinks": 2, "spread": 1}))
+    assert ranked.rows.tolist() == plain.rows.tolist()
+    assert ranked.details["positions"].tolist() == plain.details["positions"].tolist()
+
+
 def test_oracle_refuses_lazy_chunk_views(setup):
     from dataclasses import replace
 
