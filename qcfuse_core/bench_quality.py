@@ -192,6 +192,8 @@ def run_example(engine: QCFuseEngine, ex: Example, methods, ratios, options: dic
     prompt_g = FusedPrompt(prompt.segments + [Segment("suffix", gold)])
     common = dict(id=ex.id, prompt_tokens=T, context_tokens=prompt.context_tokens, chunks=len(prompt.chunk_spans()),
                   gold_tokens=G, build_ms=build_ms, target=target)
+    if engine.config.chunk_sink:
+        common["chunk_sink"] = True  # the chunk caches' format (EngineConfig.chunk_sink)
     # 2. full prefill: the reference (read from `reference` when an earlier run stored it)
     key = _reference_key(engine, prompt_g, max_new) if reference is not None else None
     ref = _load_reference(reference, key) if reference is not None else None

@@ -10,6 +10,7 @@ one place. Everything is returned in a `FusionResult`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import OrderedDict
@@ -57,6 +58,11 @@ class EngineConfig:
     threads: int | None = None
     # selector options (selectors.QCFuseOptions: critical_layers, anchor_method, anchor_share, budget, ...)
     selection_options: dict = field(default_factory=dict)
+    # cache every chunk after the tokenizer's BOS token (dropped from the cache), so that no
+    # chunk token was a sequence start, where a model builds its attention sink; the caches
+    # still depend on the chunk alone. Another cache format: its keys get their own
+    # fingerprint (`QCFuseEngine.fingerprint`), never mixed with plain alone caches
+    chunk_sink: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -66,6 +72,8 @@ class EngineConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
+        if not isinstance(self.chunk_sink, bool):
+            raise ValueError(f"chunk_sink must be True or False, got {self.chunk_sink!r}")
 
 
 class TokenStream:
@@ -111,7 +119,10 @@ class QCFuseEngine:
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, self.store) if hasattr(self.store, "put_sidecar") else None
         self.config = config or EngineConfig()
-        self.fingerprint = adapter.fingerprint()
+        self._sink = _chunk_sink(adapter) if self.config.chunk_sink else None
+        # the namespace of this engine's chunk keys: the model's, or its own for sink caches
+        self.fingerprint = adapter.fingerprint() if self._sink is None else hashlib.sha256(
+            f"{adapter.fingerprint()}|sink={self._sink.tolist()}".encode()).hexdigest()[:16]
         self._head, self._tail = _chat_frame(adapter.tokenizer, self.config.system_prompt)
         self._lock = threading.Lock()  # guards the caches below (dict updates only)
         self._tokens: OrderedDict[str, tuple[torch.Tensor, ChunkKey]] = OrderedDict()  # text -> ids, key
@@ -227,7 +238,7 @@ class QCFuseEngine:
         with ingest.StoreWriter(device=dev, synchronous=not cuda, workers=WRITERS,
                                 max_pending=2 * WRITERS) as writer:
             for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(dev)):
-                kvs = ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch])
+                kvs = ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch], sink=self._sink)
                 chunks = [KVChunk(keys[j], ids[j].clone(), k, v) for j, (k, v) in zip(batch, kvs)]
                 if keep:
                     for c in chunks:
@@ -723,6 +734,15 @@ def _counters(store) -> dict:
 
 def _context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
     return int(prompt.mask("chunk", "text")[rows].sum())
+
+
+def _chunk_sink(adapter: ModelAdapter) -> torch.Tensor:
+    """The token ids chunks are cached after with `EngineConfig.chunk_sink`: the BOS token."""
+    bos = getattr(adapter.tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise ValueError(f"chunk_sink caches chunks after the tokenizer's BOS token, and {adapter.name} has "
+                         "none; use chunk_sink=False")
+    return torch.tensor([int(bos)], dtype=torch.int64)
 
 
 def _chat_frame(tokenizer, system: str) -> tuple[str, str]:

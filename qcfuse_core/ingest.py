@@ -125,15 +125,28 @@ def _check_chunks(adapter: ModelAdapter, ids_list: Sequence[torch.Tensor]) -> li
 
 
 @torch.inference_mode()
-def prefill_alone_batch(adapter: ModelAdapter, ids_list: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def prefill_alone_batch(adapter: ModelAdapter, ids_list: Sequence[torch.Tensor],
+                        sink: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every chunk alone at positions 0..n_i-1, in one layer loop -> per chunk (k_pre, v),
     each (L, n_i, Hkv, D) on the adapter's device: what `QCFuseEngine.prefill_alone` returns.
+
+    sink: token ids each chunk is prefilled after (its own tokens then sit at positions
+    s..s+n_i-1); their rows are dropped, so the cache still holds the chunk's tokens only
+    (`EngineConfig.chunk_sink`: no chunk token is ever a sequence start).
 
     Each returned tensor owns its memory (safe to hand to another thread, or to keep in a
     store without holding the batch's buffers).
     """
     if not ids_list:
         return []
+    if sink is not None and sink.numel():
+        if sink.dim() != 1:
+            raise ValueError(f"sink must be a 1-D tensor of token ids, got shape {tuple(sink.shape)}")
+        _check_chunks(adapter, ids_list)
+        s0 = int(sink.numel())
+        out = prefill_alone_batch(adapter, [torch.cat([sink.to(ids.device, torch.int64), ids.to(torch.int64)])
+                                            for ids in ids_list])
+        return [(k[:, s0:].contiguous(), v[:, s0:].contiguous()) for k, v in out]
     lengths = _check_chunks(adapter, ids_list)
     pack = _Packing.of(lengths, adapter.device)
     s = adapter.shape

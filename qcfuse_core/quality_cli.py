@@ -30,6 +30,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (agreement metrics need fp32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's default)")
+    p.add_argument("--chunk-sink", action="store_true",
+                   help="cache every chunk after the tokenizer's BOS token, dropped from the cache "
+                        "(EngineConfig.chunk_sink: another cache format, with its own keys)")
 
 
 def _selection_args(p: argparse.ArgumentParser) -> None:
@@ -114,11 +117,12 @@ def _selection_option(text: str) -> dict:
 def _open(args):
     import torch
 
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.engine import EngineConfig, QCFuseEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return QCFuseEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    return QCFuseEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                        config=EngineConfig(chunk_sink=args.chunk_sink))
 
 
 def _options(args) -> dict:

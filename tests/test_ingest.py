@@ -108,6 +108,25 @@ def test_batch_of_chunks_longer_than_the_window_equals_hf(arch):
             assert torch.allclose(v[layer], v_hf, atol=1e-5), f"layer {layer} v"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral-swa"])
+def test_a_sink_prefix_is_prefilled_before_every_chunk_and_dropped(arch):
+    """sink: each chunk's cache is the prefill of sink + chunk alone with the sink's rows
+    dropped (windowed layers included: gemma3's window is 12, the chunks reach 32)."""
+    m = tiny_model(arch)
+    eng = QCFuseEngine(m)
+    ids_list, sink = _chunks(LENGTHS), torch.tensor([7, 3])
+    got = prefill_alone_batch(m, ids_list, sink=sink)
+    plain = prefill_alone_batch(m, ids_list)
+    for i, (ids, (k, v)) in enumerate(zip(ids_list, got)):
+        k_ref, v_ref = eng.prefill_alone(torch.cat([sink, ids]))
+        assert k.shape == (k_ref.shape[0], len(ids), *k_ref.shape[2:]) and k.is_contiguous()
+        assert _max_diff(k, k_ref[:, 2:]) <= ATOL and _max_diff(v, v_ref[:, 2:]) <= ATOL, f"chunk {i}"
+    assert _max_diff(got[2][1], plain[2][1]) > 1e-3  # the sink changes what the chunk's rows saw
+    assert prefill_alone_batch(m, ids_list, sink=torch.tensor([], dtype=torch.int64))[0][0].shape == plain[0][0].shape
+    with pytest.raises(ValueError, match="1-D"):
+        prefill_alone_batch(m, ids_list, sink=torch.tensor([[7]]))
+
+
 # ----------------------------------------------------------------------------- plan_batches
 
 
