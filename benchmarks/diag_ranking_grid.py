@@ -38,6 +38,31 @@ GRID = [
 ]
 
 
+def kl_row(eng, prompt, loading, full, ratios, variants, prefix: str = "") -> dict:
+    """First-token KL against `full` of naive, and of epic, cacheblend and every qcfuse
+    variant at each ratio: {prefix + "naive": .., prefix + "epic@0.15": .., ...}."""
+    def kl(method, ratio, options=None):
+        sel = eng.select(prompt, method, ratio, options)
+        return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
+
+    row = {prefix + "naive": kl("naive", 0.0)}
+    for ratio in ratios:
+        row[f"{prefix}epic@{ratio}"] = kl("epic", ratio)
+        row[f"{prefix}cacheblend@{ratio}"] = kl("cacheblend", ratio)
+        for name, opts in variants.items():
+            row[f"{prefix}{name}@{ratio}"] = kl("qcfuse", ratio, opts)
+    return row
+
+
+def emit(row: dict, jsonl: Path | None) -> None:
+    """Print one question's JSON line, and append it to `jsonl` when given."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if jsonl:
+        with jsonl.open("a") as f:
+            f.write(line + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
@@ -70,21 +95,9 @@ def main(argv=None) -> int:
         loading = Loading(prompt)
         full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
 
-        def kl(method, ratio, options=None):
-            sel = eng.select(prompt, method, ratio, options)
-            return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
-
-        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages), "naive": kl("naive", 0.0)}
-        for ratio in args.ratios:
-            row[f"epic@{ratio}"] = kl("epic", ratio)
-            row[f"cacheblend@{ratio}"] = kl("cacheblend", ratio)
-            for name, opts in variants.items():
-                row[f"{name}@{ratio}"] = kl("qcfuse", ratio, opts)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.jsonl:
-            with args.jsonl.open("a") as f:
-                f.write(line + "\n")
+        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages)}
+        row.update(kl_row(eng, prompt, loading, full, args.ratios, variants))
+        emit(row, args.jsonl)
     return 0
 
 

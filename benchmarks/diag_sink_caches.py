@@ -16,7 +16,6 @@ prefill's first token. One JSON line per question.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from qcfuse_core import metrics as M  # noqa: E402
+from diag_ranking_grid import emit, kl_row  # noqa: E402
+
 from qcfuse_core.datasets import load_dataset  # noqa: E402
 from qcfuse_core.engine import EngineConfig, QCFuseEngine  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
@@ -74,21 +74,8 @@ def main(argv=None) -> int:
                 full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
                 row.update(prompt_tokens=prompt.num_tokens, chunks=len(passages))
 
-            def kl(method, ratio, options=None):
-                sel = eng.select(prompt, method, ratio, options)
-                return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
-
-            row[f"{kind}:naive"] = kl("naive", 0.0)
-            for ratio in args.ratios:
-                row[f"{kind}:epic@{ratio}"] = kl("epic", ratio)
-                row[f"{kind}:cacheblend@{ratio}"] = kl("cacheblend", ratio)
-                for name, opts in variants.items():
-                    row[f"{kind}:{name}@{ratio}"] = kl("qcfuse", ratio, opts)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.jsonl:
-            with args.jsonl.open("a") as f:
-                f.write(line + "\n")
+            row.update(kl_row(eng, prompt, loading, full, args.ratios, variants, prefix=f"{kind}:"))
+        emit(row, args.jsonl)
     return 0
 
 
