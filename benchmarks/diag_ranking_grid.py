@@ -63,8 +63,11 @@ def emit(row: dict, jsonl: Path | None) -> None:
             f.write(line + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def grid_args(doc: str, default_variants: list[str], argv=None) -> tuple[argparse.Namespace, dict, dict]:
+    """The grid diagnostics' command line -> (args, variants: name -> qcfuse options, the
+    selection options that probe deep enough for every variant's critical layers). Sets
+    torch's threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--dataset", required=True)
     ap.add_argument("--limit", type=int, default=8)
@@ -81,16 +84,25 @@ def main(argv=None) -> int:
         ap.error("--join must be >= 1")
     torch.set_num_threads(args.threads)
     variants = {}
-    for v in args.variant or GRID:
+    for v in args.variant or default_variants:
         name, _, opts = v.partition("=")
         variants[name] = parse_selection_options(opts)
     deepest = sorted({layer for o in variants.values() for layer in o.get("critical_layers", [])})
-    # anchors deep enough for every variant's layers
+    return args, variants, {"critical_layers": deepest} if deepest else {}
+
+
+def joined(ex, k: int) -> list[str]:
+    """The question's passages joined k at a time (--join)."""
+    return ["\n\n".join(ex.passages[i : i + k]) for i in range(0, len(ex.passages), k)]
+
+
+def main(argv=None) -> int:
+    args, variants, layers = grid_args(__doc__, GRID, argv)
     eng = QCFuseEngine(load_model(args.model, dtype="fp32", device="cpu"), store=MemoryStore(),
-                       config=EngineConfig(selection_options={"critical_layers": deepest} if deepest else {}))
+                       config=EngineConfig(selection_options=layers))
     for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
         eng.store = MemoryStore()
-        passages = ["\n\n".join(ex.passages[i : i + args.join]) for i in range(0, len(ex.passages), args.join)]
+        passages = joined(ex, args.join)
         prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, passages))
         loading = Loading(prompt)
         full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]

@@ -15,21 +15,17 @@ prefill's first token. One JSON line per question.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from diag_ranking_grid import emit, kl_row  # noqa: E402
+from diag_ranking_grid import emit, grid_args, joined, kl_row  # noqa: E402
 
 from qcfuse_core.datasets import load_dataset  # noqa: E402
 from qcfuse_core.engine import EngineConfig, QCFuseEngine  # noqa: E402
 from qcfuse_core.model import load_model  # noqa: E402
 from qcfuse_core.pipeline import Loading  # noqa: E402
-from qcfuse_core.selectors import parse_selection_options  # noqa: E402
 from qcfuse_core.store import MemoryStore  # noqa: E402
 
 VARIANTS = [
@@ -41,30 +37,13 @@ VARIANTS = [
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--dataset", required=True)
-    ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--join", type=int, default=1, help="join every K passages into one chunk")
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
-    ap.add_argument("--variant", action="append", default=None, help="NAME=KEY=VALUE[,KEY=VALUE] (repeatable)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--jsonl", type=Path, default=None)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    variants = {}
-    for v in args.variant or VARIANTS:
-        name, _, opts = v.partition("=")
-        variants[name] = parse_selection_options(opts)
-    deepest = sorted({layer for o in variants.values() for layer in o.get("critical_layers", [])})
+    args, variants, layers = grid_args(__doc__, VARIANTS, argv)
     model = load_model(args.model, dtype="fp32", device="cpu")
-    layers = {"critical_layers": deepest} if deepest else {}
     engines = {kind: QCFuseEngine(model, store=MemoryStore(),
                                   config=EngineConfig(selection_options=layers, chunk_sink=kind == "sink"))
                for kind in ("alone", "sink")}
     for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
-        passages = ["\n\n".join(ex.passages[i : i + args.join]) for i in range(0, len(ex.passages), args.join)]
+        passages = joined(ex, args.join)
         row, full = {"id": ex.id}, None
         for kind, eng in engines.items():
             eng.store = MemoryStore()
