@@ -96,18 +96,23 @@ def joined(ex, k: int) -> list[str]:
     return ["\n\n".join(ex.passages[i : i + k]) for i in range(0, len(ex.passages), k)]
 
 
-def main(argv=None) -> int:
-    args, variants, layers = grid_args(__doc__, GRID, argv)
-    eng = QCFuseEngine(load_model(args.model, dtype="fp32", device="cpu"), store=MemoryStore(),
-                       config=EngineConfig(selection_options=layers))
+def questions(eng, args):
+    """Per question of the command line's set -> (row head, prompt, loading, full prefill's
+    last logits), each on a fresh store (every chunk cached alone)."""
     for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
         eng.store = MemoryStore()
         passages = joined(ex, args.join)
         prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, passages))
         loading = Loading(prompt)
         full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
+        yield {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages)}, prompt, loading, full
 
-        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages)}
+
+def main(argv=None) -> int:
+    args, variants, layers = grid_args(__doc__, GRID, argv)
+    eng = QCFuseEngine(load_model(args.model, dtype="fp32", device="cpu"), store=MemoryStore(),
+                       config=EngineConfig(selection_options=layers))
+    for row, prompt, loading, full in questions(eng, args):
         row.update(kl_row(eng, prompt, loading, full, args.ratios, variants))
         emit(row, args.jsonl)
     return 0

@@ -15,13 +15,11 @@ from contextlib import contextmanager
 
 import torch
 
-from diag_ranking_grid import emit, grid_args, joined
+from diag_ranking_grid import emit, grid_args, questions
 from qcfuse_core import metrics as M
 from qcfuse_core import selectors
-from qcfuse_core.datasets import load_dataset
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.model import load_model
-from qcfuse_core.pipeline import Loading
 from qcfuse_core.store import MemoryStore
 
 TAILS = (0, 64, 128, 256, 448)
@@ -50,17 +48,11 @@ def tail_first(t: int):
 def main(argv=None) -> int:
     args, _, _ = grid_args(__doc__, [], argv)
     eng = QCFuseEngine(load_model(args.model, dtype="fp32", device="cpu"), store=MemoryStore())
-    for ex in load_dataset(args.dataset, limit=args.limit, offset=args.offset):
-        eng.store = MemoryStore()
-        passages = joined(ex, args.join)
-        prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(ex.question, passages))
-        loading = Loading(prompt)
-        full = eng.fuse(loading, eng.select(prompt, "full", 1.0), "full").logits[-1]
-
+    for row, prompt, loading, full in questions(eng, args):
         def kl(method, ratio):
             return round(M.kl_divergence(full, eng.fuse(loading, eng.select(prompt, method, ratio), method).logits[-1]), 5)
 
-        row = {"id": ex.id, "prompt_tokens": prompt.num_tokens, "chunks": len(passages), "naive": kl("naive", 0.0)}
+        row["naive"] = kl("naive", 0.0)
         for ratio in args.ratios:
             for t in TAILS:
                 with tail_first(t):

@@ -21,6 +21,8 @@
 # The table covers the questions both files of a set hold.
 #     bash benchmarks/gemma_quality.sh bound    # oracle and adaptive rows on the first questions,
 #                                               # then their table ($R/bound_table.md)
+#     bash benchmarks/gemma_quality.sh ratios   # qcfuse at 0.35 and 0.4 on musique_s, every question,
+#                                               # then $R/ratio_sweep_musique.md
 # Full prefill's per-question outputs are kept in $R/reference (not committed) for reruns.
 # The table step also rebuilds SmolLM2-135M's table over the same questions from its
 # committed records ($R/quality_smollm2_same_questions.json), for the side-by-side.
@@ -69,6 +71,44 @@ for stem, name in sets.items():
     print(f"| {name} ({len(ids)}) | {naive:.4f} | " + " | ".join(cell(lab) for lab in labels[1:]) + " |")
 PYEOF
     cat $R/bound_table.md
+    exit 0
+fi
+if [ "${1:-}" = "ratios" ]; then  # qcfuse above 0.3 on musique_s, every question: the ratio its target needs
+    $PY -m qcfuse_core.cli bench quality --dataset "$D/musique/musique_s.json" ${M/--ratios 0.15 0.3/--ratios 0.35 0.4} \
+        --methods qcfuse --jsonl "$R/musique.qcfuse_ratios.records.jsonl" --json "$R/.musique.part.json" \
+        >> "$R/musique.qcfuse_ratios.log" 2>&1
+    $PY - $R > $R/.ratios.records.jsonl <<'PYEOF'
+import json, sys
+R = sys.argv[1]
+recs = {}
+for role in ("base", "qcfuse", "qcfuse_ratios"):
+    for r in map(json.loads, open(f"{R}/musique.{role}.records.jsonl")):
+        if r["method"] != "full" or role == "base":
+            recs.setdefault(r["id"], []).append(r)
+for i, rs in recs.items():
+    if {r["ratio"] for r in rs if r["method"] == "qcfuse"} >= {0.15, 0.3, 0.35, 0.4}:
+        for r in rs:
+            print(json.dumps(r))
+PYEOF
+    $PY -m qcfuse_core.cli bench quality --dataset $D/musique/musique_s.json --aggregate-only \
+        --jsonl $R/.ratios.records.jsonl --json $R/ratio_sweep_musique.json > /dev/null
+    $PY - $R > $R/ratio_sweep_musique.md <<'PYEOF'
+import json, sys
+R = sys.argv[1]
+per = json.load(open(f"{R}/ratio_sweep_musique.summary.json"))["per_set"]["musique_s"]
+rows = {r["method"] + ("" if r.get("ratio") is None else f"@{r['ratio']}"): r
+        for r in json.load(open(f"{R}/ratio_sweep_musique.json"))}
+n = len({json.loads(l)["id"] for l in open(f"{R}/.ratios.records.jsonl")})
+print(f"| musique_s ({n} questions) | first-token KL | KL gap closed (95% CI) | recompute share |")
+print("|---|---|---|---|")
+print(f"| naive | {rows['naive']['kl_first_token']:.4f} | - | 0.000 |")
+for lab in ("cacheblend@0.3", "epic@0.3", "qcfuse@0.15", "qcfuse@0.3", "qcfuse@0.35", "qcfuse@0.4"):
+    g, (lo, hi) = per[lab], per[lab]["kl_gap_closed_ci"]
+    print(f"| {lab} | {rows[lab]['kl_first_token']:.4f} | {100 * g['kl_gap_closed']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f}) "
+          f"| {rows[lab]['recompute_share']:.3f} |")
+PYEOF
+    rm -f $R/.ratios.records.jsonl $R/.musique.part*.json
+    cat $R/ratio_sweep_musique.md
     exit 0
 fi
 if [ "${1:-}" != "table" ]; then
