@@ -38,12 +38,17 @@ GRID = [
 ]
 
 
+def first_token_kl(eng, prompt, loading, full, method: str, ratio: float, options: dict | None = None) -> float:
+    """KL of `method`'s first-token distribution at `ratio` against full prefill's `full`."""
+    sel = eng.select(prompt, method, ratio, options)
+    return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
+
+
 def kl_row(eng, prompt, loading, full, ratios, variants, prefix: str = "") -> dict:
     """First-token KL against `full` of naive, and of epic, cacheblend and every qcfuse
     variant at each ratio: {prefix + "naive": .., prefix + "epic@0.15": .., ...}."""
     def kl(method, ratio, options=None):
-        sel = eng.select(prompt, method, ratio, options)
-        return round(M.kl_divergence(full, eng.fuse(loading, sel, method).logits[-1]), 5)
+        return first_token_kl(eng, prompt, loading, full, method, ratio, options)
 
     row = {prefix + "naive": kl("naive", 0.0)}
     for ratio in ratios:

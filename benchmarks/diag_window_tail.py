@@ -15,8 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from diag_ranking_grid import emit, grid_args, questions
-from qcfuse_core import metrics as M
+from diag_ranking_grid import emit, first_token_kl, grid_args, questions
 from qcfuse_core import selectors
 from qcfuse_core.engine import QCFuseEngine
 from qcfuse_core.model import load_model
@@ -27,7 +26,8 @@ TAILS = (0, 64, 128, 256, 448)
 
 @contextmanager
 def tail_first(t: int):
-    """Rank the prompt's last t context tokens before every scored token while inside."""
+    """Rank the prompt's last t context tokens before every scored token while inside (the
+    qcfuse selector looks `selectors.ranking_scores` up at each call, so the swap reaches it)."""
     shipped = selectors.ranking_scores
 
     def ranked(prompt, mass, opts):
@@ -47,10 +47,12 @@ def tail_first(t: int):
 
 def main(argv=None) -> int:
     args, _, _ = grid_args(__doc__, [], argv)
+    if args.variant:
+        sys.exit("diag_window_tail.py ranks with the shipped profile only; --variant is not taken")
     eng = QCFuseEngine(load_model(args.model, dtype="fp32", device="cpu"), store=MemoryStore())
     for row, prompt, loading, full in questions(eng, args):
         def kl(method, ratio):
-            return round(M.kl_divergence(full, eng.fuse(loading, eng.select(prompt, method, ratio), method).logits[-1]), 5)
+            return first_token_kl(eng, prompt, loading, full, method, ratio)
 
         row["naive"] = kl("naive", 0.0)
         for ratio in args.ratios:
