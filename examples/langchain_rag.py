@@ -1,6 +1,6 @@
 """LangChain RAG with QCFuse: an ordinary LCEL chain whose LLM answers from fused chunk caches.
 
-    python examples/langchain_rag.py --store /tmp/qcfuse-langchain
+    python examples/langchain_rag.py [--store DIR]      (default: <cache dir>/examples/langchain)
     python examples/langchain_rag.py --store /tmp/qcfuse-langchain --explicit-ids -q "How tall is ..."
 
 Steps:
@@ -25,10 +25,14 @@ from langchain_core.documents import Document
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from qcfuse_core.corpus import sample_corpus_dir, split_text
-from qcfuse_integrations.chroma import persistent_client
+from qcfuse_core.ingest.corpus import sample_corpus_dir, split_text
+from qcfuse_core.retrieval.chroma import persistent_client
 from qcfuse_integrations.langchain import (
-    QCFuseCacheBuilder, QCFuseEmbeddings, QCFuseLLM, format_docs, with_documents,
+    QCFuseCacheBuilder,
+    QCFuseEmbeddings,
+    QCFuseLLM,
+    format_docs,
+    with_documents,
 )
 
 QUESTIONS = (
@@ -59,8 +63,12 @@ def open_vectorstore(store: Path, collection: str = "langchain"):
         from langchain_chroma import Chroma
     except ImportError as e:
         raise ImportError("this example needs langchain-chroma: pip install 'qcfuse[langchain]'") from e
-    return Chroma(client=persistent_client(store / "chroma"), collection_name=collection,
-                  embedding_function=QCFuseEmbeddings(), collection_metadata={"hnsw:space": "cosine"})
+    return Chroma(
+        client=persistent_client(store / "chroma"),
+        collection_name=collection,
+        embedding_function=QCFuseEmbeddings(),
+        collection_metadata={"hnsw:space": "cosine"},
+    )
 
 
 def ingest(llm: QCFuseLLM, vectorstore, corpus: Path, chunk_chars: int) -> dict[str, int]:
@@ -100,32 +108,46 @@ def ask(chain, question: str) -> dict[str, Any]:
         print(delta, end="", flush=True)
     info = stats.runs[-1]
     ratio = "" if info["ratio"] is None else f" @ {info['ratio']:.2f}"
-    print(f"\n   [{info['method']}{ratio}] TTFT {info['ttft_ms']:.1f} ms, total {info['total_ms']:.1f} ms, "
-          f"{info['recomputed_tokens']}/{info['context_tokens']} context tokens recomputed, "
-          f"chunk cache {info['cache_hits']} hits / {info['cache_misses']} misses "
-          f"({info['chunks']} chunks in the prompt)\n")
+    print(
+        f"\n   [{info['method']}{ratio}] TTFT {info['ttft_ms']:.1f} ms, total {info['total_ms']:.1f} ms, "
+        f"{info['recomputed_tokens']}/{info['context_tokens']} context tokens recomputed, "
+        f"chunk cache {info['cache_hits']} hits / {info['cache_misses']} misses, {info['cache_built']} built now "
+        f"({info['chunks']} chunks in the prompt)\n"
+    )
     return {"question": question, "answer": answer, **info}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", required=True, type=Path, help="store folder (chunk caches, text index, chroma/)")
+    ap.add_argument(
+        "--store",
+        default=None,
+        type=Path,
+        help="store folder (chunk caches, text index, chroma/); default: <cache dir>/examples/langchain "
+        "($QCFUSE_CACHE_DIR or ~/.cache/qcfuse)",
+    )
     ap.add_argument("--corpus", type=Path, default=sample_corpus_dir(), help="folder of .md files")
     ap.add_argument("-q", "--question", action="append", help="question (repeatable); default: two samples")
-    ap.add_argument("--method", default="qcfuse", help="recompute method (qcfuse_core.selectors)")
+    ap.add_argument("--method", default="qcfuse", help="recompute method (qcfuse_core.selection.selectors)")
     ap.add_argument("--ratio", type=float, default=0.15, help="share of context tokens recomputed")
     ap.add_argument("--k", type=int, default=3, help="chunks retrieved per question")
     ap.add_argument("--chunk-chars", type=int, default=400, help="split size in characters")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--explicit-ids", action="store_true", help="also pass the retrieved Documents to the LLM")
     args = ap.parse_args(argv)
+    if args.store is None:
+        from qcfuse_core.model.adapter import cache_dir
 
-    llm = QCFuseLLM(store_dir=str(args.store), method=args.method, ratio=args.ratio,
-                    max_new_tokens=args.max_new_tokens)
+        args.store = cache_dir() / "examples" / "langchain"
+    args.store.mkdir(parents=True, exist_ok=True)
+
+    llm = QCFuseLLM(store_dir=str(args.store), method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
     vectorstore = open_vectorstore(args.store)
     stats = ingest(llm, vectorstore, args.corpus, args.chunk_chars)
-    print(f"ingested {stats['chunks']} chunks into {args.store}: {stats['built']} caches built, "
-          f"{stats['reused']} already stored\n")
+    print(
+        f"ingested {stats['chunks']} chunks into {args.store}: {stats['built']} caches built, "
+        f"{stats['reused']} already stored\n"
+    )
     chain = build_chain(llm, vectorstore, args.k, args.explicit_ids)
     return [ask(chain, q) for q in (args.question or QUESTIONS)]
 

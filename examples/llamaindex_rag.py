@@ -1,6 +1,6 @@
 """LlamaIndex RAG over the sample corpus with QCFuse: ingest into Chroma, then ask questions.
 
-    python examples/llamaindex_rag.py --store /tmp/qcfuse-li
+    python examples/llamaindex_rag.py [--store DIR]     (default: <cache dir>/examples/llamaindex)
 
 1. ingest   the sample corpus (one Document per file) -> IngestionPipeline(SentenceSplitter,
             QCFuseCacheBuilder, QCFuseEmbedding) -> ChromaVectorStore (persistent, telemetry off).
@@ -32,7 +32,12 @@ def corpus_dir() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True, help="folder for the chunk caches, content index, Chroma and docstore")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="folder for the chunk caches, content index, Chroma and docstore "
+        "(default: <cache dir>/examples/llamaindex, $QCFUSE_CACHE_DIR or ~/.cache/qcfuse)",
+    )
     p.add_argument("--method", default="qcfuse", help="recompute-selection method (default: qcfuse)")
     p.add_argument("--ratio", type=float, default=0.15, help="share of chunk tokens recomputed (default: 0.15)")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -50,11 +55,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
+    from qcfuse_core.model.adapter import cache_dir
     from qcfuse_integrations.llama_index import (
-        FusionStats, QCFuseCacheBuilder, QCFuseEmbedding, QCFuseLLM, QCFuseNodePostprocessor, chroma_vector_store,
+        FusionStats,
+        QCFuseCacheBuilder,
+        QCFuseEmbedding,
+        QCFuseLLM,
+        QCFuseNodePostprocessor,
+        chroma_vector_store,
     )
 
-    store = Path(args.store)
+    store = Path(args.store) if args.store else cache_dir() / "examples" / "llamaindex"
     store.mkdir(parents=True, exist_ok=True)
     llm = QCFuseLLM(store_dir=str(store), method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
     embed = QCFuseEmbedding()
@@ -62,24 +73,38 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     vector_store = chroma_vector_store(store / "chroma")
 
     # 1. ingest (a second run over the same --store finds every document unchanged)
-    docs = [Document(text=f.read_text(encoding="utf-8"), id_=f.name, metadata={"file_name": f.name})
-            for f in sorted(corpus_dir().glob("*.md"))]
+    docs = [
+        Document(text=f.read_text(encoding="utf-8"), id_=f.name, metadata={"file_name": f.name})
+        for f in sorted(corpus_dir().glob("*.md"))
+    ]
     pipeline = IngestionPipeline(
-        transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=32), QCFuseCacheBuilder(store_dir=str(store)), embed],
-        vector_store=vector_store, docstore=SimpleDocumentStore(), docstore_strategy=DocstoreStrategy.UPSERTS,
+        transformations=[
+            SentenceSplitter(chunk_size=256, chunk_overlap=32),
+            QCFuseCacheBuilder(store_dir=str(store)),
+            embed,
+        ],
+        vector_store=vector_store,
+        docstore=SimpleDocumentStore(),
+        docstore_strategy=DocstoreStrategy.UPSERTS,
     )
     persist = store / "llamaindex_pipeline"
     if persist.is_dir():
         pipeline.load(str(persist))
     nodes = pipeline.run(documents=docs)
     pipeline.persist(str(persist))
-    print(f"ingested {len(docs)} documents -> {len(nodes)} new chunks "
-          f"(store: {len(llm.engine.texts)} chunk texts, Chroma: {vector_store.client.count()} vectors)")
+    print(
+        f"ingested {len(docs)} documents -> {len(nodes)} new chunks "
+        f"(store: {len(llm.engine.texts)} chunk texts, Chroma: {vector_store.client.count()} vectors)"
+    )
 
     # 2. query
     index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
-    query_engine = index.as_query_engine(llm=llm, similarity_top_k=args.top_k, response_mode="compact",
-                                         node_postprocessors=[QCFuseNodePostprocessor(store_dir=str(store))])
+    query_engine = index.as_query_engine(
+        llm=llm,
+        similarity_top_k=args.top_k,
+        response_mode="compact",
+        node_postprocessors=[QCFuseNodePostprocessor(store_dir=str(store))],
+    )
     results = []
     fusion = FusionStats.attach()  # the LLM calls' statistics, from the instrumentation events
     for question in args.question or QUESTIONS:
@@ -88,10 +113,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         sources = [Path(n.node.metadata.get("file_name", n.node.node_id)).name for n in response.source_nodes]
         # 3. report
         print(f"\nQ: {question}\nA: {str(response).strip()}")
-        print(f"   chunks {stats['chunks']} (cache hits {stats['cache_hits']}, misses {stats['cache_misses']}) | "
-              f"recomputed {stats['recomputed_tokens']}/{stats['context_tokens']} context tokens "
-              f"({100 * stats['recompute_share']:.1f}%) | TTFT {stats['ttft_ms']:.0f} ms | "
-              f"total {stats['total_ms']:.0f} ms | method {stats['method']}")
+        print(
+            f"   chunks {stats['chunks']} (cache hits {stats['cache_hits']}, misses {stats['cache_misses']}, built now {stats['cache_built']}) | "
+            f"recomputed {stats['recomputed_tokens']}/{stats['context_tokens']} context tokens "
+            f"({100 * stats['recompute_share']:.1f}%) | TTFT {stats['ttft_ms']:.0f} ms | "
+            f"total {stats['total_ms']:.0f} ms | method {stats['method']}"
+        )
         print(f"   sources: {', '.join(sources)}")
         results.append({"question": question, "answer": str(response).strip(), "sources": sources, **stats})
     return results

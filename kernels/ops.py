@@ -13,7 +13,9 @@ under "triton", CUDA tensors under "interpret") runs the reference. Validation i
 on every backend, so a call that fails on the GPU fails on the CPU too.
 
 Value checks that would need a device->host sync (positions inside [0, T), unique rows)
-run for CPU tensors only; on CUDA they are preconditions.
+run for CPU tensors only; on CUDA they are preconditions. One exception:
+`sparse_attention_varlen` reads offset tables that live on the device back to the host
+(its grid needs the longest request) unless the caller passes that bound, `max_rows`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +54,32 @@ def _triton_mode() -> str | None:
         from qcfuse_kernels import triton_sparse_attention as sa
     except ImportError:
         return None
-    return "interpreted" if type(sa.sparse_attention_kernel).__name__ == "InterpretedFunction" else "compiled"
+    if type(sa.sparse_attention_kernel).__name__ != "InterpretedFunction":
+        return "compiled"
+    _serialise_interpreter()
+    return "interpreted"
+
+
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def _serialise_interpreter() -> None:
+    """Run interpreted launches one at a time. For the length of each launch the interpreter
+    swaps triton.language's functions, process-wide, for its own: a launch from another
+    thread (the engine's scheduler, a background build) that ends meanwhile swaps them back
+    under this one, which then fails ("Did you forget to add @triton.jit?")."""
+    from triton.runtime import interpreter
+
+    call = interpreter.GridExecutor.__call__
+    if getattr(call, "_qcfuse_serialised", False):
+        return
+
+    def serialised(self, *args, **kwargs):
+        with _INTERPRETER_LOCK:
+            return call(self, *args, **kwargs)
+
+    serialised._qcfuse_serialised = True  # type: ignore[attr-defined]
+    interpreter.GridExecutor.__call__ = serialised
 
 
 def _detect() -> str:
@@ -82,9 +110,7 @@ def set_backend(name: str | None) -> None:
     if name is not None and name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(BACKENDS)}")
     if name == "interpret" and _triton_mode() != "interpreted":
-        raise ValueError(
-            "backend 'interpret' needs TRITON_INTERPRET=1 set before triton is first imported"
-        )
+        raise ValueError("backend 'interpret' needs TRITON_INTERPRET=1 set before triton is first imported")
     if name == "triton" and not (_triton_mode() == "compiled" and torch.cuda.is_available()):
         raise ValueError("backend 'triton' needs triton (not in interpreter mode) and a CUDA device")
     _backend = name
@@ -147,6 +173,45 @@ def _check_attention_inputs(q, k, q_pos, scale) -> tuple[int, int, int, int, int
         if lo < 0 or hi >= T:
             raise ValueError(f"q_pos must lie in [0, {T}), got range [{lo}, {hi}]")
     return R, H, D, T, Hkv
+
+
+def _check_sparse_inputs(q, k, v, q_pos, scale, window) -> tuple[int, int, int, int, int, int | None, torch.device]:
+    """Shared checks of sparse_attention / sparse_attention_varlen -> (R, H, D, T, Hkv,
+    window, device); window becomes None when it is at least T (no row loses a key to it)."""
+    R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    _check_tensor("v", v, 3, FLOAT_DTYPES)
+    if v.dtype != q.dtype:
+        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; they must match")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    device = _check_same_device(q=q, k=k, v=v, q_pos=q_pos)
+    if window is not None and window >= T:
+        window = None  # no row can see a key outside its window
+    return R, H, D, T, Hkv, window, device
+
+
+def _check_offsets(name: str, cu, total: int, what: str, device: torch.device, read: bool) -> torch.Tensor | None:
+    """Checks of a (B + 1,) cumulative offset table -> its values on the host, or None when
+    it lives on `device` and `read` is False (its values are then preconditions).
+
+    On the CPU the checks are free; on the device they read the table back (a sync)."""
+    if cu.device.type != "cpu" and cu.device != device:
+        raise ValueError(f"{name} must be on the CPU or on q's device ({device}), got {cu.device}")
+    if cu.device.type != "cpu" and not read:
+        return None
+    host = cu.cpu()  # device -> host copy: waits for the device
+    first, last = int(host[0]), int(host[-1])
+    if first != 0 or last != total:
+        raise ValueError(f"{name} must run from 0 to the number of {what} ({total}), got {first} .. {last}")
+    down = torch.nonzero(host.diff() < 0)
+    if down.numel():
+        b = int(down[0])
+        raise ValueError(
+            f"{name} must not decrease: {name}[{b}] = {int(host[b])} > {name}[{b + 1}] = {int(host[b + 1])}"
+        )
+    return host
 
 
 # ---------------------------------------------------------------- launch configs
@@ -222,21 +287,24 @@ def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: bool):
-    """The sparse attention kernel wrapped in triton.autotune over `_attention_configs`.
+def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: bool, varlen: bool = False):
+    """The sparse attention kernel (`varlen`: its batched form) wrapped in triton.autotune
+    over `_attention_configs`; both forms run the same tile code and share the candidates.
 
     Under the interpreter the list has exactly one config (autotune with several fails
     there), so the same launch path runs in CPU tests.
     """
     import triton
 
-    from qcfuse_kernels.triton_sparse_attention import sparse_attention_kernel
+    from qcfuse_kernels import triton_sparse_attention as sa
+
+    kernel = sa.sparse_attention_varlen_kernel if varlen else sa.sparse_attention_kernel
 
     configs = [
         triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
         for c in _attention_configs(group, block_d, interpret, fp32)
     ]
-    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM", "WINDOWED"])(sparse_attention_kernel)
+    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM", "WINDOWED"])(kernel)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -258,17 +326,7 @@ def sparse_attention(q, k, v, q_pos, scale: float, window: int | None = None) ->
     recompute set is) so each tile skips the keys beyond its last row and, with a window,
     the key blocks before its first row's window.
     """
-    R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    _check_tensor("v", v, 3, FLOAT_DTYPES)
-    if v.dtype != q.dtype:
-        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; they must match")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
-    device = _check_same_device(q=q, k=k, v=v, q_pos=q_pos)
-    if window is not None and window >= T:
-        window = None  # no row can see a key outside its window
+    R, H, D, T, Hkv, window, device = _check_sparse_inputs(q, k, v, q_pos, scale, window)
     if not _use_kernels(device):
         return ref.sparse_attention_ref(q, k, v, q_pos, scale, window)
 
@@ -284,12 +342,128 @@ def sparse_attention(q, k, v, q_pos, scale: float, window: int | None = None) ->
         return (_cdiv(R, meta["BLOCK_M"] // group), Hkv)
 
     kernel[grid](
-        q, k, v, q_pos, out, R, T, float(scale) * _LOG2E, window or 0,
-        NUM_KV_HEADS=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
-        UPCAST=interpret and q.dtype == torch.bfloat16, PRECISION=_dot_precision(q.dtype),
+        q,
+        k,
+        v,
+        q_pos,
+        out,
+        R,
+        T,
+        float(scale) * _LOG2E,
+        window or 0,
+        NUM_KV_HEADS=Hkv,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        PRECISION=_dot_precision(q.dtype),
         WINDOWED=window is not None,
     )
     return out
+
+
+def sparse_attention_varlen(
+    q,
+    k,
+    v,
+    q_pos,
+    cu_rows,
+    cu_keys,
+    scale: float,
+    window: int | None = None,
+    *,
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """`sparse_attention` for B requests in one launch, each over its own prompt.
+
+    q (R_total, H, D), k/v (T_total, Hkv, D), q_pos (R_total,) int32/int64, cu_rows/cu_keys
+    (B + 1,) int32/int64 cumulative offsets (flash-attn's cu_seqlens) -> (R_total, H, D):
+
+        q, q_pos, out   | req 0 rows | req 1 rows (may be none) | ... |   cu_rows[b]..cu_rows[b+1]
+        k, v            | req 0 keys (T_0) | req 1 keys (T_1)  | ... |   cu_keys[b]..cu_keys[b+1]
+
+    Row i of request b sees keys cu_keys[b] + j for 0 <= j <= q_pos[i] (local position,
+    0 <= q_pos[i] < T_b), with a sliding `window` W only j > q_pos[i] - W; never another
+    request's keys. Request b's rows equal `sparse_attention(q_b, k_b, v_b, q_pos_b, scale,
+    window)`: same fp32 softmax and accumulation, same tiles (bit for bit under the
+    interpreter). Any row order is correct; rows sorted by position within each request
+    are fast (as for `sparse_attention`).
+
+    Host syncs: cu_rows/cu_keys on the CPU cost none (they are checked there and copied to
+    q's device without waiting). On q's device they are read back (a sync) for the checks
+    and the grid, unless `max_rows` (an upper bound on any request's row count) is
+    given: then nothing is read and their values are preconditions. As in
+    `sparse_attention`, q_pos is range-checked only on the CPU.
+    """
+    R, H, D, T, Hkv, window, device = _check_sparse_inputs(q, k, v, q_pos, scale, window)
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
+        raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
+    for name, cu in (("cu_rows", cu_rows), ("cu_keys", cu_keys)):
+        _check_tensor(name, cu, 1, INDEX_DTYPES)
+    if cu_rows.shape[0] < 2 or cu_keys.shape[0] != cu_rows.shape[0]:
+        raise ValueError(
+            f"cu_rows ({cu_rows.shape[0]} entries) and cu_keys ({cu_keys.shape[0]}) must both hold B + 1 >= 2 offsets"
+        )
+    B = cu_rows.shape[0] - 1
+    read = max_rows is None
+    rows_h = _check_offsets("cu_rows", cu_rows, R, "query rows", device, read)  # (B + 1,) or None
+    keys_h = _check_offsets("cu_keys", cu_keys, T, "keys", device, read)
+    if rows_h is not None:
+        longest = int(rows_h.diff().max())
+        if max_rows is not None and max_rows < longest:
+            raise ValueError(f"max_rows = {max_rows} but a request holds {longest} rows")
+        max_rows = longest if max_rows is None else max_rows
+    if rows_h is not None and keys_h is not None and q_pos.device.type == "cpu" and R:
+        _check_local_positions(q_pos, rows_h, keys_h)
+    if not _use_kernels(device):
+        return ref.sparse_attention_varlen_ref(q, k, v, q_pos, cu_rows, cu_keys, scale, window)
+
+    out = torch.empty_like(q)  # (R_total, H, D)
+    if R == 0:
+        return out
+    assert max_rows is not None  # read from cu_rows, or given
+    cu_rows, cu_keys = (t if t.device == device else t.to(device, non_blocking=True) for t in (cu_rows, cu_keys))
+    group = H // Hkv
+    block_d = _block_d(D)
+    interpret = backend() == "interpret"
+    kernel = _tuned_attention_kernel(group, block_d, interpret, q.dtype == torch.float32, varlen=True)
+
+    def grid(meta):  # program id 0 = tile rank * B + request: every request's heaviest tile first
+        return (B * _cdiv(max_rows, meta["BLOCK_M"] // group), Hkv)
+
+    kernel[grid](
+        q,
+        k,
+        v,
+        q_pos,
+        out,
+        cu_rows,
+        cu_keys,
+        B,
+        float(scale) * _LOG2E,
+        window or 0,
+        NUM_KV_HEADS=Hkv,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        PRECISION=_dot_precision(q.dtype),
+        WINDOWED=window is not None,
+    )
+    return out
+
+
+def _check_local_positions(q_pos: torch.Tensor, cu_rows: torch.Tensor, cu_keys: torch.Tensor) -> None:
+    """Every row's position inside its own request's keys: 0 <= q_pos[i] < T_b (host tensors)."""
+    limit = torch.repeat_interleave(cu_keys.diff(), cu_rows.diff())  # (R_total,) T_b of each row's request
+    bad = (q_pos < 0) | (q_pos >= limit)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        b = int(torch.searchsorted(cu_rows, torch.tensor(i, dtype=cu_rows.dtype), right=True)) - 1
+        raise ValueError(
+            f"q_pos[{i}] = {int(q_pos[i])} lies outside [0, {int(limit[i])}), the keys of its request {b} "
+            f"(rows {int(cu_rows[b])}..{int(cu_rows[b + 1]) - 1})"
+        )
 
 
 def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
@@ -315,10 +489,16 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
     lse = torch.empty((R, H), device=device, dtype=torch.float32)  # base-2 log-sum-exp
     part = torch.empty((Hkv, T), device=device, dtype=torch.float32)  # mass per KV head
     common = dict(
-        NUM_KV_HEADS=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        UPCAST=interpret and q.dtype == torch.bfloat16, PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_KV_HEADS=Hkv,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     qk_scale = float(scale) * _LOG2E
     tiles = _cdiv(R, cfg.block_m // group)
@@ -328,7 +508,9 @@ def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:
     if splits > 1:  # partial (max, sum) per key range, combined here: lse = M + log2 sum l 2^(m - M)
         m_part = torch.empty((splits, R, H), device=device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
-        lse_kernel[(tiles, Hkv, splits)](q, k, q_pos, lse, m_part, l_part, R, T, qk_scale, split_n, SPLIT=True, **common)
+        lse_kernel[(tiles, Hkv, splits)](
+            q, k, q_pos, lse, m_part, l_part, R, T, qk_scale, split_n, SPLIT=True, **common
+        )
         top = m_part.amax(0)  # finite: every row sees key 0, in split 0
         lse = torch.log2((l_part * torch.exp2(m_part - top)).sum(0)).add_(top)
     else:
@@ -365,7 +547,9 @@ def inverse_rows(rows: torch.Tensor, T: int) -> torch.Tensor:
     return inv
 
 
-def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rerotate_scatter(
+    k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write fresh rows into a layer's cache and rotate every key to its position, one pass.
 
     k_pre, v (T, Hkv, D) cached pre-RoPE keys / values; rows (R,) unique positions in
@@ -420,8 +604,10 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=N
         for name, dst, like in (("out k", out[0], k_pre), ("out v", out[1], v)):
             _check_tensor(name, dst, 3, FLOAT_DTYPES)
             if dst.shape != like.shape or dst.dtype != like.dtype or dst.device != device:
-                raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {device}, got "
-                                 f"{tuple(dst.shape)} {dst.dtype} on {dst.device}")
+                raise ValueError(
+                    f"{name} must be {tuple(like.shape)} {like.dtype} on {device}, got "
+                    f"{tuple(dst.shape)} {dst.dtype} on {dst.device}"
+                )
     if not _use_kernels(device):
         k_rot, v_out = ref.rerotate_scatter_ref(k_pre, v, rows, k_new_pre, v_new, cos, sin)
         if out is None:
@@ -442,8 +628,22 @@ def rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None, out=N
         k_new_pre, v_new = k_pre, v
     half, block_half, block_h, block_t = _rope_tiles(Hkv, D)
     rerotate_scatter_kernel[(_cdiv(T, block_t),)](
-        k_pre, v, k_new_pre, v_new, inv, cos, sin, k_rot, v_out, T,
-        NUM_KV_HEADS=Hkv, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, BLOCK_T=block_t,
+        k_pre,
+        v,
+        k_new_pre,
+        v_new,
+        inv,
+        cos,
+        sin,
+        k_rot,
+        v_out,
+        T,
+        NUM_KV_HEADS=Hkv,
+        HEAD_DIM=D,
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_H=block_h,
+        BLOCK_T=block_t,
         num_warps=4,
     )
     return k_rot, v_out
@@ -495,8 +695,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     y = torch.empty_like(x)
     half, block_half, block_h, block_t = _rope_tiles(Hx, D)
     rope_kernel[(_cdiv(T, block_t),)](
-        x, cos, sin, y, T, NUM_HEADS=Hx, HEAD_DIM=D, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        BLOCK_T=block_t, num_warps=4,
+        x,
+        cos,
+        sin,
+        y,
+        T,
+        NUM_HEADS=Hx,
+        HEAD_DIM=D,
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_H=block_h,
+        BLOCK_T=block_t,
+        num_warps=4,
     )
     return y
 
@@ -509,11 +719,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be torch.Tensors")
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be (N,) for x {tuple(x.shape)} normalised over its last dim")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be (N,) for x {tuple(x.shape)} normalised over its last dim"
+        )
     eps = _check_scale(eps)
     device = _check_same_device(x=x, weight=weight)
-    if (not _use_kernels(device) or x.dtype != weight.dtype or x.dtype not in FLOAT_DTYPES
-            or x.numel() == 0):
+    if not _use_kernels(device) or x.dtype != weight.dtype or x.dtype not in FLOAT_DTYPES or x.numel() == 0:
         return ref.rms_norm_ref(x, weight, eps)
     from qcfuse_kernels.triton_pointwise import rms_norm_kernel
 
@@ -521,8 +732,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _rows_of(x).view(-1, N)
     y = torch.empty_like(x2)
     block = _next_pow2(N)
-    rms_norm_kernel[(x2.shape[0],)](x2, _rows_of(weight), y, N, eps, BLOCK_N=block,
-                                     num_warps=max(1, min(16, block // 256)))
+    rms_norm_kernel[(x2.shape[0],)](
+        x2, _rows_of(weight), y, N, eps, BLOCK_N=block, num_warps=max(1, min(16, block // 256))
+    )
     return y.view(x.shape)
 
 
@@ -542,3 +754,157 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024 if backend() == "triton" else 256
     silu_mul_kernel[(_cdiv(g.numel(), block),)](g, u, y, g.numel(), BLOCK=block, num_warps=4)
     return y
+
+
+# ---------------------------------------------------------------- decode attention
+
+DECODE_SPLITS = 32  # key ranges per (sequence, KV head): 8 KV heads x 32 = 256 programs for one sequence
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # the partial pass's launch on CUDA
+
+
+def _check_caches(ks, vs, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
+    for name, caches in (("ks", ks), ("vs", vs)):
+        if len(caches) != B:
+            raise ValueError(f"{name} holds {len(caches)} caches for {B} sequences")
+        for c in caches:
+            _check_tensor(name, c, 3, FLOAT_DTYPES)
+            if c.dtype != dtype or tuple(c.shape[1:]) != (Hkv, D):
+                raise ValueError(
+                    f"a cache in {name} is {tuple(c.shape)} {c.dtype}; need (capacity, {Hkv}, {D}) {dtype}"
+                )
+
+
+def cache_addresses(caches) -> torch.Tensor:
+    """(B,) int64 base addresses of the tensors `caches` (for the `*_ptrs` launchers), each
+    checked to be 16-byte aligned (the kernels' loads assume it)."""
+    out = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    if bool((out % 16).any()):
+        raise ValueError("cache tensors must start at 16-byte aligned addresses (a fresh tensor, or a slice of one)")
+    return out
+
+
+def decode_attention(q, ks, vs, lens, scale: float, window: int | None = None) -> torch.Tensor:
+    """One decode step's attention, each sequence over its own cache.
+
+    q (B, H, D) post-RoPE queries; ks[b], vs[b] (capacity_b, Hkv, D) contiguous, q's dtype
+    and device; lens (B,) int: sequence b sees keys [0, lens[b]) (a sliding `window` W: the
+    last W of them) -> (B, H, D) in q's dtype, fp32 softmax and accumulation. On a kernel
+    backend: split-KV in two passes without atomics (`triton_decode_attention.py`), the same
+    bits every run, and a row's bits do not depend on the other rows of the batch."""
+    _check_tensor("q", q, 3, FLOAT_DTYPES)
+    _check_tensor("lens", lens, 1, INDEX_DTYPES)
+    B, H, D = q.shape
+    if not ks:
+        raise ValueError("need at least one sequence")
+    Hkv = ks[0].shape[1] if ks[0].dim() == 3 else -1
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"{H} query heads are not a multiple of the caches' KV heads ({Hkv})")
+    _check_caches(ks, vs, B, Hkv, D, q.dtype)
+    if lens.shape[0] != B:
+        raise ValueError(f"lens has {lens.shape[0]} entries for {B} sequences")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    device = _check_same_device(q=q, lens=lens, **{f"k{b}": k for b, k in enumerate(ks)})
+    _check_same_device(q=q, **{f"v{b}": v for b, v in enumerate(vs)})
+    if device.type == "cpu":
+        for b, n in enumerate(lens.tolist()):
+            if not 1 <= n <= ks[b].shape[0]:
+                raise ValueError(f"lens[{b}] = {n} outside [1, {ks[b].shape[0]}] (the cache's capacity)")
+    if not _use_kernels(device):
+        return ref.decode_attention_ref(q, ks, vs, lens, _check_scale(scale), window)
+    kp, vp = cache_addresses(ks).to(device), cache_addresses(vs).to(device)
+    return decode_attention_ptrs(q, kp, vp, lens, scale, num_kv_heads=Hkv, window=window)
+
+
+def decode_attention_ptrs(
+    q: torch.Tensor,
+    k_ptrs: torch.Tensor,
+    v_ptrs: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    *,
+    num_kv_heads: int,
+    window: int | None = None,
+    splits: int = DECODE_SPLITS,
+) -> torch.Tensor:
+    """`decode_attention` with the caches given by address (`cache_addresses`, on q's device):
+    nothing is read back to the host and every buffer is allocated here, so a CUDA graph can
+    capture the call. Preconditions (not checked): each address is a live, 16-byte aligned
+    (capacity, Hkv, D) contiguous tensor of q's dtype with lens[b] <= capacity. Kernel
+    backends only."""
+    if not _use_kernels(q.device):
+        raise RuntimeError(f"decode_attention_ptrs needs a kernel backend for {q.device} tensors (backend {backend()})")
+    from qcfuse_kernels.triton_decode_attention import decode_combine_kernel, decode_partial_kernel
+
+    B, H, D = q.shape
+    group = H // num_kv_heads
+    block_g, block_d = max(16, _next_pow2(group)), _block_d(D)
+    interpret = backend() == "interpret"
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    if interpret:
+        splits = min(splits, 4)  # a few key ranges: the split path runs, the interpreter stays quick
+    programs = B * num_kv_heads
+    m = torch.empty((programs, splits, block_g), device=q.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    acc = torch.empty((programs, splits, block_g, block_d), device=q.device, dtype=torch.float32)
+    decode_partial_kernel[(programs, splits)](
+        q,
+        k_ptrs,
+        v_ptrs,
+        lens,
+        m,
+        lsum,
+        acc,
+        _check_scale(scale) * _LOG2E,
+        window or 0,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        SPLITS=splits,
+        PRECISION=_dot_precision(q.dtype),
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        **({"BLOCK_N": 16} if interpret else DECODE_CONFIG),
+    )
+    out = torch.empty_like(q)
+    decode_combine_kernel[(B * H,)](
+        m, lsum, acc, out, GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, num_warps=4
+    )
+    return out
+
+
+def kv_append(ks, vs, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """ks[b][pos[b]] = k[b], vs[b][pos[b]] = v[b]: each sequence's new key and value (k, v
+    (B, Hkv, D)) written into its own cache (ks[b], vs[b] (capacity_b, Hkv, D))."""
+    _check_tensor("k", k, 3, FLOAT_DTYPES)
+    _check_tensor("v", v, 3, FLOAT_DTYPES)
+    _check_tensor("pos", pos, 1, INDEX_DTYPES)
+    B, Hkv, D = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or pos.shape[0] != B:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and pos {tuple(pos.shape)} disagree")
+    _check_caches(ks, vs, B, Hkv, D, k.dtype)
+    device = _check_same_device(k=k, v=v, pos=pos, **{f"k{b}": c for b, c in enumerate(ks)})
+    if device.type == "cpu":
+        for b, p in enumerate(pos.tolist()):
+            if not 0 <= p < ks[b].shape[0] or ks[b].shape[0] != vs[b].shape[0]:
+                raise ValueError(f"pos[{b}] = {p} outside the cache's capacity {ks[b].shape[0]}")
+    if not _use_kernels(device):
+        ref.kv_append_ref(ks, vs, pos, k, v)
+        return
+    kv_append_ptrs(cache_addresses(ks).to(device), cache_addresses(vs).to(device), pos, k, v)
+
+
+def kv_append_ptrs(
+    k_ptrs: torch.Tensor, v_ptrs: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """`kv_append` with the caches given by address (graph-capturable; the preconditions of
+    `decode_attention_ptrs`, and 0 <= pos[b] < capacity). Kernel backends only."""
+    if not _use_kernels(k.device):
+        raise RuntimeError(f"kv_append_ptrs needs a kernel backend for {k.device} tensors (backend {backend()})")
+    from qcfuse_kernels.triton_decode_attention import kv_append_kernel
+
+    B, Hkv, D = k.shape
+    row = Hkv * D
+    kv_append_kernel[(B,)](k_ptrs, v_ptrs, pos, _rows_of(k), _rows_of(v), ROW=row, BLOCK=_next_pow2(row), num_warps=4)

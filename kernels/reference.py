@@ -16,6 +16,8 @@ halves of the head dim repeated, and rope(x) = x * cos + rotate_half(x) * sin.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -61,7 +63,11 @@ def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def sparse_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """Location-aware attention of scattered rows over the whole prompt.
@@ -84,9 +90,34 @@ def sparse_attention_ref(
     return out.transpose(0, 1).to(q.dtype).contiguous()
 
 
-def attention_mass_ref(
-    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float
+def sparse_attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_rows: torch.Tensor,
+    cu_keys: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """`sparse_attention_ref` for B requests laid end to end, one request at a time.
+
+    q (R_total, H, D), k/v (T_total, Hkv, D), q_pos (R_total,) local to each request,
+    cu_rows/cu_keys (B + 1,) cumulative offsets from 0 -> out (R_total, H, D) in q's dtype:
+
+        rows  q[cu_rows[b]:cu_rows[b+1]]  attend to  keys k[cu_keys[b]:cu_keys[b+1]]
+        row i of request b sees cu_keys[b] + j for j <= q_pos[i] (window: j > q_pos[i] - W)
+    """
+    out = torch.empty_like(q)
+    rows, keys = cu_rows.tolist(), cu_keys.tolist()
+    for b in range(len(rows) - 1):
+        r0, r1, k0, k1 = rows[b], rows[b + 1], keys[b], keys[b + 1]
+        if r1 > r0:
+            out[r0:r1] = sparse_attention_ref(q[r0:r1], k[k0:k1], v[k0:k1], q_pos[r0:r1], scale, window)
+    return out
+
+
+def attention_mass_ref(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention mass each key receives from probe queries, averaged over heads and queries.
 
     q (R, H, D), k (T, Hkv, D), q_pos (R,) -> mass (T,) fp32.
@@ -128,3 +159,36 @@ def rerotate_scatter_ref(
         k_all[rows] = k_new_pre.to(k_all.dtype)
         v_out[rows] = v_new.to(v_out.dtype)
     return apply_rope(k_all, cos, sin), v_out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One decode step's attention, each sequence over its own cache.
+
+    q (B, H, D); ks[b], vs[b] (capacity_b, Hkv, D); lens (B,): sequence b sees keys
+    [lo, lens[b]) of its cache, lo = max(0, lens[b] - window) on a sliding layer, else 0
+    -> (B, H, D) in q's dtype; fp32 softmax and accumulation."""
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        lo = 0 if window is None else max(0, n - window)
+        k, v = ks[b][lo:n].float(), vs[b][lo:n].float()  # (n, Hkv, D)
+        Hkv, H = k.shape[1], q.shape[1]
+        qg = q[b].float().reshape(Hkv, H // Hkv, -1)  # query heads grouped by KV head
+        probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # (Hkv, G, n)
+        out[b] = torch.bmm(probs, v.transpose(0, 1)).reshape(H, -1).to(q.dtype)
+    return out
+
+
+def kv_append_ref(
+    ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """ks[b][pos[b]] = k[b] and vs[b][pos[b]] = v[b] for each sequence b (k, v (B, Hkv, D))."""
+    for b, p in enumerate(pos.tolist()):
+        ks[b][p] = k[b]
+        vs[b][p] = v[b]

@@ -27,9 +27,17 @@ import triton.language as tl
 
 @triton.jit
 def _load_query_tile(
-    Q, POS, tile, kvh, R,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    POS,
+    tile,
+    kvh,
+    R,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """-> q (BLOCK_M, BLOCK_D), pos (BLOCK_M,) int32, row, head, m_ok (BLOCK_M,)."""
     ROWS: tl.constexpr = BLOCK_M // GROUP
@@ -49,12 +57,25 @@ def _load_query_tile(
 
 @triton.jit
 def lse_kernel(
-    Q, K, POS, LSE, MPART, LPART,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H) fp32; partials (splits, R, H)
-    R, T, qk_scale, split_n,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    Q,
+    K,
+    POS,
+    LSE,
+    MPART,
+    LPART,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H) fp32; partials (splits, R, H)
+    R,
+    T,
+    qk_scale,
+    split_n,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Pass 1, grid (cdiv(R, BLOCK_M // GROUP), Hkv, splits): base-2 log-sum-exp per (row,
     head) into LSE; with SPLIT, split s covers keys [s * split_n, (s + 1) * split_n) (split_n
@@ -100,12 +121,22 @@ def lse_kernel(
 
 @triton.jit
 def mass_kernel(
-    Q, K, POS, LSE, PART,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H), part (Hkv, T)
-    R, T, qk_scale,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    POS,
+    LSE,
+    PART,  # q (R, H, D), k (T, Hkv, D), pos (R,), lse (R, H), part (Hkv, T)
+    R,
+    T,
+    qk_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Pass 2, grid (cdiv(T, BLOCK_N), Hkv): part[kvh, j] = mass of key j summed over the
     rows and the GROUP query heads of KV head kvh. Each K tile is loaded once."""

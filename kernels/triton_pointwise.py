@@ -48,10 +48,17 @@ def silu_mul_kernel(G, U, Y, numel, BLOCK: tl.constexpr):
 
 @triton.jit
 def rope_kernel(
-    X, COS, SIN, Y,  # (T, Hx, D), (T, D) x2, (T, Hx, D)
+    X,
+    COS,
+    SIN,
+    Y,  # (T, Hx, D), (T, D) x2, (T, Hx, D)
     T,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens with all their heads; cos/sin read once per token."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)

@@ -26,10 +26,22 @@ import triton.language as tl
 
 @triton.jit
 def rerotate_scatter_kernel(
-    K_PRE, V, K_NEW, V_NEW, INV, COS, SIN, K_OUT, V_OUT,  # (T,Hkv,D) x2, (R,Hkv,D) x2, (T,), (T,D) x2, (T,Hkv,D) x2
+    K_PRE,
+    V,
+    K_NEW,
+    V_NEW,
+    INV,
+    COS,
+    SIN,
+    K_OUT,
+    V_OUT,  # (T,Hkv,D) x2, (R,Hkv,D) x2, (T,), (T,D) x2, (T,Hkv,D) x2
     T,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_T),). Every output element is written exactly once."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
@@ -51,12 +63,16 @@ def rerotate_scatter_kernel(
     trig_ok = t_ok[:, None] & c_ok[None, :]
 
     # keys: gather, rotate in fp32 (cos/sin read once per token, broadcast over heads)
-    x1 = tl.where(is_new,
-                  tl.load(K_NEW + new_off, mask=new_ok, other=0.0).to(tl.float32),
-                  tl.load(K_PRE + old_off, mask=old_ok, other=0.0).to(tl.float32))
-    x2 = tl.where(is_new,
-                  tl.load(K_NEW + new_off + HALF, mask=new_ok, other=0.0).to(tl.float32),
-                  tl.load(K_PRE + old_off + HALF, mask=old_ok, other=0.0).to(tl.float32))
+    x1 = tl.where(
+        is_new,
+        tl.load(K_NEW + new_off, mask=new_ok, other=0.0).to(tl.float32),
+        tl.load(K_PRE + old_off, mask=old_ok, other=0.0).to(tl.float32),
+    )
+    x2 = tl.where(
+        is_new,
+        tl.load(K_NEW + new_off + HALF, mask=new_ok, other=0.0).to(tl.float32),
+        tl.load(K_PRE + old_off + HALF, mask=old_ok, other=0.0).to(tl.float32),
+    )
     cos1 = tl.load(COS + trig_off, mask=trig_ok, other=0.0).to(tl.float32)[:, None, :]
     cos2 = tl.load(COS + trig_off + HALF, mask=trig_ok, other=0.0).to(tl.float32)[:, None, :]
     sin1 = tl.load(SIN + trig_off, mask=trig_ok, other=0.0).to(tl.float32)[:, None, :]

@@ -145,7 +145,15 @@ class PromptSpan:
 
 @dataclass
 class FusionResult:
-    """Everything about one answer: text, timings, counts, what was recomputed."""
+    """Everything about one answer: text, timings, counts, what was recomputed.
+
+    ttft_ms: from the request's start to its first token - the time the caller waited,
+    including caches built during the request. Chunk counts: `cache_hits` had a cache
+    before the request began; `cache_misses` had none; `cache_built` of those (always <=
+    cache_misses) had theirs computed during the request - by the engine's lookup, or by a
+    background build the request waited for or is the first to use (the integrations'
+    retrieval learner) - so the next request hits them. cache_hits + cache_misses == chunks.
+    """
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -158,6 +166,7 @@ class FusionResult:
     recomputed_tokens: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
+    cache_built: int = 0  # misses whose cache was computed during this request
     chunks: int = 0
     finish_reason: str = ""
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -169,6 +178,7 @@ class FusionResult:
     prompt_ids: torch.Tensor | None = None  # (T,) int64: the fused prompt's tokens (positions of `selection`)
     spans: tuple[PromptSpan, ...] = ()  # its segments, in order, covering 0..T-1
     subspan_tokens: int = 0  # chunk tokens served from slices of stored chunks (subspans.py)
+    first_logits: torch.Tensor | None = None  # (vocab,) fp32 on the host: the logits the first token came from
 
     @property
     def recompute_share(self) -> float:
@@ -187,6 +197,7 @@ class FusionResult:
             "recompute_share": round(self.recompute_share, 4),
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
+            "cache_built": self.cache_built,
             "chunks": self.chunks,
             "subspan_tokens": self.subspan_tokens,
             "new_tokens": len(self.token_ids),

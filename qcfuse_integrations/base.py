@@ -8,41 +8,51 @@
     GenerationOptions   one call's decoding settings under the names users know (max_tokens,
                         temperature, top_p, top_k, repetition_penalty, stop, seed), checked;
                         an unknown keyword raises listing the valid ones
-    iterate_in_thread   the async bridge: a blocking iterator (a token stream) run in a
-                        worker thread, its items handed to the event loop through a queue
+    Call                one generation: the prompt as the framework rendered it, its options,
+                        how its chunks were matched and, once decoded, the engine's result;
+                        `open` / `deltas` (threads) and `aopen` / `adeltas` (asyncio) are
+                        the two ways into the engine's scheduler, one request-building path
 
-The engine is safe for concurrent callers (everything of one request lives in its
-`Request`), so nothing here holds a lock across a generation: two threads or tasks decode
-at the same time.
+The engine is safe for concurrent callers: its scheduler (qcfuse_core/engine/scheduler.py)
+owns the device and decodes every running request in one batched step. Nothing here holds
+a lock across a generation, and the async methods await the engine's own async streams -
+no thread per call - so requests opened together are decoded together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.generation import GenerationConfig
-from qcfuse_core.selectors import SELECTORS
+from qcfuse_core.engine.api import AsyncTokenStream, QCFuseEngine, TokenStream
+from qcfuse_core.engine.generation import GenerationConfig
+from qcfuse_core.selection.base import SELECTORS
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 from qcfuse_integrations.engines import shared_engine
-
-T = TypeVar("T")
 
 ENGINE_FIELDS = {
     "store_dir": "Store folder (kv/, chunk_texts.sqlite, chroma/); None: <cache dir>/store.",
     "model": "Packaged model name (smollm2-135m, gemma3-270m) or a local Hugging Face model folder; "
-             "None: the embedded SmolLM2-135M-Instruct.",
+    "None: the embedded SmolLM2-135M-Instruct.",
     "dtype": "Model dtype: bfloat16 (default), float16 or float32.",
     "device": "torch device of the model, e.g. 'cpu' or 'cuda:0'.",
 }
 
 # decoding options every QCFuse model accepts per call, in both frameworks
-GENERATION_OPTIONS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-                      "stop", "seed")
+GENERATION_OPTIONS = (
+    "max_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "stop",
+    "seed",
+)
 FUSION_OPTIONS = ("method", "ratio")
 
 
@@ -91,6 +101,63 @@ def check_options(kwargs: Mapping[str, Any], valid: Iterable[str], who: str) -> 
         raise TypeError(f"{who} got unknown keyword argument(s) {unknown}; valid: {', '.join(sorted(valid))}")
 
 
+TOKEN_LIMIT_NAMES = ("max_tokens", "max_new_tokens", "num_predict")
+
+
+def constructor_keywords(
+    cls: type[BaseModel],
+    data: Any,
+    *,
+    limit: str,
+    synonyms: Iterable[str],
+    options_dicts: Iterable[str] = (),
+    extra: Iterable[str] = (),
+) -> Any:
+    """A component's constructor keywords, checked and normalised (a pydantic `mode="before"`
+    validator calls this with the raw keyword dict).
+
+    limit: the name of the class's token-limit field; synonyms: the other names accepted for
+    it (`max_tokens`, `max_new_tokens`, `num_predict`); options_dicts: names of dict
+    keywords whose items are generation options (LangChain's `model_kwargs`, LlamaIndex's
+    `generate_kwargs`): they are unpacked into the fields; extra: keywords taken by
+    `__init__` itself (LlamaIndex's `engine=`). Any other name that is not a field raises
+    TypeError listing the valid ones (a typo never passes silently); two spellings of the
+    token limit with different values raise too.
+    """
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    fields = {name for name in cls.model_fields}
+    fields |= {f.alias for f in cls.model_fields.values() if isinstance(f.alias, str)}
+    for name in options_dicts:
+        opts = data.pop(name, None)
+        if opts is None:
+            continue
+        if not isinstance(opts, Mapping):
+            raise TypeError(f"{name} must be a dict of generation options, got {type(opts).__name__}")
+        settable = sorted(
+            {n for n in (*GENERATION_OPTIONS, *FUSION_OPTIONS, *synonyms) if n in fields or n in synonyms}
+        )
+        check_options(opts, settable, f"{cls.__name__}({name}=...)")
+        for key, value in opts.items():
+            if key in data and data[key] != value:
+                raise TypeError(f"{cls.__name__} got {key} both as a keyword and in {name}")
+            data[key] = value
+    given = {n: data.pop(n) for n in (limit, *synonyms) if n in data}
+    values = {v for v in given.values() if v is not None}
+    if len(values) > 1:
+        raise TypeError(
+            f"{cls.__name__} got different token limits {given}; pass one of {', '.join((limit, *synonyms))}"
+        )
+    if values:
+        data[limit] = values.pop()
+    elif limit in given:  # None under the field's own name: the field's own meaning of None
+        data[limit] = None
+    valid = fields | set(synonyms) | set(options_dicts) | set(extra)
+    check_options({k: v for k, v in data.items() if k not in fields}, sorted(valid), cls.__name__)
+    return data
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """One call's fusion and decoding settings: the component's defaults, overridden per call."""
@@ -105,6 +172,7 @@ class GenerationOptions:
         """defaults: the component's fields (method, ratio, max_new_tokens, temperature, ...);
         call: the call's keyword arguments (already checked against the valid names), where
         `max_tokens` is a synonym of `max_new_tokens` (the name LangChain and LlamaIndex use)."""
+
         def get(name: str, default: Any = None) -> Any:
             value = call.get(name)
             return defaults.get(name, default) if value is None else value
@@ -141,61 +209,11 @@ class GenerationOptions:
         return {"method": self.method, "ratio": self.ratio, "generation": self.generation}
 
 
-async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Items of `make()` (a blocking iterator) produced in a worker thread, consumed here.
-
-    The event loop never blocks on the model. The worker runs in a copy of the caller's
-    context. Closing this generator early (a consumer that stops, a cancelled task) makes the
-    worker stop after its current item and close its iterator (so the request ends cleanly).
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancel = threading.Event()
-    done = asyncio.Event()
-
-    def post(kind: str, item: Any) -> None:
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
-
-    def work() -> None:
-        try:
-            it = make()
-            try:
-                for item in it:
-                    if cancel.is_set():
-                        return
-                    post("item", item)
-            finally:
-                close = getattr(it, "close", None)
-                if close is not None:
-                    close()
-            post("end", None)
-        except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
-            post("error", exc)
-        finally:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(done.set)
-
-    ctx = contextvars.copy_context()
-    threading.Thread(target=ctx.run, args=(work,), name="qcfuse-decode", daemon=True).start()
-    try:
-        while True:
-            kind, item = await queue.get()
-            if kind == "error":
-                raise item
-            if kind == "end":
-                return
-            yield item
-    finally:
-        cancel.set()
-        await asyncio.shield(done.wait())
-
-
 def default_model_name(model: str | None) -> str:
     """The model's name without loading it (tracing metadata asks before the first call)."""
     from pathlib import Path
 
-    from qcfuse_core.model import DEFAULT_MODEL_NAME
+    from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME
 
     return Path(model).name if model else DEFAULT_MODEL_NAME
 
@@ -204,7 +222,18 @@ def default_model_name(model: str | None) -> str:
 class Call:
     """One generation through an integration: the prompt as the framework rendered it, how its
     chunks were matched, and the engine's result once decoding finished. Lives in the call
-    (never on the component), so concurrent calls cannot see each other's statistics."""
+    (never on the component), so concurrent calls cannot see each other's statistics.
+
+    Both frameworks build a Call in their sync and async methods alike, then take one of two
+    doors into the engine's scheduler:
+
+        threads   open(engine) -> TokenStream        deltas(engine[, stream]) -> Iterator[str]
+        asyncio   await aopen(engine) -> AsyncTokenStream
+                                                      adeltas(engine[, stream]) -> AsyncIterator[str]
+
+    `open`/`aopen` submit the request at once; calls opened one after another before any is
+    read (a LangChain batch) are admitted together and decoded in one batched step.
+    """
 
     prompt: str
     chat: bool  # the prompt is a complete chat-template rendering (no frame is added)
@@ -214,35 +243,99 @@ class Call:
     learned: int = 0
     renderings: list = field(default_factory=list)  # (text, id) re-rendering a stored text (learning.py)
     unmatched: bool = False
+    built: int = 0  # matched chunks whose cache a background build made for this request (learning.py)
+    build_wait_ms: float = 0.0  # how long matching waited for those builds (inside ttft_ms)
     result: Any = None  # FusionResult
     # an explicit chunk channel (LangChain's documents= / doc_ids=): prompt -> chunk pieces,
     # replacing what content matching found
     locate: Callable[[str], list] | None = None
+    # decoding under a JSON schema (structured output, a forced tool call): `schema` (None:
+    # any JSON object) is compiled into the request's constraint when the call is opened
+    constrained: bool = False
+    schema: dict | None = None
 
-    def stream(self, engine: QCFuseEngine):
-        """Match the prompt's chunks (learning.py), then open the engine's token stream."""
-        from qcfuse_core.segment import split_prompt
-        from qcfuse_integrations.learning import learner_for
+    # ------------------------------------------------------------------ threads
+    def open(self, engine: QCFuseEngine) -> TokenStream:
+        """Submit the request now: the engine's token stream. Matching the prompt's chunks
+        (learning.py) - and waiting for the background builds of retrieved texts it contains -
+        runs inside the engine's request, so the request's clock (its TTFT, its `lookup_ms`)
+        includes that wait."""
+        return engine.stream_pieces(self._pieces(engine), **self._compiled(engine).engine_kwargs())
 
-        match = learner_for(engine).match(self.prompt, self.explicit)
-        self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
-        self.renderings = match.renderings
-        if self.locate is not None:
-            self.chunks = self.locate(self.prompt)
-        if self.chat:
-            return engine.stream_pieces(lambda: split_prompt(self.prompt, self.chunks), **self.options.engine_kwargs())
-        return engine.stream_complete(self.prompt, self.chunks, **self.options.engine_kwargs())
-
-    def deltas(self, engine: QCFuseEngine) -> Iterator[str]:
-        """Text deltas; `result` is set once they are exhausted."""
-        from qcfuse_integrations.learning import learner_for
-
-        stream = self.stream(engine)
+    def deltas(self, engine: QCFuseEngine, stream: TokenStream | None = None) -> Generator[str, None, None]:
+        """Text deltas (the request is opened at the first unless `stream`, from `open`, is
+        given); `result` is set once they are exhausted. Closed early: the request is aborted."""
+        stream = self.open(engine) if stream is None else stream
         try:
             yield from stream
         finally:
             stream.close()
-        self.result = stream.result
+        self._finish(engine, stream.result)
+
+    # ------------------------------------------------------------------ asyncio
+    async def aopen(self, engine: QCFuseEngine) -> AsyncTokenStream:
+        """`open` for asyncio: the request goes straight to the scheduler, its deltas come
+        through the event loop's own queue (no thread per call). One step is synchronous
+        work: compiling a JSON schema (llguidance walks the tokenizer's vocabulary the first
+        time), done with `asyncio.to_thread` so the loop keeps running; unconstrained calls
+        never leave the loop."""
+        options = await asyncio.to_thread(self._compiled, engine) if self.constrained else self.options
+        return engine.astream_pieces(self._pieces(engine), **options.engine_kwargs())
+
+    async def adeltas(self, engine: QCFuseEngine, stream: AsyncTokenStream | None = None) -> AsyncGenerator[str, None]:
+        """`deltas` for asyncio. Closed early (`aclose`, or its task cancelled): the request is
+        aborted and its KV cache freed at the scheduler's next step."""
+        stream = await self.aopen(engine) if stream is None else stream
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+        self._finish(engine, stream.result)
+
+    # ------------------------------------------------------------------ both
+    def _pieces(self, engine: QCFuseEngine) -> Callable[[], list]:
+        """The request's pieces, made in the scheduler's thread when the request starts."""
+        from qcfuse_core.retrieval.texts import split_prompt
+        from qcfuse_integrations.learning import learner_for
+
+        def pieces() -> list:
+            match = learner_for(engine).match(self.prompt, self.explicit)
+            self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
+            self.renderings, self.built, self.build_wait_ms = match.renderings, match.built_chunks, match.wait_ms
+            if self.locate is not None:
+                self.chunks = self.locate(self.prompt)
+                self.built = 0  # the explicit channel's chunks: the engine counts them
+            if self.chat:
+                return split_prompt(self.prompt, self.chunks)
+            return engine.completion_pieces(self.prompt, self.chunks)
+
+        return pieces
+
+    def _compiled(self, engine: QCFuseEngine) -> GenerationOptions:
+        """The options, with the JSON-schema constraint when the call is constrained."""
+        if not self.constrained:
+            return self.options
+        from qcfuse_core.engine.grammar import json_schema_constraint
+
+        gen = replace(self.options.generation, constraint=json_schema_constraint(engine.tokenizer, self.schema))
+        return replace(self.options, generation=gen)
+
+    def _finish(self, engine: QCFuseEngine, result: Any) -> None:
+        """`result` from the engine's FusionResult, once every delta was read."""
+        from qcfuse_integrations.learning import learner_for
+
+        if result is not None and self.built:
+            # the engine found these caches stored, but they were built for this request (in the
+            # background, since its retrieval): built during it, not hits
+            n = min(self.built, result.cache_hits)
+            result = replace(
+                result,
+                cache_hits=result.cache_hits - n,
+                cache_misses=result.cache_misses + n,
+                cache_built=result.cache_built + n,
+            )
+        self.result = result
         if self.result is not None and self.result.subspan_tokens and self.renderings:
             learner_for(engine).build(self.renderings)  # served from sub-spans now: whole next time
 
@@ -254,8 +347,14 @@ class Call:
         r = self.result
         stats = r.to_dict()
         stats.pop("answer", None)
-        stats.update(chunk_ids=[c.node_id for c in self.chunks], learned_renderings=self.learned,
-                     unmatched=self.unmatched, prompt_tokens=r.prompt_tokens, completion_tokens=len(r.token_ids),
-                     total_tokens=r.prompt_tokens + len(r.token_ids),
-                     unmatched_prompts=learner_for(engine).counters()["unmatched_prompts"])
+        stats.update(
+            chunk_ids=[c.node_id for c in self.chunks],
+            learned_renderings=self.learned,
+            build_wait_ms=round(self.build_wait_ms, 3),
+            unmatched=self.unmatched,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=len(r.token_ids),
+            total_tokens=r.prompt_tokens + len(r.token_ids),
+            unmatched_prompts=learner_for(engine).counters()["unmatched_prompts"],
+        )
         return stats

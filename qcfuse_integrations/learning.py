@@ -17,12 +17,16 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
 
                     the prompt's own rendering of such a text is registered (under the text's
                     id) with the stored text as its source: this call serves the token runs
-                    they share from the stored cache (qcfuse_core/subspans.py: a truncation's
+                    they share from the stored cache (qcfuse_core/cache/subspans.py: a truncation's
                     token-aligned prefix exactly; long runs inside, as approximate as any
                     chunk cache) and computes the rest; the rendering's own cache is then
                     built in the background (`build`), a full hit next time. A cache is only
                     ever served for the exact tokens it holds (runs are matched on token ids),
                     so nothing is attributed to a text it was not computed from.
+    built           a cache a background build computed for a retrieval counts, in the first
+                    prompt that uses it, as built during that request (`Match.built`), not as
+                    a hit: the request waited for it, or it was computed for this query since
+                    its retrieval; the next prompt with the text reports a hit
     unmatched       a prompt that carries retrieved context (a line of a recently retrieved
                     text, or a context header) but matched no chunk logs one WARNING per
                     engine, with the likely cause and the fix, and counts in `counters()`.
@@ -40,8 +44,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.segment import ANCHOR
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.retrieval.texts import ANCHOR
 from qcfuse_core.types import Piece
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,13 @@ class Match:
     chunks: list[Piece]
     learned: int  # re-rendered retrieved texts registered by this call
     unmatched: bool  # the prompt carries retrieved context but no chunk matched
+    built: frozenset[str] = frozenset()  # chunk texts whose background build this prompt is the first to use
+    wait_ms: float = 0.0  # how long matching waited for background builds
+
+    @property
+    def built_chunks(self) -> int:
+        """How many of `chunks` had their cache built for this prompt (not before it)."""
+        return sum((c.source or c.text) in self.built for c in self.chunks)
 
     @property
     def renderings(self) -> list[tuple[str, str | None]]:
@@ -77,11 +88,20 @@ class Learner:
         self._pending: dict[str, Future] = {}  # text -> its latest background build
         self._pending_ids: dict[str, str | None] = {}  # text -> the id that build links it to
         self._sources: OrderedDict[str, str] = OrderedDict()  # a prompt's rendering -> the text it renders
+        # texts whose cache a background build computed and no prompt has used yet: the first
+        # prompt that does reports them as built during its request, not as hits
+        self._fresh: OrderedDict[str, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-learn")
         self._last_retrieval = 0.0
         self._warned = False
-        self._counts = dict(retrieved_texts=0, background_builds=0, prompts=0, matched_prompts=0,
-                            unmatched_prompts=0, learned_renderings=0)
+        self._counts = dict(
+            retrieved_texts=0,
+            background_builds=0,
+            prompts=0,
+            matched_prompts=0,
+            unmatched_prompts=0,
+            learned_renderings=0,
+        )
 
     @property
     def engine(self) -> QCFuseEngine:
@@ -112,7 +132,7 @@ class Learner:
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
             self._last_retrieval = time.monotonic()
-            return self._submit(todo)
+            return self._submit(todo, fresh=True)
 
     def build(self, items: Sequence[tuple[str, str | None]]) -> Future | None:
         """Build (in the background) the caches of prompt texts not stored yet - the
@@ -120,24 +140,29 @@ class Learner:
         with self._lock:
             return self._submit([(t, i) for t, i in items if self._pending_ids.get(t, ...) != i])
 
-    def _submit(self, todo: list[tuple[str, str | None]]) -> Future | None:
-        """(under the lock) one background job for `todo`."""
+    def _submit(self, todo: list[tuple[str, str | None]], *, fresh: bool = False) -> Future | None:
+        """(under the lock) one background job for `todo`; fresh: a retrieval's texts (the first
+        prompt to use a cache built for them reports it as built, not as a hit)."""
         if not todo:
             return None
-        future = self._pool.submit(self._build, todo)
+        future = self._pool.submit(self._build, todo, fresh)
         for text, node_id in todo:
             self._pending[text] = future  # the latest build of the text (jobs run in order)
             self._pending_ids[text] = node_id
         return future
 
-    def _build(self, items: list[tuple[str, str | None]]) -> None:
+    def _build(self, items: list[tuple[str, str | None]], fresh: bool = False) -> None:
         """Register and build (on the learner's thread): the texts already stored are only linked."""
         engine = self.engine
         try:
-            new = [t for t, _ in items if not engine.store.contains(engine.chunk_tokens(t)[1])]
+            new = [t for t, _ in items if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)]
             engine.build_chunks([t for t, _ in items], [i for _, i in items])
             with self._lock:
                 self._counts["background_builds"] += len(new)
+                for t in new if fresh else ():
+                    self._fresh[t] = None
+                while len(self._fresh) > RECENT:
+                    self._fresh.popitem(last=False)
         except Exception:  # a failed background build is only a lost hit: the request computes it
             log.exception("building the caches of %d retrieved text(s) failed", len(items))
         finally:
@@ -155,19 +180,24 @@ class Learner:
             f.result(timeout)
 
     # ------------------------------------------------------------------ prompts
-    def match(self, prompt: str, explicit: Mapping[str, str | None] | None = None) -> Match:
+    def match(self, prompt: str, explicit: Mapping[str, str] | None = None) -> Match:
         """The chunk pieces of `prompt` (module docstring); explicit: {text: node id} a caller
         knows is in the prompt (a postprocessor's nodes): treated like retrieved texts."""
         engine = self.engine
         explicit = dict(explicit or {})
-        self._await_builds(prompt)
+        t0 = time.perf_counter()
+        waited = self._await_builds(prompt)
         chunks = engine.texts.find(prompt, node_ids=explicit or None)
         learned = self._learn(prompt, chunks, explicit)
         if learned:
             chunks = engine.texts.find(prompt, node_ids=explicit or None)
-        chunks = self._with_sources(chunks)
+        chunks, more = self._with_sources(chunks)
+        wait_ms = (time.perf_counter() - t0) * 1e3 if waited or more else 0.0
         unmatched = not chunks and self._carries_context(prompt)
         with self._lock:
+            built = frozenset(t for t in {c.source or c.text for c in chunks} if t in self._fresh)
+            for t in built:
+                del self._fresh[t]
             self._counts["prompts"] += 1
             self._counts["matched_prompts"] += bool(chunks)
             self._counts["unmatched_prompts"] += unmatched
@@ -178,28 +208,35 @@ class Learner:
             log.warning(
                 "QCFuse: a prompt that carries retrieved context matched no cached chunk, so nothing was "
                 "reused (counted in unmatched_prompts; this warning is logged once per engine). Likely "
-                "causes: the texts never reached QCFuse (retrieve with a LangChain retriever or a LlamaIndex "
-                "retriever, or add QCFuseCacheBuilder after the splitter), or the prompt re-renders them "
-                "beyond recognition (e.g. LlamaIndex's simple_summarize pastes a Python list repr: use "
-                "response_mode='compact'). Format retrieved texts verbatim into the prompt.")
-        return Match(chunks, learned, unmatched)
+                "causes: the texts never reached QCFuse. A retriever that returns plain strings is not seen: "
+                "return langchain_core.documents.Document objects from it (any retriever or runnable step "
+                "that returns Documents is learned), or build the texts once with "
+                "`QCFuseCacheBuilder(llm.engine).transform_documents(docs)` (qcfuse_integrations.langchain; "
+                "LlamaIndex: QCFuseCacheBuilder in the IngestionPipeline). Or the prompt re-renders "
+                "them beyond recognition (e.g. LlamaIndex's simple_summarize pastes a Python list repr: use "
+                "response_mode='compact'). Format retrieved texts verbatim into the prompt."
+            )
+        return Match(chunks, learned, unmatched, built, wait_ms)
 
-    def _await_builds(self, prompt: str) -> None:
-        """Wait for the background builds of retrieved texts this prompt contains (no double work)."""
+    def _await_builds(self, prompt: str) -> bool:
+        """Wait for the background builds of retrieved texts this prompt contains (no double
+        work); whether there were any."""
         with self._lock:
             futures = {f for t, f in self._pending.items() if t in prompt}
         for f in futures:
             f.result()
+        return bool(futures)
 
-    def _with_sources(self, chunks: list[Piece]) -> list[Piece]:
+    def _with_sources(self, chunks: list[Piece]) -> tuple[list[Piece], bool]:
         """Chunks that re-render a retrieved text carry it as their source (its stored cache
-        serves their shared token runs); its background build is awaited first."""
+        serves their shared token runs); its background build is awaited first. Also: whether
+        there was one to wait for."""
         with self._lock:
             sources = {c.text: self._sources.get(c.text) for c in chunks}
             futures = {self._pending[s] for s in sources.values() if s in self._pending}
         for f in futures:
             f.result()
-        return [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks]
+        return [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks], bool(futures)
 
     def _learn(self, prompt: str, found: Sequence[Piece], explicit: Mapping[str, str | None]) -> int:
         """Register the prompt's renderings of retrieved texts it does not contain verbatim."""
@@ -224,7 +261,7 @@ class Learner:
             span = (at, at + len(escaped)) if at >= 0 else _rendering(norm, where, text)
             if span is None or _overlaps(taken, *span):
                 continue
-            rendering = prompt[span[0]:span[1]]
+            rendering = prompt[span[0] : span[1]]
             engine.texts.add(rendering, node_id)
             with self._lock:
                 self._sources[rendering] = text
@@ -268,7 +305,7 @@ def _overlaps(taken: Sequence[tuple[int, int]], start: int, end: int) -> bool:
 def _normalise(text: str) -> tuple[str, list[int]]:
     """Whitespace runs -> one space; where[i] = the offset in `text` of normalised char i.
 
-        text:  "a \\n\\n b"    norm: "a b"    where: [0, 1, 5]
+    text:  "a \\n\\n b"    norm: "a b"    where: [0, 1, 5]
     """
     norm, where, pos = [], [], 0
     for m in _WS.finditer(text):

@@ -25,14 +25,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smol():
     """The embedded SmolLM2-135M-Instruct in fp32 (converted once into the cache dir)."""
-    from qcfuse_core.model import load_model
+    from qcfuse_core.model.adapter import load_model
 
     return load_model(dtype="fp32")
 
 
 @pytest.fixture(scope="session")
 def smol_engine(smol):
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
 
     return QCFuseEngine(smol)
 

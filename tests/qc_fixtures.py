@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
-from qcfuse_core.model import ModelAdapter
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
+from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.types import ChunkKey, KVChunk
 
 KINDS = ["prefix", "chunk", "text", "chunk", "chunk", "suffix"]
@@ -24,7 +24,7 @@ def prompt_alone(adapter: ModelAdapter, lens=LENS, kinds=KINDS, seed: int = 0) -
     segs = []
     for ids, kind in zip(parts(adapter, lens, seed), kinds):
         if kind in ("prefix", "chunk"):
-            segs.append(Segment(kind, ids, eng.chunk_cache(ids)[0]))
+            segs.append(Segment(kind, ids, eng.caches.chunk_cache(ids)[0]))
         else:
             segs.append(Segment(kind, ids))
     return FusedPrompt(segs)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from qcfuse_core.anchors import (AnchorConfig, anchor_count, ensure_anchors, extract_anchors, has_anchors,
+from qcfuse_core.selection.anchors import (AnchorConfig, anchor_count, ensure_anchors, extract_anchors, has_anchors,
                                  top_with_sinks)
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
 
@@ -46,10 +46,10 @@ def test_keynorm_picks_the_largest_keys_per_layer():
 
 def test_repeat_anchors_on_a_tiny_model():
     m = tiny_model("llama")
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
 
     ids = torch.randint(0, m.shape.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
-    chunk, _ = QCFuseEngine(m).chunk_cache(ids)
+    chunk, _ = QCFuseEngine(m).caches.chunk_cache(ids)
     cfg = AnchorConfig("repeat", share=0.1, sinks=4)
     a = extract_anchors(m, chunk, 3, cfg, repeat_ids=torch.tensor([5, 6, 7, 8]))
     assert a.shape == (3, 8)

@@ -2,7 +2,7 @@
 
 import json
 
-from qcfuse_core.cli import main
+from qcfuse_core.cli.commands import main
 
 REQUIRED = {"method", "ratio", "tier", "device", "context_tokens", "ttft_ms_median", "ttft_ms_min",
             "ttft_ms_max", "speedup_vs_full"}
@@ -24,8 +24,36 @@ def test_bench_ttft_cli_writes_json(tmp_path, capsys):
         # context: the two chunks and the glue between them ("\n\n", two bytes), as the engine counts it
         assert r["context_tokens"] == 2 * 24 + 2 and r["ttft_ms_min"] <= r["ttft_ms_median"] <= r["ttft_ms_max"]
     assert any((tmp_path / "store").glob("rates-*.json"))
-    assert "| host | qcfuse | 0.30 |" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "| host | qcfuse | 0.30 |" in out_text
     assert "load_average" in data["env"]
+    # one new token (the default): TTFT alone, no decode columns
+    assert "decode ms/token" not in out_text and data["env"]["timed_call"] == "engine.answer"
+    assert all(r["max_new_tokens"] == 1 and r["decode_ms_per_token_median"] is None for r in rows)
+
+
+def test_bench_ttft_max_new_tokens_reports_decode_and_end_to_end(tmp_path, capsys):
+    """--max-new-tokens 12: each answer is streamed to its full length (EOS ignored); rows add
+    decode ms/token (the mean gap after the first token) and the end-to-end time, which is at
+    least the TTFT run by run; the table shows both."""
+    out = tmp_path / "e2e.json"
+    rc = main(["bench", "ttft", "--shape", "tiny-llama", "--dtype", "fp32", "--chunks", "2", "--chunk-tokens", "24",
+               "--query-tokens", "4", "--tier", "host", "--methods", "full", "qcfuse", "--ratios", "0.3",
+               "--runs", "2", "--warmup", "1", "--breakdown-runs", "1", "--max-new-tokens", "12",
+               "--store", str(tmp_path / "store"), "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["env"]["timed_call"] == "engine.stream"
+    rows = data["rows"]
+    assert [r["method"] for r in rows] == ["full", "qcfuse"]
+    for r in rows:
+        assert r["max_new_tokens"] == 12 and r["new_tokens"] == 12
+        assert all(e >= t > 0 for e, t in zip(r["e2e_ms_runs"], r["ttft_ms_runs"]))
+        assert r["e2e_ms_median"] >= r["ttft_ms_median"]
+        assert 0 < r["decode_ms_per_token_median"] < r["e2e_ms_median"]
+    table = capsys.readouterr().out
+    assert "| decode ms/token | end-to-end ms (tokens) |" in table
+    assert f"| {rows[1]['e2e_ms_median']:.1f} (12) |" in table
 
 
 def test_bench_ttft_rejects_unknown_method(tmp_path, capsys):
@@ -39,7 +67,7 @@ def test_bench_ttft_variants_time_qcfuse_with_other_options(tmp_path, capsys):
     deviation re-ranking, whose rows narrow inside the prefill); bad variants are refused."""
     import pytest
 
-    from qcfuse_core.bench_ttft import parse_variant
+    from qcfuse_core.eval.ttft import parse_variant
 
     out = tmp_path / "ttft.json"
     rc = main(["bench", "ttft", "--shape", "tiny-llama", "--dtype", "fp32", "--chunks", "2", "--chunk-tokens", "24",
@@ -63,7 +91,7 @@ def test_bench_ttft_variants_time_qcfuse_with_other_options(tmp_path, capsys):
 def test_bench_ttft_times_methods_round_robin(tmp_path, monkeypatch):
     """The timed runs alternate full prefill and every method (a drift of the machine reaches
     all of them alike); the timed call is the bench's `timed_answer` -> `engine.answer`."""
-    from qcfuse_core import bench_ttft as B
+    from qcfuse_core.eval import ttft as B
 
     order: list[tuple[str, bool]] = []
     real = B.timed_answer

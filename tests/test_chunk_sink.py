@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from qcfuse_core.engine import EngineConfig, QCFuseEngine
+from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
 from qcfuse_core.store import MemoryStore
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 
 DOCS = ["The mill on the river was built in 1820 by Anna Berg.", "The bridge is made of grey stone and iron."]
 Q = "Who built the mill?"
@@ -41,7 +41,7 @@ def test_sink_caches_are_the_chunk_after_bos_under_their_own_fingerprint(arch):
     key, = sink.build_chunks([DOCS[0]])
     assert key.fingerprint == sink.fingerprint
     ids = sink.chunk_tokens(DOCS[0])[0]
-    k_ref, v_ref = plain.prefill_alone(torch.cat([torch.tensor([1]), ids]))
+    k_ref, v_ref = plain.caches.prefill_alone(torch.cat([torch.tensor([1]), ids]))
     chunk = store.get(key)
     assert torch.allclose(chunk.k, k_ref[:, 1:], atol=1e-5, rtol=0)
     assert torch.allclose(chunk.v, v_ref[:, 1:], atol=1e-5, rtol=0)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qcfuse_core.cli import DEMO_QUESTIONS, main
+from qcfuse_core.cli.commands import main
+from qcfuse_core.ingest.corpus import DEMO_QUESTIONS
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -75,7 +76,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 def test_model_errors_name_the_fix(tmp_path, monkeypatch):
     import importlib.util
 
-    from qcfuse_core import model
+    from qcfuse_core.model import adapter as model
 
     with pytest.raises(FileNotFoundError, match="never downloads"):
         model.load_model(tmp_path / "nothing-here")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core.engine import EngineConfig, QCFuseEngine
-from qcfuse_core.generation import GenerationConfig, Sampler, TextAssembler
-from qcfuse_core.segment import ChunkTextIndex
+from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
+from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.types import ChunkKey, Piece
 
 DOCS = [
@@ -28,7 +28,7 @@ def test_full_recompute_through_fusion_answers_like_full(smol_engine):
 
 
 def test_result_fields_and_cache_hits():
-    from qcfuse_core.model import load_model
+    from qcfuse_core.model.adapter import load_model
 
     eng = QCFuseEngine(load_model(dtype="fp32"))
     first = eng.answer(Q, DOCS, method="naive", max_new_tokens=4)
@@ -41,10 +41,10 @@ def test_result_fields_and_cache_hits():
         assert key in r
     assert 0 < second.ttft_ms <= second.total_ms
     assert second.method == "naive" and second.ratio is None
-    glue = int(eng.fuse_pieces(eng.rag_pieces(Q, DOCS))[0].mask("text").sum())
+    glue = int(eng.steps.fuse_pieces(eng.rag_pieces(Q, DOCS))[0].mask("text").sum())
     assert second.recomputed_tokens == glue
-    assert second.context_tokens == second.prompt_tokens - len(eng.tokenize(eng._head + eng.config.context_header)) - \
-        len(eng.tokenize(eng.config.question_template.format(question=Q) + eng._tail))
+    assert second.context_tokens == second.prompt_tokens - len(eng.tokenize(eng.frame.head + eng.config.context_header)) - \
+        len(eng.tokenize(eng.config.question_template.format(question=Q) + eng.frame.tail))
 
 
 def test_streaming_deltas_join_to_text(smol_engine):
@@ -170,18 +170,41 @@ def test_completion_pieces_layout(smol):
 def test_frame_stops_follow_the_prompt_frame(smol_engine):
     """A chat template ends the model's turn: no stop strings. The plain frame of a base model
     (here a tiny model whose tokenizer has no chat template) stops where the frame's next
-    question would start, following a custom question_template; and an answer that runs into
-    that label ends there."""
-    from qcfuse_core.testing import tiny_model
+    question would start, following a custom question_template, or where it writes a second
+    "Answer:" line (the frame's answer cue); an answer that runs into either label ends there."""
+    from qcfuse_core.model.testing import tiny_model
 
     assert smol_engine.frame_stops == ()
     base = tiny_model("llama", tokenizer=True)
     assert not getattr(base.tokenizer, "chat_template", None)
-    assert QCFuseEngine(base).frame_stops == ("\nQuestion:",)
+    assert QCFuseEngine(base).frame_stops == ("\nQuestion:", "\nAnswer:")
     custom = QCFuseEngine(base, config=EngineConfig(question_template="\n\nQ: {question}\nA:"))
-    assert custom.frame_stops == ("\nQ:",)
-    assert QCFuseEngine(base, config=EngineConfig(question_template="{question}")).frame_stops == ()
+    assert custom.frame_stops == ("\nQ:", "\nAnswer:")
+    assert QCFuseEngine(base, config=EngineConfig(question_template="{question}")).frame_stops == ("\nAnswer:",)
     asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame_stops)
     for t in base.tokenizer("Paris.\nQuestion: and", add_special_tokens=False).input_ids:
         asm.push(t)
     assert asm.stopped and asm.text == "Paris."
+    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame_stops)
+    for t in base.tokenizer(" Paris.\nAnswer: Paris again", add_special_tokens=False).input_ids:
+        asm.push(t)
+        if asm.stopped:
+            break
+    assert asm.stopped and asm.text == " Paris."
+
+
+def test_ignore_eos_decodes_to_max_new_tokens():
+    """GenerationConfig.ignore_eos: end-of-sequence is a token like any other, so the answer
+    runs to max_new_tokens (benchmarks); without it the same greedy token ends the answer."""
+    from qcfuse_core.model.testing import tiny_model
+
+    eng = QCFuseEngine(tiny_model("llama", tokenizer=True))
+    docs = ["alpha beta gamma", "delta epsilon"]
+    first = eng.answer("which?", docs, max_new_tokens=1).token_ids[0]
+    eng.adapter.model.generation_config.eos_token_id = first  # the greedy first token is now EOS
+    stopped = eng.answer("which?", docs, max_new_tokens=6)
+    assert (stopped.token_ids, stopped.finish_reason) == ([], "stop")
+    full = eng.answer("which?", docs, max_new_tokens=6, ignore_eos=True)
+    assert len(full.token_ids) == 6 and full.token_ids[0] == first and full.finish_reason == "length"
+    with pytest.raises(ValueError, match="ignore_eos"):
+        GenerationConfig(ignore_eos="yes")  # type: ignore[arg-type]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.store import kv_dir, open_store
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 
 DOCS = [
     "The Zephyr Institute is a marine research station in Port Halden, founded in 1987 by Ada Ferreira.",
@@ -91,12 +91,12 @@ def test_position_prior_ranks_mass_times_prior_on_the_device(engines):
     """position_prior re-weights the ranking where the mass lives (on a GPU, on the GPU): the
     chosen positions equal a host top-k of the returned mass x the prior, and streamed ==
     in memory."""
-    from qcfuse_core.scoring import top_budget
-    from qcfuse_core.selectors import chunk_position_prior
+    from qcfuse_core.selection.scoring import top_budget
+    from qcfuse_core.selection.selectors import chunk_position_prior
 
     mem, _ = engines
     a = _qcfuse_streamed_like_in_memory(engines, {"position_prior": 0.8})
-    prompt, _, _ = mem.fuse_pieces(mem.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
+    prompt, _, _ = mem.steps.fuse_pieces(mem.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
     assert prompt.num_tokens == a.prompt_tokens
     mass = torch.zeros(prompt.num_tokens)
     mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = a.selection.scores.float().cpu()

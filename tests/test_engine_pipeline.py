@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.planner import Rates
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.cache.planner import Rates
 from qcfuse_core.store import kv_dir, open_store
 
 DOCS = [

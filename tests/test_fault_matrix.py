@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from qcfuse_core.cli import main
+from qcfuse_core.cli.commands import main
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def _verifies(capsys, store: Path) -> dict:
 
 
 def _subprocess(argv: list[str], *, drop_caps: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "qcfuse_core.cli", *argv]
+    cmd = [sys.executable, "-m", "qcfuse_core.cli.commands", *argv]
     if drop_caps:
         cmd = DROP_CAPS + cmd
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
@@ -199,7 +199,7 @@ def test_duplicate_chunks_in_one_ingest(tmp_path, capsys, how):
     assert code == 0, err
     assert "Traceback" not in err
     _verifies(capsys, store)
-    from qcfuse_integrations.chroma import open_collection
+    from qcfuse_core.retrieval.chroma import open_collection
 
     ids = open_collection(store / "chroma").get(include=[])["ids"]
     assert len(ids) == len(set(ids)) > 0
@@ -378,7 +378,7 @@ def test_unusable_cache_dir(tmp_path, baseline):
     home.chmod(0o555)
     env = {k: v for k, v in os.environ.items() if k != "QCFUSE_CACHE_DIR"}
     env["HOME"] = str(home)
-    proc = subprocess.run(DROP_CAPS + [sys.executable, "-m", "qcfuse_core.cli", "ask", QUESTION, "--store",
+    proc = subprocess.run(DROP_CAPS + [sys.executable, "-m", "qcfuse_core.cli.commands", "ask", QUESTION, "--store",
                                        str(store), *ASK], capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode != 0
     _one_line_error(proc, "QCFUSE_CACHE_DIR")
@@ -391,8 +391,8 @@ def test_unusable_cache_dir(tmp_path, baseline):
 
 
 def test_cache_dir_moved(tmp_path, capsys, monkeypatch):
-    from qcfuse_core import engine as engine_mod
-    from qcfuse_core.model import default_model_dir
+    from qcfuse_core.engine import api as engine_mod
+    from qcfuse_core.model.adapter import default_model_dir
 
     src = default_model_dir()
     a = tmp_path / "cache-a"
@@ -426,7 +426,7 @@ def test_prompt_longer_than_the_context(tmp_path, capsys):
     docs = _write_docs(tmp_path / "docs", long_docs)
     store = tmp_path / "store"
     assert _cli(capsys, "ingest", str(docs), "--store", str(store))[0] == 0
-    from qcfuse_core.engine import open_engine
+    from qcfuse_core.engine.api import open_engine
 
     engine = open_engine(store)
     limit = engine.adapter.max_positions
@@ -469,11 +469,11 @@ def test_verify_after_manifest_replaced(store, baseline_answer, capsys):
 
 
 def test_loader_error_in_one_request(baseline, baseline_answer, monkeypatch):
-    from qcfuse_core.engine import open_engine
+    from qcfuse_core.engine.api import open_engine
 
     store, _ = baseline
     engine = open_engine(store)
-    from qcfuse_core.cli import _collection, retrieve
+    from qcfuse_core.cli.commands import _collection, retrieve
 
     ids, docs = retrieve(_collection(store), QUESTION, 3)
     disk = engine.store.disk

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from qcfuse_core import fingerprint as fp_mod
-from qcfuse_core.model import ModelAdapter
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model import fingerprint as fp_mod
+from qcfuse_core.model.adapter import ModelAdapter
+from qcfuse_core.model.testing import tiny_model
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from qcfuse_core import cli
+from qcfuse_core.cli import commands as cli
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "qcfuse"):
@@ -52,6 +52,8 @@ def test_demo_and_ask_share_the_default_store(monkeypatch, tmp_path):
     ask = parser.parse_args(["ask", "q"])
     ingest = parser.parse_args(["ingest", "x"])
     assert demo.store == ask.store == ingest.store == tmp_path / "store"
+    for command in (["stats"], ["verify"], ["gc", "--max-bytes", "1G"], ["clear"]):  # no --store needed
+        assert parser.parse_args(["store", *command]).store == tmp_path / "store", command
 
 
 def test_ctrl_c_ends_with_a_message(monkeypatch, capsys):
@@ -75,3 +77,27 @@ def test_store_stats_explains_its_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     for word in ("entries", "sidecars", "nodes"):
         assert any(line.strip().startswith(word) and len(line.split()) > 3 for line in out.splitlines()), word
+
+
+def test_assembling_a_packaged_model_shows_progress_and_checks_its_sha256(tmp_path, monkeypatch, caplog):
+    import hashlib
+    import logging
+
+    from qcfuse_core.model import adapter as model
+
+    parts = []
+    for i in range(3):
+        p = tmp_path / f"m.gguf.part{i}"
+        p.write_bytes(bytes([i]) * 1000)
+        parts.append(p)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
+    monkeypatch.setattr(model, "PROGRESS_S", 0.0)  # a line per block
+    with caplog.at_level(logging.WARNING, logger="qcfuse_core.model.adapter"):
+        out = model.assemble_chunks(parts, tmp_path / "m.gguf", digest, block=500)
+    assert out.read_bytes() == b"".join(p.read_bytes() for p in parts)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("3 chunk packages" in m and "checking its sha256" in m for m in lines)
+    assert any("assembling m.gguf: 50%" in m for m in lines) and any("assembled and checked" in m for m in lines)
+    with pytest.raises(ValueError, match="expected 0+: reinstall its packages"):
+        model.assemble_chunks(parts, tmp_path / "bad.gguf", "0" * 64)
+    assert not (tmp_path / "bad.gguf").exists()

@@ -17,10 +17,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import qcfuse_kernels as K
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
-from qcfuse_core.model import ModelAdapter, cache_kwarg
-from qcfuse_core.testing import TINY_CONFIGS, tiny_model
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
+from qcfuse_core.model.adapter import ModelAdapter, cache_kwarg
+from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
 pytestmark = pytest.mark.kernels  # tiny models run through the Triton interpreter
@@ -40,7 +40,7 @@ def _prompt_alone(adapter: ModelAdapter, parts: list[torch.Tensor], kinds: list[
     segs = []
     for ids, kind in zip(parts, kinds):
         if kind in ("prefix", "chunk"):
-            chunk, _ = eng.chunk_cache(ids)
+            chunk, _ = eng.caches.chunk_cache(ids)
             segs.append(Segment(kind, ids, chunk))
         else:
             segs.append(Segment(kind, ids))
@@ -206,7 +206,7 @@ def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     alone at positions o..o+n-1 (RoPE attention depends on relative positions only)."""
     m = tiny_model(arch)
     ids = _segments_lens(m.shape.vocab_size, [25], seed=4)[0]
-    k_pre, v = QCFuseEngine(m).prefill_alone(ids)
+    k_pre, v = QCFuseEngine(m).caches.prefill_alone(ids)
     offset = 300
     pos = torch.arange(offset, offset + len(ids))[None]
     out = m.model(input_ids=ids[None], position_ids=pos, use_cache=True, **{cache_kwarg(m.model): DynamicCache()})
@@ -225,7 +225,7 @@ def test_embedded_model_full_recompute_equals_hf(smol):
         "The Zephyr Institute was founded in 1987 by the marine biologist Ada Ferreira.",
         "Port Halden is known for its lantern festival, held every October since 1952.",
     ])
-    prompt, _, misses = eng.fuse_pieces(pieces)
+    prompt, _, misses = eng.steps.fuse_pieces(pieces)
     assert misses == 2
     ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)
@@ -264,7 +264,7 @@ def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
     block size gives the dense reference's output (fp32, atol 1e-6)."""
     from qcfuse_kernels.reference import sparse_attention_ref
 
-    from qcfuse_core import fusion
+    from qcfuse_core.model import fusion
 
     g = torch.Generator().manual_seed(3)
     T, H, Hkv, D = 700, 4, 2, 16

@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from qcfuse_core import critical_layers
-from qcfuse_core.cli import main
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import fused_prefill
-from qcfuse_core.model import MODELS, load_model, packaged_model_dir
+from qcfuse_core.selection import profiles as critical_layers
+from qcfuse_core.cli.commands import main
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import fused_prefill
+from qcfuse_core.model.adapter import MODELS, load_model, packaged_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
         " ".join(f"The lighthouse keeper of island {i} logged {i * 7} storms in the year {1900 + i}." for i in range(k, k + 12))
         for k in (0, 12, 24)
     ]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many storms did the keeper of island 30 log?", passages))
+    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many storms did the keeper of island 30 log?", passages))
     assert prompt.num_tokens > 600
     ref, _ = gemma.hf_forward(prompt.token_ids, keep=8)
     out = fused_prefill(gemma, prompt, torch.arange(prompt.num_tokens), logits_last=8)
@@ -65,14 +65,14 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
 def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layers(gemma):
     """engine.select on the packaged model: the profile's layers and prior (with its depth)
     reach the selector, and the rows are those of the selector run with them explicitly."""
-    from qcfuse_core.selectors import SelectionContext, get_selector
+    from qcfuse_core.selection.base import SelectionContext, get_selector
 
     eng = QCFuseEngine(gemma)
     passages = [" ".join(f"Harbour {i} shipped {i * 3} crates of tea in {1800 + i}." for i in range(k, k + 30))
                 for k in (0, 30, 60)]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many crates did harbour 75 ship?", passages))
+    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many crates did harbour 75 ship?", passages))
     assert prompt.num_tokens > 1000  # the first chunks lie outside the last token's window
-    got = eng.select(prompt, "qcfuse", 0.3).selection
+    got = eng.steps.select(prompt, "qcfuse", 0.3).selection
     assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert sorted(got.details["critical_layers"]) == [5, 11, 17]
     want = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
@@ -88,7 +88,7 @@ def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layer
 def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, tmp_path):
     """The shipped adaptive-budget calibration was counted on the shipped profile's ranking (its
     layers and prior), so `adaptive` serves on the packaged model with it."""
-    from qcfuse_core import adaptive
+    from qcfuse_core.selection import adaptive
 
     monkeypatch.setenv("QCFUSE_CACHE_DIR", str(tmp_path))  # no user calibration (the model is loaded)
     cal, source = adaptive.lookup_calibration(gemma)
@@ -98,8 +98,8 @@ def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, t
     assert cal["options"] == prof.options == {"position_prior": 2, "prior_depth": 64}
     eng = QCFuseEngine(gemma)
     passages = [" ".join(f"Mill {i} ground {i * 5} sacks of rye in {1700 + i}." for i in range(k, k + 20)) for k in (0, 20)]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("How many sacks did mill 25 grind?", passages))
-    got = eng.select(prompt, "adaptive", 0.3).selection
+    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many sacks did mill 25 grind?", passages))
+    got = eng.steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert got.details["target_mass"] == adaptive.target_for(cal, 0.3)
     assert got.details["budget_mode"] == "adaptive" and got.rows.numel() > 0
@@ -108,7 +108,7 @@ def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, t
 def test_plain_prompt_frame_for_the_base_model(gemma):
     """No chat template: BOS, the system line, the documents, the question, "Answer:"."""
     eng = QCFuseEngine(gemma)
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces("Who?", ["A doc."]), caches=False)
+    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("Who?", ["A doc."]), caches=False)
     ids = prompt.token_ids.tolist()
     assert ids[0] == gemma.tokenizer.bos_token_id and ids.count(gemma.tokenizer.bos_token_id) == 1
     text = gemma.tokenizer.decode(ids)

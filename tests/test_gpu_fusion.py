@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qcfuse_kernels as K
-from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, fused_prefill
-from qcfuse_core.testing import TINY_CONFIGS, tiny_model
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
+from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
 pytestmark = [pytest.mark.kernels, pytest.mark.skipif(

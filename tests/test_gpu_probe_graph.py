@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core import probe as P
-from qcfuse_core.probe import gather_context, run_probe
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.selection import probe as P
+from qcfuse_core.selection.probe import gather_context, run_probe
+from qcfuse_core.model.testing import tiny_model
 from tests.qc_fixtures import prompt_exact
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,7 +64,7 @@ def test_graph_without_hidden_stops_at_the_last_qk():
 
 
 def test_qcfuse_selector_uses_the_graph_on_cuda():
-    from qcfuse_core.selectors import SelectionContext, get_selector
+    from qcfuse_core.selection.base import SelectionContext, get_selector
 
     from tests.qc_fixtures import prompt_alone
 

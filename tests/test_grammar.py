@@ -1,4 +1,4 @@
-"""JSON-schema constrained decoding (qcfuse_core/grammar.py): the mask llguidance computes,
+"""JSON-schema constrained decoding (qcfuse_core/engine/grammar.py): the mask llguidance computes,
 applied by our sampler, makes even a random model's output parse against the schema."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.generation import GenerationConfig, Sampler
-from qcfuse_core.grammar import closed, json_schema_constraint
-from qcfuse_core.testing import byte_tokenizer, tiny_model
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.engine.generation import GenerationConfig, Sampler
+from qcfuse_core.engine.grammar import closed, json_schema_constraint
+from qcfuse_core.model.testing import byte_tokenizer, tiny_model
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "colour": {"enum": ["red", "green", "blue"]},
@@ -61,3 +61,47 @@ def test_missing_llguidance_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(ImportError, match=r"pip install 'qcfuse\[structured\]'"):
         json_schema_constraint(byte_tokenizer(), {"type": "boolean"})
+
+
+# ---------------------------------------------------------------------- the repetition guard (issue 40, item 5)
+
+
+def _guard(text: str, span: int = 8):
+    from qcfuse_core.engine.grammar import RepetitionGuard
+
+    g = RepetitionGuard(chr, span)
+    for ch in text:
+        g.accept(ord(ch))
+    return g
+
+
+def test_the_guard_rejects_a_repeat_inside_strings_only():
+    g = _guard('{"s": "abcdefgh, abcdefg')
+    assert g.rejects(ord("h"))  # "abcdefgh" again: a repeat of 8 characters
+    assert not g.rejects(ord("x")) and not g.rejects(ord('"'))  # new text; closing is always allowed
+    outside = _guard('{"a": 1, "b": 2}, {"a": 1, "b": 2}')  # structure repeats freely
+    assert not outside.in_string and not outside.rejects(ord(","))
+    items = _guard('["abcdefgh", "abcdefg')  # a list item copying an earlier one
+    assert items.rejects(ord("h"))
+    escaped = _guard('{"s": "a\\"bcdefgh a\\"bcdefg')  # an escaped quote stays inside the string
+    assert escaped.in_string and escaped.rejects(ord("h"))
+
+
+def test_max_items_and_max_length_are_honoured():
+    tok = byte_tokenizer()
+    for schema, text, stop in [
+        ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+          "required": ["a"]}, '{"a": ["x", "y"', ","),
+        ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]},
+         '{"s": "abc', "d"),
+    ]:
+        c = json_schema_constraint(tok, schema)()
+        for ch in text:
+            assert c.allowed(256)[ord(ch)], (text, ch)
+            c.accept(ord(ch))
+        assert not c.allowed(256)[ord(stop)]  # a third item, a fourth character: not allowed
+
+
+def test_bad_repeat_span_raises():
+    with pytest.raises(ValueError, match="repeat_chars must be an int >= 2 or None"):
+        json_schema_constraint(byte_tokenizer(), {"type": "string"}, repeat_chars=1)

@@ -119,7 +119,7 @@ def test_pointwise_reject_bad_inputs(bad, exc, match):
 
 
 def _tiny(arch="llama"):
-    from qcfuse_core.testing import tiny_model
+    from qcfuse_core.model.testing import tiny_model
 
     return tiny_model(arch, seed=0)
 
@@ -163,7 +163,7 @@ def test_adapter_falls_back_to_hf_modules_for_other_norms_and_activations():
     ad.model.config.hidden_act = "gelu"
     lyr = ad.layers[0]
     lyr.input_layernorm = torch.nn.LayerNorm(ad.shape.hidden_size)
-    from qcfuse_core.model import ModelAdapter
+    from qcfuse_core.model.adapter import ModelAdapter
 
     ad2 = ModelAdapter(ad.model, ad.tokenizer)
     assert not ad2.fused_norm and not ad2.fused_mlp
@@ -190,3 +190,31 @@ def test_gpu_pointwise_kernels(use_backend, dtype):
     ang = torch.arange(R)[:, None] * (10000.0 ** (-torch.arange(D // 2) / (D // 2)))[None]
     cos, sin = torch.cat([ang.cos()] * 2, 1).cuda(), torch.cat([ang.sin()] * 2, 1).cuda()
     assert_close(ops.apply_rope(q, cos, sin), ref.apply_rope(q, cos, sin), **TOL[dtype], what="gpu rope")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
+def test_interpreted_launches_from_several_threads(use_backend):
+    """The interpreter swaps triton.language's functions for each launch, process-wide:
+    launches from several threads at once (the scheduler's worker, a background build and
+    the caller) run one at a time and give the reference's results."""
+    import threading
+
+    x = _rand(6, 64, scale=3.0)
+    w = _rand(64, seed=1)
+    want = ref.rms_norm_ref(x, w, 1e-5)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            for _ in range(15):
+                torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, **TOL[torch.float32])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]

@@ -4,14 +4,13 @@ engine serving concurrent callers without a lock."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.testing import tiny_model
-from qcfuse_integrations.base import GenerationOptions, check_options, iterate_in_thread
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.testing import tiny_model
+from qcfuse_integrations.base import GenerationOptions, check_options
 from qcfuse_integrations.learning import Learner
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(14)) for i in range(3)]
@@ -89,38 +88,6 @@ def test_the_engine_serves_concurrent_callers_without_a_lock(engine):
     for t in threads:
         t.join()
     assert [got[i] for i in range(len(questions))] == want
-
-
-def test_the_async_bridge_stops_the_worker_when_the_consumer_stops():
-    closed = threading.Event()
-
-    def numbers():
-        try:
-            for i in range(10_000):
-                yield i
-        finally:
-            closed.set()
-
-    async def first_three():
-        out = []
-        async for x in iterate_in_thread(numbers):
-            out.append(x)
-            if len(out) == 3:
-                break
-        return out
-
-    assert asyncio.run(first_three()) == [0, 1, 2]
-    assert closed.wait(5)
-
-    def boom():
-        yield 1
-        raise OSError("disk went away")
-
-    async def drain():
-        return [x async for x in iterate_in_thread(boom)]
-
-    with pytest.raises(OSError, match="disk went away"):
-        asyncio.run(drain())
 
 
 def test_generation_options_speak_the_frameworks_names():

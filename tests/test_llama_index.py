@@ -25,7 +25,7 @@ from llama_index.core import Document, Settings, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E402
 from llama_index.core.schema import NodeWithScore, TextNode  # noqa: E402
 
-from qcfuse_core.segment import ChunkTextIndex  # noqa: E402
+from qcfuse_core.retrieval.texts import ChunkTextIndex  # noqa: E402
 from qcfuse_core.types import Piece  # noqa: E402
 from qcfuse_integrations.llama_index import (  # noqa: E402
     QCFuseCacheBuilder,
@@ -37,7 +37,7 @@ from qcfuse_integrations.llama_index import (  # noqa: E402
     render_for_prompt,
     retrieved_nodes,
 )
-from qcfuse_core.segment import split_prompt  # noqa: E402
+from qcfuse_core.retrieval.texts import split_prompt  # noqa: E402
 from qcfuse_integrations.llama_index.postprocessor import set_retrieved_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def test_sync_streaming(example, index, fusion):
     assert fusion.last["cache_hits"] == 2
 
 
-async def test_acomplete_decodes_in_a_worker_thread(example):
+async def test_acomplete_does_not_block_the_loop(example):
     """The event loop keeps running while the model decodes (a wrapped sync call would block it)."""
     llm = make_llm(example)
     ticks = 0

@@ -1,14 +1,15 @@
-"""Lockstep decoding (qcfuse_core/lockstep.py) and the bench's shared greedy / teacher-forced
+"""Lockstep decoding (qcfuse_core/model/batched.py) and the bench's shared greedy / teacher-forced
 decode (bench_quality.decode_answers) give the plain one-token-at-a-time results bit for bit."""
 
 import pytest
 import torch
 
-from qcfuse_core import lockstep
-from qcfuse_core.bench_quality import _greedy_seq, decode_answers, forced_logits
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import KVCache, decode_step, fill_from_hf
-from qcfuse_core.testing import TINY_CONFIGS, tiny_model
+from qcfuse_core.model import batched as lockstep
+from qcfuse_core.eval import quality
+from qcfuse_core.eval.quality import _greedy_seq, decode_answers, forced_logits
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import KVCache, decode_step, fill_from_hf
+from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 
 
 def _cache(adapter, ids: torch.Tensor, room: int) -> tuple[KVCache, torch.Tensor]:
@@ -71,7 +72,7 @@ def test_decode_answers_equal_greedy_and_forced_logits_with_fewer_steps(monkeypa
     c0 = _copy(made[0][0])
     ids0, _, _ = _greedy_seq(eng, c0, made[0][1], max_new)
     for seq, eos in ((ids0, set()), (ids0[:3] + [(ids0[3] + 1) % 256] + ids0[4:], set()), (ids0[:5] + [ids0[5]], {ids0[5]})):
-        monkeypatch.setattr(QCFuseEngine, "_eos_ids", lambda self, e=eos: set(e))
+        monkeypatch.setattr(quality, "eos_ids", lambda adapter, e=eos: set(e))
         want = []
         for cache, first in made:
             c = _copy(cache)

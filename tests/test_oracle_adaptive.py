@@ -10,12 +10,14 @@ import json
 import pytest
 import torch
 
-from qcfuse_core import adaptive, oracle
-from qcfuse_core.datasets import load_dataset
-from qcfuse_core.scoring import top_budget
-from qcfuse_core.selectors import PROBING_METHODS, SelectionContext, get_selector
+from qcfuse_core.eval import calibration
+from qcfuse_core.selection import adaptive
+from qcfuse_core.eval import oracle
+from qcfuse_core.eval.datasets import load_dataset
+from qcfuse_core.selection.scoring import top_budget
+from qcfuse_core.selection.base import SelectionContext, get_selector
 from qcfuse_core.store import MemoryStore
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 from tests.qc_fixtures import prompt_alone
 
 SUFFIX = list(range(68, 75))
@@ -87,7 +89,7 @@ def test_oracle_selects_the_top_mass_times_staleness(setup):
     assert sel.details["positions"].tolist() != q.details["positions"].tolist()  # staleness re-ranks
     again = get_selector("oracle").select(SelectionContext(m, prompt, 0.3))
     assert again.details["oracle_reused"] and len(again.details["positions"]) == 19  # round(0.3 x 62)
-    assert "oracle" in PROBING_METHODS and "adaptive" in PROBING_METHODS
+    assert get_selector("oracle").probes and get_selector("adaptive").probes
 
 
 def test_oracle_ignores_qcfuses_ranking_options(setup):
@@ -105,7 +107,7 @@ def test_oracle_ignores_qcfuses_ranking_options(setup):
 def test_oracle_refuses_lazy_chunk_views(setup):
     from dataclasses import replace
 
-    from qcfuse_core.fusion import FusedPrompt
+    from qcfuse_core.model.fusion import FusedPrompt
 
     m, prompt = setup
 
@@ -130,12 +132,12 @@ def test_solve_target_hits_the_mean_share_exactly_on_toy_masses():
     a = torch.tensor([5.0, 1, 1, 1, 1, 0.5, 0.5, 0, 0, 0])
     b = torch.ones(10)
     masses = [(a, 10, 0), (b, 10, 0)]
-    t = adaptive.solve_target(masses, 0.3, floor=0.0, ceiling=1.0)
-    assert adaptive.mean_share(masses, t, 0.0, 1.0) == pytest.approx(0.3)
+    t = calibration.solve_target(masses, 0.3, floor=0.0, ceiling=1.0)
+    assert calibration.mean_share(masses, t, 0.0, 1.0) == pytest.approx(0.3)
     # at that target: question a needs 1 token (5/11 covers t), question b 5 (t of 10 equal tokens)
-    assert 5 / 11 >= t > 0.4 and adaptive.mean_share(masses, 0.4, 0.0, 1.0) < 0.3
+    assert 5 / 11 >= t > 0.4 and calibration.mean_share(masses, 0.4, 0.0, 1.0) < 0.3
     with pytest.raises(ValueError, match="out of reach"):
-        adaptive.solve_target(masses, 0.6, floor=0.0, ceiling=0.5)
+        calibration.solve_target(masses, 0.6, floor=0.0, ceiling=0.5)
 
 
 def test_adaptive_selector_is_qcfuse_with_the_calibrated_target(setup, monkeypatch):
@@ -155,7 +157,7 @@ def test_adaptive_selector_is_qcfuse_with_the_calibrated_target(setup, monkeypat
 def test_calibrate_matches_the_requested_mean_share(setup, tmp_path, monkeypatch):
     """calibrate() on a two-question toy set: each share's target gives that mean share to
     within one token per question; the saved file is what lookup_calibration reads."""
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
 
     m = tiny_model("llama", tokenizer=True)
     engine = QCFuseEngine(m)
@@ -165,59 +167,58 @@ def test_calibrate_matches_the_requested_mean_share(setup, tmp_path, monkeypatch
                       {"title": "", "text": "The valley holds several towns and a long, slow river. " * 3}]}
             for i in range(2)]
     data.write_text(json.dumps(rows))
-    cal = adaptive.calibrate(engine, str(data), shares=(0.15, 0.3, 0.01), options={"critical_layers": [1]})
+    cal = calibration.calibrate(engine, str(data), shares=(0.15, 0.3, 0.01), options={"critical_layers": [1]})
     assert cal["n"] == 2 and set(cal["targets"]) == {"0.15", "0.3"}
     assert cal["unreachable_shares"] == [0.01]  # below the 0.05 floor: skipped, the others kept
-    masses = adaptive.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
+    masses = calibration.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
     tol = max(1 / c for _, c, _ in masses)  # one token of the shortest context
     for s in (0.15, 0.3):
-        assert abs(adaptive.mean_share(masses, cal["targets"][f"{s:g}"], 0.05, 0.5) - s) <= tol
+        assert abs(calibration.mean_share(masses, cal["targets"][f"{s:g}"], 0.05, 0.5) - s) <= tol
     assert cal["targets"]["0.15"] < cal["targets"]["0.3"]
-    path = adaptive.save_calibration(cal, tmp_path / "cal.json", m)
+    path = calibration.save_calibration(cal, tmp_path / "cal.json", m)
     assert json.loads(path.read_text())["targets"] == cal["targets"]
     assert cal["critical_layers"] == [1] and cal["options"] == {}
 
     # with a position prior the count adds up the weighted scores, and the adaptive method at
     # the calibrated share realises it on the calibration questions (within a token each)
     opts = {"critical_layers": [1], "position_prior": 2.0}
-    cal = adaptive.calibrate(engine, str(data), shares=(0.15, 0.3), options=opts)
+    cal = calibration.calibrate(engine, str(data), shares=(0.15, 0.3), options=opts)
     assert cal["options"] == {"position_prior": 2.0}
-    weighted = adaptive.question_masses(engine, str(data), limit=None, options=opts)
-    plain = adaptive.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
+    weighted = calibration.question_masses(engine, str(data), limit=None, options=opts)
+    plain = calibration.question_masses(engine, str(data), limit=None, options={"critical_layers": [1]})
     assert not torch.equal(weighted[0][0], plain[0][0])
     monkeypatch.setattr(adaptive, "lookup_calibration", lambda adapter: (cal, "test"))
     for s in (0.15, 0.3):
         shares = []
         for ex in load_dataset(str(data), limit=None):
-            engine.store = MemoryStore()
-            prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-            sel = engine.select(prompt, "adaptive", s, options=opts).selection
+            engine = engine.replace(store=MemoryStore())
+            prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
+            sel = engine.steps.select(prompt, "adaptive", s, options=opts).selection
             assert sel.details["position_prior"] == 2.0
             shares.append((sel.details["budget"] + int(prompt.mask("text").sum())) / prompt.context_tokens)
         assert abs(sum(shares) / len(shares) - s) <= tol
     with pytest.raises(ValueError, match="ranking options"):
-        engine.select(prompt, "adaptive", 0.3, options={"critical_layers": [1]})
+        engine.steps.select(prompt, "adaptive", 0.3, options={"critical_layers": [1]})
 
 
 def test_forced_logits_equal_a_teacher_forced_fused_prefill(smol_engine):
     """Teacher forcing by decode steps on a method's prompt cache gives the logits of
-    engine.fuse(teacher=seq) (the seq rows recomputed over the same cache), for a method
+    quality.teacher_fused (the seq rows recomputed over the same cache), for a method
     whose rows change inside the prefill (cacheblend) and a probing one."""
-    from qcfuse_core.bench_quality import forced_logits
-    from qcfuse_core.pipeline import Planned
+    from qcfuse_core.eval.quality import forced_logits, teacher_fused
+    from qcfuse_core.engine.request import Planned
     from qcfuse_core.store import MemoryStore
 
-    eng = smol_engine
-    eng.store = MemoryStore()
+    eng = smol_engine.replace(store=MemoryStore())
     pieces = eng.rag_pieces("Who founded the Zephyr Institute?",
                             ["The Zephyr Institute was founded in 1931 by Ada Ferreira.", "Cape Wrayth has a port."])
-    loading = eng.start_loading(eng.lookup(pieces, "naive", streaming=False), Planned("naive", frozenset()))
+    loading = eng.steps.start_loading(eng.steps.lookup(pieces, "naive", streaming=False), Planned("naive", frozenset()))
     seq = eng.tokenize(" Ada Ferreira founded it.").tolist()
     for method in ("cacheblend", "qcfuse"):
-        sel = eng.select(loading.prompt, method, 0.3)
-        teacher = eng.fuse(loading, sel, method, teacher=torch.tensor(seq)).logits  # (len + 1, vocab)
-        sel = eng.select(loading.prompt, method, 0.3)
-        pre = eng.fuse(loading, sel, method, capacity=len(seq))
+        sel = eng.steps.select(loading.prompt, method, 0.3)
+        teacher = teacher_fused(eng, loading, sel, method, torch.tensor(seq))[0]  # (len + 1, vocab)
+        sel = eng.steps.select(loading.prompt, method, 0.3)
+        pre = eng.steps.fuse(loading, sel, method, capacity=len(seq))
         got = forced_logits(eng, pre.cache, pre.logits[-1], seq)
         assert got.shape == (len(seq), teacher.shape[1]) and pre.cache.length == loading.prompt.num_tokens
         torch.testing.assert_close(got, teacher[: len(seq)], atol=2e-4, rtol=1e-4)
@@ -227,7 +228,7 @@ def test_run_example_answer_kl_storage_and_bound_methods(smol_engine, monkeypatc
     """Every record has the answer-level KL (0 for full prefill through the fused path, its
     first token's value equal to the first-token KL); `oracle` and `adaptive` run as methods;
     storage="fp8" renames the records and moves the fused caches, not the selection."""
-    from qcfuse_core.bench_quality import run_example
+    from qcfuse_core.eval.quality import run_example
     from tests.test_quality_bench import _toy_example
 
     monkeypatch.setattr(adaptive, "lookup_calibration",
@@ -254,7 +255,7 @@ def test_run_example_answer_kl_storage_and_bound_methods(smol_engine, monkeypatc
 
 
 def test_round_trip_goes_through_the_codec(setup):
-    from qcfuse_core.bench_quality import round_trip
+    from qcfuse_core.eval.quality import round_trip
     from qcfuse_core.store.codec import decode_layer, encode_layer
 
     m, prompt = setup
@@ -285,10 +286,10 @@ def test_the_embedded_model_ships_its_calibration(smol, monkeypatch, tmp_path):
 def test_adaptive_serves_through_engine_answer_and_oracle_refuses_streamed_caches(tmp_path, monkeypatch):
     """`adaptive` is a serving method: engine.answer on a tiered store (layers streamed) runs
     it with the calibrated target; `oracle` needs every cache in memory and says so."""
-    from qcfuse_core.engine import EngineConfig, open_engine
+    from qcfuse_core.engine.api import EngineConfig, open_engine
 
     m = tiny_model("llama", tokenizer=True)
-    monkeypatch.setattr("qcfuse_core.engine._ADAPTERS", {("None", "None", "cpu"): m})
+    monkeypatch.setattr("qcfuse_core.engine.api._ADAPTERS", {("None", "None", "cpu"): m})
     monkeypatch.setattr(adaptive, "lookup_calibration",
                         lambda a: ({"targets": {"0.1": 0.5, "0.3": 0.9}, "floor": 0.05, "ceiling": 0.5}, "test"))
     engine = open_engine(tmp_path / "store", config=EngineConfig(selection_options={"critical_layers": [1]}))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qcfuse_core.planner import Rates, load_rates, plan, rates_path, save_rates
+from qcfuse_core.cache.planner import Rates, load_rates, plan, rates_path, save_rates
 
 # 1 ms per token of prefill; 1 MB of KV per token; host 1000 GB/s (1 us/token), disk 2 GB/s (0.5 ms/token)
 RATES = Rates(prefill_ms_per_token=1.0, tier_gbps={"host": 1000.0, "disk": 2.0}, kv_bytes_per_token=1_000_000)

@@ -4,12 +4,12 @@ ChunkViews serve the qcfuse probe from sidecars exactly as full chunks would."""
 import pytest
 import torch
 
-from qcfuse_core.testing import cache_alone
-from qcfuse_core.fusion import FusedPrompt, Segment, fused_prefill
-from qcfuse_core.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar
-from qcfuse_core.selectors import SelectionContext, get_selector
+from qcfuse_core.model.testing import cache_alone
+from qcfuse_core.model.fusion import FusedPrompt, Segment, fused_prefill
+from qcfuse_core.cache.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar
+from qcfuse_core.selection.base import SelectionContext, get_selector
 from qcfuse_core.store import open_store
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 
 CRITICAL = [1]  # tiny models have 3 layers; probe depth 2
 

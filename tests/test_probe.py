@@ -9,8 +9,8 @@ and the attention mass at a layer must match a dense softmax over the full prefi
 import pytest
 import torch
 
-from qcfuse_core.probe import LayerContext, context_keys, gather_context, query_mass, run_probe
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.selection.probe import LayerContext, context_keys, gather_context, query_mass, run_probe
+from qcfuse_core.model.testing import tiny_model
 from tests.qc_fixtures import prompt_exact
 
 KINDS_NO_GLUE = ["prefix", "chunk", "chunk", "chunk", "suffix"]

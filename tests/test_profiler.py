@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from qcfuse_core import metrics as M
-from qcfuse_core.anchors import AnchorConfig
-from qcfuse_core.fusion import fused_prefill
-from qcfuse_core.profiler import format_ranking, prepare_example, profile_layers, score_set
-from qcfuse_core.selectors import SelectionContext, get_selector
+from qcfuse_core.eval import metrics as M
+from qcfuse_core.selection.anchors import AnchorConfig
+from qcfuse_core.model.fusion import fused_prefill
+from qcfuse_core.eval.profile_layers import format_ranking, prepare_example, profile_layers, score_set
+from qcfuse_core.selection.base import SelectionContext, get_selector
 
 QUESTIONS = [
     ("Who founded the Zephyr Institute?",
@@ -92,7 +92,7 @@ def test_profile_singles_and_greedy(smol_engine, toy_set):
 
 
 def test_cli_profile_layers_greedy_writes_the_profile(toy_set, tmp_path, capsys):
-    from qcfuse_core.cli import main
+    from qcfuse_core.cli.commands import main
 
     out = tmp_path / "profile.json"
     assert main(["profile-layers", "--dataset", str(toy_set), "--ratio", "0.3", "--critical-layers", "2,5",
@@ -135,15 +135,15 @@ def test_ranking_options_score_what_the_selector_ranks_and_go_into_the_profile(s
 def _profiled(smol_engine, tmp_path, monkeypatch, options: dict):
     """An engine whose model has a user profile (layers [5, 8] and `options`), a prompt of
     QUESTIONS[0], and rows(method, **options): the selector's rows with explicit options."""
-    from qcfuse_core import critical_layers
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.selection import profiles as critical_layers
+    from qcfuse_core.engine.api import QCFuseEngine
 
     monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
     adapter = smol_engine.adapter
     (tmp_path / f"{adapter.fingerprint()}.json").write_text(json.dumps({"layers": [5, 8], "options": options}))
     eng = QCFuseEngine(adapter)
     q, passages, _ = QUESTIONS[0]
-    prompt, _, _ = eng.fuse_pieces(eng.rag_pieces(q, passages))
+    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces(q, passages))
 
     def rows(method="qcfuse", **opts):
         return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=opts)).rows
@@ -156,10 +156,11 @@ def test_an_adaptive_budget_takes_a_profiles_options_less_the_fixed_only_ones(sm
     """A profile with chunk sinks (a fixed budget's option): qcfuse at a fixed budget places
     them; qcfuse's adaptive budget, the adaptive method and its calibration take the profile's
     prior only (an adaptive budget refuses chunk sinks)."""
-    from qcfuse_core import adaptive as adaptive_mod
+    from qcfuse_core.eval import calibration
+    from qcfuse_core.selection import adaptive as adaptive_mod
 
     eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, {"position_prior": 0.5, "chunk_sinks": 3})
-    fixed = eng.select(prompt, "qcfuse", 0.3).selection
+    fixed = eng.steps.select(prompt, "qcfuse", 0.3).selection
     assert torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5, chunk_sinks=3))
     assert not torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5))
     heads = [s for s, _ in prompt.chunk_spans()]
@@ -167,15 +168,15 @@ def test_an_adaptive_budget_takes_a_profiles_options_less_the_fixed_only_ones(sm
     assert eng.selection_options("adaptive") == {"critical_layers": [5, 8], "position_prior": 0.5}
     assert eng.selection_options("qcfuse", {"budget": "adaptive"}) == {
         "critical_layers": [5, 8], "position_prior": 0.5, "budget": "adaptive"}
-    budget = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    budget = eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
     assert torch.equal(budget.rows, rows(critical_layers=[5, 8], position_prior=0.5, budget="adaptive"))
-    cal = adaptive_mod.calibrate(eng, str(toy_set), shares=(0.3,))
+    cal = calibration.calibrate(eng, str(toy_set), shares=(0.3,))
     assert cal["critical_layers"] == [5, 8] and cal["options"] == {"position_prior": 0.5}
     monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
-    got = eng.select(prompt, "adaptive", 0.3).selection
+    got = eng.steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 0.5 and got.details["chunk_sinks"] == 0
     with pytest.raises(ValueError, match="fixed budget"):  # a caller's own sinks are still refused
-        eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive", "chunk_sinks": 3})
+        eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive", "chunk_sinks": 3})
 
 
 def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp_path, monkeypatch):
@@ -183,8 +184,8 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     used; a caller's own option wins; explicit critical layers, layers from the engine's config
     and other methods do not take them; a profile with an option it may not carry is refused,
     naming it."""
-    from qcfuse_core import critical_layers
-    from qcfuse_core.engine import QCFuseEngine
+    from qcfuse_core.selection import profiles as critical_layers
+    from qcfuse_core.engine.api import QCFuseEngine
 
     monkeypatch.setattr(critical_layers, "profile_dir", lambda: tmp_path)
     adapter = smol_engine.adapter
@@ -195,37 +196,37 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     assert critical_layers.lookup(adapter) == ([5, 8], prof.source)
 
     eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, prof.options)
-    got = eng.select(prompt, "qcfuse", 0.3).selection
+    got = eng.steps.select(prompt, "qcfuse", 0.3).selection
     assert got.details["position_prior"] == 2.0 and torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0))
     assert not torch.equal(got.rows, rows(critical_layers=[5, 8]))
-    own = eng.select(prompt, "qcfuse", 0.3, {"position_prior": 0.0}).selection  # the caller's own setting wins
+    own = eng.steps.select(prompt, "qcfuse", 0.3, {"position_prior": 0.0}).selection  # the caller's own setting wins
     assert own.details["position_prior"] == 0.0 and torch.equal(own.rows, rows(critical_layers=[5, 8]))
-    explicit = eng.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
+    explicit = eng.steps.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
     assert explicit.details["position_prior"] == 0.0
-    adaptive = eng.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    adaptive = eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
     assert adaptive.details["position_prior"] == 2.0 and adaptive.details["budget_mode"] == "adaptive"
     assert torch.equal(adaptive.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive"))
     assert eng.selection_options("qcfuse") == {"critical_layers": [5, 8], "position_prior": 2.0}
     assert eng.selection_options("cacheblend") == {}
     # the adaptive method: its calibration must have counted on the same ranking
-    from qcfuse_core import adaptive as adaptive_mod
+    from qcfuse_core.selection import adaptive as adaptive_mod
     cal = {"targets": {"0.1": 0.4, "0.3": 0.8}, "floor": 0.0, "ceiling": 0.5, "critical_layers": [8, 5],
            "options": {"position_prior": 2}}
     monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
-    got = eng.select(prompt, "adaptive", 0.3).selection
+    got = eng.steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 2.0 and got.details["target_mass"] == 0.8
     assert torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive", target_mass=0.8,
                                       floor=0.0, ceiling=0.5))
     with pytest.raises(ValueError, match="calibrated with ranking options"):
-        eng.select(prompt, "adaptive", 0.3, {"position_prior": 1.0})
+        eng.steps.select(prompt, "adaptive", 0.3, {"position_prior": 1.0})
     with pytest.raises(ValueError, match="calibrated at critical layers"):
-        eng.select(prompt, "adaptive", 0.3, {"critical_layers": [5]})
+        eng.steps.select(prompt, "adaptive", 0.3, {"critical_layers": [5]})
     # layers from the engine's config, not the profile: no profile options, also when a call
     # passes options without layers
-    from qcfuse_core.engine import EngineConfig
+    from qcfuse_core.engine.api import EngineConfig
     configured = QCFuseEngine(adapter, config=EngineConfig(selection_options={"critical_layers": [5, 8]}))
     for opts in (None, {"spread": 0}):
-        sel = configured.select(prompt, "qcfuse", 0.3, opts).selection
+        sel = configured.steps.select(prompt, "qcfuse", 0.3, opts).selection
         assert sel.details["position_prior"] == 0.0 and sel.details["layers_source"] == "option"
         assert torch.equal(sel.rows, rows(critical_layers=[5, 8]))
 

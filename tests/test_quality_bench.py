@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qcfuse_core import metrics as M
-from qcfuse_core.bench_quality import ROW_KEYS, aggregate, format_summary, summarize
-from qcfuse_core.datasets import detect_format, load_dataset
-from qcfuse_core.plot import plot_quality
+from qcfuse_core.eval import metrics as M
+from qcfuse_core.eval.quality import ROW_KEYS, aggregate, format_summary, summarize
+from qcfuse_core.eval.datasets import detect_format, load_dataset
+from qcfuse_core.eval.plot import plot_quality
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -107,7 +107,7 @@ def test_summary_reads_the_targets_off_the_rows():
 
 
 def _toy_example():
-    from qcfuse_core.datasets import Example
+    from qcfuse_core.eval.datasets import Example
 
     return Example(id="toy", question="Who founded the Zephyr Institute?",
                    passages=("The Zephyr Institute studies ocean currents. It was founded in 1931 by the marine "
@@ -122,7 +122,7 @@ def test_run_example_records_and_variants(smol_engine, target):
     """One example end to end on the embedded model: a record per method/variant with the
     row keys; `full` run through the fused path (every row recomputed) reproduces full
     prefill's scores; with target="full" the teacher-forced target is full's own answer."""
-    from qcfuse_core.bench_quality import run_example
+    from qcfuse_core.eval.quality import run_example
 
     variants = [("qcfuse", "qcfuse", 0.3, {}), ("qcfuse-spread2", "qcfuse", 0.3, {"spread": 2}),
                 ("naive", "naive", None, {}), ("full-fused", "full", None, {}),
@@ -149,7 +149,7 @@ def test_run_example_records_and_variants(smol_engine, target):
 
 
 def test_run_appends_records_and_skips_done_questions(smol_engine, tmp_path):
-    from qcfuse_core.bench_quality import run
+    from qcfuse_core.eval.quality import run
 
     ex = _toy_example()
     data = tmp_path / "toy_s.json"
@@ -166,7 +166,7 @@ def test_run_appends_records_and_skips_done_questions(smol_engine, tmp_path):
 
 def test_cli_aggregate_only_writes_table_summary_and_plot(tmp_path, capsys):
     """`qcfuse bench quality --aggregate-only` rebuilds the table, its summary and the plot from records."""
-    from qcfuse_core.cli import main
+    from qcfuse_core.cli.commands import main
 
     base = {k: 0.0 for k in ROW_KEYS[4:]}
     recs = []
@@ -197,7 +197,7 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
     """run(reference=DIR) stores full prefill's outputs per question; a rerun of other methods
     reads them (HF's forward is not called again) and scores exactly as the first run did;
     a changed prompt invalidates the stored file; `full` alone builds no chunk caches."""
-    from qcfuse_core import bench_quality as bq
+    from qcfuse_core.eval import quality as bq
 
     ex = _toy_example()
     data = tmp_path / "toy_s.json"
@@ -205,10 +205,14 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
                                  "ctxs": [{"title": "", "text": p} for p in ex.passages]}]))
     ref_dir = tmp_path / "ref"
     looked, built = [], []
-    real_lookup, real_build = smol_engine.lookup, smol_engine._build
-    monkeypatch.setattr(smol_engine, "lookup", lambda pieces, method, **kw: looked.append(method) or
-                        real_lookup(pieces, method, **kw))
-    monkeypatch.setattr(smol_engine, "_build", lambda todo, **kw: built.extend(todo) or real_build(todo, **kw))
+    from qcfuse_core.cache.chunks import ChunkCaches
+    from qcfuse_core.engine.pipeline import Steps
+
+    real_lookup, real_build = Steps.lookup, ChunkCaches.build
+    monkeypatch.setattr(Steps, "lookup", lambda self, pieces, method, **kw: looked.append(method) or
+                        real_lookup(self, pieces, method, **kw))
+    monkeypatch.setattr(ChunkCaches, "build", lambda self, todo, **kw: built.extend(todo) or
+                        real_build(self, todo, **kw))
     first = bq.run(smol_engine, str(data), ["full"], [], limit=None, max_new=6, jsonl=tmp_path / "a.jsonl",
                    reference=ref_dir)
     assert looked == ["full"] and built == []  # full alone tokenizes only: no chunk cache is built
@@ -239,14 +243,14 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
 
 
 def _prompt_g(engine, ex):
-    from qcfuse_core.fusion import FusedPrompt, Segment
+    from qcfuse_core.model.fusion import FusedPrompt, Segment
 
-    prompt, _, _ = engine.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=False)
+    prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=False)
     return FusedPrompt(prompt.segments + [Segment("suffix", engine.tokenize(ex.answers[0])[:64])])
 
 
 def test_merge_rerun_replaces_methods_and_checks_full_prefill():
-    from qcfuse_core.bench_quality import merge_rerun
+    from qcfuse_core.eval.quality import merge_rerun
 
     def rec(i, method, ratio=None, **kw):
         return dict(dict(dataset="d", id=i, method=method, ratio=ratio, answer="a", gold_nll=1.0), **kw)
@@ -307,8 +311,8 @@ def test_summary_bootstrap_intervals_from_records():
 def test_quality_cli_selection_options_parse_and_reach_the_options():
     import argparse
 
-    from qcfuse_core.quality_cli import _options, _selection_option
-    from qcfuse_core.selectors import parse_selection_options
+    from qcfuse_core.cli.quality import _options, _selection_option
+    from qcfuse_core.selection.options import parse_selection_options
 
     assert _selection_option("deviation_pool=2,query_rows=8") == {"deviation_pool": 2, "query_rows": 8}
     assert parse_selection_options("anchor_method=repeat,critical_layers=[3,5]") == {

@@ -1,4 +1,4 @@
-"""The request pipeline (qcfuse_core/pipeline.py): one implementation, its steps, no state
+"""The request pipeline (qcfuse_core/engine/request.py): one implementation, its steps, no state
 left behind, stage timings that add up, and a hot path without per-request index queries."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from qcfuse_core.cli import main
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.prefetch import LoadSession
+from qcfuse_core.cli.commands import main
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.cache.prefetch import LoadSession
 from qcfuse_core.store import kv_dir, open_store
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(12)) for i in range(3)]
 Q = "Which document mentions word1x3?"
@@ -35,8 +35,8 @@ def engine(tiny, tmp_path):
 def test_stage_timings_add_up_to_the_ttft(engine, method):
     r = engine.answer(Q, DOCS, method=method, ratio=0.3, max_new_tokens=1)
     stages = {k: v for k, v in r.timings_ms.items() if k in
-              ("lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms", "first_token_ms")}
-    assert len(stages) == 6, r.timings_ms
+              ("queue_ms", "lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms", "first_token_ms")}
+    assert len(stages) == 7, r.timings_ms  # queue_ms: the wait for the scheduler to admit it
     assert abs(sum(stages.values()) - r.ttft_ms) < 0.05, (stages, r.ttft_ms)
     assert all(v >= 0 for v in stages.values())
 
@@ -61,14 +61,14 @@ def test_a_request_after_a_failed_one_succeeds(engine, monkeypatch):
 def test_an_abandoned_stream_releases_its_session(engine):
     stream = engine.stream(Q, DOCS, method="naive", max_new_tokens=8)
     next(stream)
-    stream._gen.close()  # the caller walked away mid-answer (GeneratorExit inside the request)
+    stream.close()  # the caller walked away mid-answer: the request leaves the scheduler
     assert len(engine.prefetcher._free) == 1
     assert engine.answer(Q, DOCS, method="naive", max_new_tokens=2).cache_hits == 3
 
 
 def test_hot_path_reads_no_index_and_tokenizes_chunks_once(engine, monkeypatch):
     """A warm request: no SQLite query, no critical-layer file lookup, chunk texts not tokenised again."""
-    from qcfuse_core import critical_layers
+    from qcfuse_core.selection import profiles as critical_layers
     from qcfuse_core.store import manifest
 
     engine.answer(Q, DOCS, node_ids=["n0", "n1", "n2"], method="qcfuse", ratio=0.3, max_new_tokens=1)  # warm
@@ -138,7 +138,7 @@ def test_bench_ttft_times_engine_answer(tmp_path, monkeypatch, capsys):
     for r in rows:
         assert r["ttft_ms_min"] >= delay_ms, r
         assert r["stages_synced"] and r["timed_call"] == "engine.answer"
-        assert set(r["stages_ms"]) == {"lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms",
+        assert set(r["stages_ms"]) == {"queue_ms", "lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms",
                                        "first_token_ms"}
     # per size: full 1 warm-up + 2 runs + 1 breakdown; each fused method the same
     assert len(calls) == 2 * 3 * (1 + 2 + 1)
@@ -146,10 +146,11 @@ def test_bench_ttft_times_engine_answer(tmp_path, monkeypatch, capsys):
 
 
 def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
-    """EngineConfig.threads is applied in the request's own thread, per request."""
+    """EngineConfig.threads is applied in the thread that runs the requests (the scheduler's),
+    whichever thread asked."""
     import threading
 
-    from qcfuse_core.engine import EngineConfig
+    from qcfuse_core.engine.api import EngineConfig
 
     before = torch.get_num_threads()
     try:
@@ -157,8 +158,13 @@ def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
         seen = {}
 
         def ask():
-            r = eng.answer(Q, DOCS, method="naive", max_new_tokens=1)
-            seen["threads"], seen["torch"] = r.threads, torch.get_num_threads()
+            def pieces():  # called in the thread that runs the request
+                seen["torch"] = torch.get_num_threads()
+                return eng.rag_pieces(Q, DOCS)
+
+            stream = eng.stream_pieces(pieces, method="naive", max_new_tokens=1)
+            list(stream)
+            seen["threads"] = stream.result.threads
 
         t = threading.Thread(target=ask)
         t.start()

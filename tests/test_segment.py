@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qcfuse_core.segment import ANCHOR, ChunkTextIndex
+from qcfuse_core.retrieval.texts import ANCHOR, ChunkTextIndex
 
 A = "Port Halden is a small harbour town on the northern coast of the island of Veloria."
 B = "The Zephyr Institute is a marine research station in Port Halden, founded in 1987."
@@ -42,7 +42,7 @@ def test_two_instances_on_one_file_see_each_others_texts(tmp_path):
 
 
 def test_split_prompt_layout_with_and_without_a_frame():
-    from qcfuse_core.segment import split_prompt
+    from qcfuse_core.retrieval.texts import split_prompt
     from qcfuse_core.types import Piece
 
     a, b = Piece("chunk", A, "a"), Piece("chunk", B, "b")

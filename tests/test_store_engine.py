@@ -11,8 +11,8 @@ import torch
 from store_fixtures import entry_file, store_at
 
 import qcfuse_core.store.atomic as atomic
-from qcfuse_core.engine import EngineConfig, QCFuseEngine
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+from qcfuse_core.model.testing import tiny_model
 
 DOCS = ["The castle of Aldermoor was built in 1204 by the river.",
         "Its first keeper was a miller named Oswin Brook.",

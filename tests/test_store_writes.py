@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.prefetch import _sidecar_ok
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.cache.prefetch import _sidecar_ok
 from qcfuse_core.store import kv_dir, open_store
 from qcfuse_core.store.disk import DiskTier
-from qcfuse_core.testing import tiny_model
+from qcfuse_core.model.testing import tiny_model
 from store_fixtures import entry_file, make_chunk, store_at
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(12)) for i in range(3)]
@@ -84,7 +84,7 @@ def test_ingestion_writes_each_sidecar_once_and_it_serves_the_probe(tmp_path, mo
     assert sorted(map(str, writes)) == sorted(map(str, keys))  # one write per chunk
     crit = eng.critical_layers
     depth = max(crit) + 1
-    method = eng._qcfuse_options().anchor_method
+    method = eng.config.options.anchor_method
     for key in keys:
         side = eng.store.disk.read_sidecar(key)
         assert _sidecar_ok(side, depth, crit, method)

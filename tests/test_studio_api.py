@@ -69,7 +69,9 @@ def test_status_and_models(client, service):
     assert st["chunks"] == 12
     assert st["model"]["id"] == "smollm2-135m" and st["model"]["layers"] == 30 and st["model"]["default"]
     assert st["model"]["prompt_frame"]["kind"] == "chat" and st["loading"] is None
-    assert st["methods"] == ["qcfuse", "full", "cacheblend", "epic", "naive"]
+    assert st["methods"] == ["qcfuse", "full", "cacheblend", "epic", "naive", "adaptive"]  # SmolLM2 ships a calibration
+    assert st["adaptive_shares"] == [0.1, 0.15, 0.2, 0.3, 0.4]
+    assert st["memory_kind"] == "resident growth during the run (RSS end - start)"
     assert st["examples"]  # the sample corpus is in the store
     models = client.get("/api/models").json()
     assert models["current"] == "smollm2-135m"
@@ -104,7 +106,7 @@ def test_run_results_are_the_engines(run, top):
         assert r["answer"] and r["new_tokens"] <= 8 and r["ttft_ms"] > 0
         assert r["chunks"] == 3 and r["context_tokens"] == full["context_tokens"]
         stages = r["stages"]
-        assert [s["name"] for s in stages] == ["lookup", "load", "probe", "select", "fuse", "first token"]
+        assert [s["name"] for s in stages] == ["queue", "lookup", "load", "probe", "select", "fuse", "first token"]
         total = sum(s["ms"] for s in stages)
         assert total <= r["ttft_ms"] + 0.01 and r["ttft_ms"] - total < 1.0  # consecutive intervals up to the TTFT
         for a, b in zip(stages, stages[1:]):
@@ -112,12 +114,12 @@ def test_run_results_are_the_engines(run, top):
         assert r["speedup_vs_full"] == pytest.approx(full["ttft_ms"] / r["ttft_ms"], rel=1e-3)
         mem = r["memory"]
         assert sum(mem["kv_bytes_by_tier"].values()) == mem["kv_bytes_loaded"]
-        assert mem["peak_bytes"] > 0
+        assert mem["peak_bytes"] >= 0 and mem["peak_kind"] == "resident growth during the run (RSS end - start)"
     assert full["recomputed_tokens"] == full["context_tokens"]
     assert full["memory"]["kv_bytes_loaded"] == 0  # HF's own forward reads no chunk cache
     assert full["agreement"]["same_text"] and full["agreement"]["share"] == 1.0
     fused = res[0]
-    assert (fused["cache_hits"], fused["cache_misses"]) == (3, 0)  # built at ingestion
+    assert (fused["cache_hits"], fused["cache_misses"], fused["cache_built"]) == (3, 0, 0)  # built at ingestion
     assert fused["stages"][2]["ms"] > 0  # qcfuse's probe
     assert set(fused["memory"]["kv_bytes_by_tier"]) <= {"tensor", "host", "disk", "gpu"}
     assert fused["memory"]["kv_bytes_by_tier"].get("host", 0) + fused["memory"]["kv_bytes_by_tier"].get("disk", 0) > 0
@@ -179,7 +181,8 @@ def test_run_streams_deltas_then_the_run(client, top):
             elif line.startswith("data:"):
                 events.append((event, json.loads(line[5:])))
     names = [e for e, _ in events]
-    assert names[0] == "mode" and names[-1] == "done" and "error" not in names
+    assert names[:2] == ["build", "build"] and names[-1] == "done" and "error" not in names
+    assert names.index("reference") < names.index("mode")  # full first: the reference for every mode
     assert names.count("result") == 2 and names.count("reference") == 2  # full is not a mode: a reference ran
     done = events[-1][1]
     for r in done["results"]:
@@ -189,6 +192,188 @@ def test_run_streams_deltas_then_the_run(client, top):
     assert done["reference"]["ttft_ms"] > 0
     naive = done["results"][0]
     assert naive["recomputed_tokens"] < naive["context_tokens"]
+
+
+def test_repeats_give_the_median_and_quality_is_against_full_prefill(client, service, top):
+    """Three repeats per mode: the TTFT shown is their median (one repeat's own, its waterfall
+    adds up to it); quality is the first-token KL(full || mode), the LCS share of full's
+    greedy tokens and the answer match, recomputed here from the engine's own answers; the
+    history's rows carry the same numbers."""
+    from qcfuse_core.eval.metrics import kl_divergence
+    from qcfuse_core.studio.quality import token_match
+
+    ids = [top[0]["id"], top[1]["id"]]
+    modes = [{"method": "qcfuse", "ratio": 0.15}, {"method": "cacheblend", "ratio": 0.3}]
+    before = len(client.get("/api/history").json()["rows"])
+    res = client.post("/api/run", json={"question": Q, "chunk_ids": ids, "modes": modes, "max_new_tokens": 4,
+                                        "repeats": 3})
+    assert res.status_code == 200, res.text
+    run = res.json()
+    assert run["repeats"] == 3 and run["build"]["built"] == 0 and run["build"]["cached"] == 2
+    docs = [c["text"] for c in top[:2]]
+    stop = tuple(service.status()["model"]["prompt_frame"]["stop"])
+    full = service.engine.answer(Q, docs, node_ids=ids, method="full", max_new_tokens=4, stop=stop)
+    assert run["reference"]["answer"] == full.text and run["reference"]["repeats"] == 3
+    for r, m in zip(run["results"], modes):
+        assert r["repeats"] == 3 and len(r["ttft_all_ms"]) == 3
+        assert r["ttft_ms"] == sorted(r["ttft_all_ms"])[1]  # the median of three
+        assert r["ttft_ms"] - sum(s["ms"] for s in r["stages"]) < 1.0
+        assert r["speedup_vs_full"] == pytest.approx(run["reference"]["ttft_ms"] / r["ttft_ms"], rel=1e-3)
+        assert r["total_ms"] > r["ttft_ms"] and (r["decode_tok_s"] is None or r["decode_tok_s"] > 0)
+        mine = service.engine.answer(Q, docs, node_ids=ids, method=m["method"], ratio=m["ratio"], max_new_tokens=4,
+                                     stop=stop)
+        q = r["quality"]
+        assert q["kl_first_token"] == pytest.approx(kl_divergence(full.first_logits, mine.first_logits), abs=1e-5)
+        assert q["kl_first_token"] >= 0 and q["repeats_agree"]
+        assert q["token_match"] == round(token_match(mine.token_ids, full.token_ids), 4)
+        assert q["answer_matches"] == (" ".join(mine.text.split()) == " ".join(full.text.split()))
+    rows = client.get("/api/history").json()["rows"][before:]
+    assert [(x["method"], x["ratio"]) for x in rows] == [("qcfuse", 0.15), ("cacheblend", 0.3), ("full", None)]
+    for row, r in zip(rows, run["results"]):
+        assert row["run_id"] == run["run_id"] and row["model"] == "smollm2-135m"
+        assert (row["ttft_ms"], row["total_ms"], row["decode_tok_s"], row["quality"]) == \
+            (r["ttft_ms"], r["total_ms"], r["decode_tok_s"], r["quality"])
+    ref = rows[-1]
+    assert ref["label"] == "full (reference)" and ref["ttft_ms"] == run["reference"]["ttft_ms"]
+    assert ref["quality"] == {"kl_first_token": 0.0, "token_match": 1.0, "answer_matches": True, "repeats_agree": True}
+
+
+def test_caches_are_built_before_any_mode_is_timed(client, service, top):
+    """A chunk whose cache this model lacks is built in the run's build step (timed on its
+    own), so the first mode gets a hit like every other."""
+    _, key = service.engine.chunk_tokens(top[2]["text"])
+    service.engine.store.delete(key)
+    assert not service.engine.store.contains(key)
+    card = client.post("/api/chunks", json={"ids": [top[2]["id"]]}).json()["chunks"][0]
+    assert card["id"] == top[2]["id"] and not card["cached"]
+    body = {"question": Q, "chunk_ids": [top[2]["id"]], "modes": [{"method": "qcfuse", "ratio": 0.15}],
+            "max_new_tokens": 2, "reference": False}
+    run = client.post("/api/run", json=body).json()
+    assert run["build"]["built"] == 1 and run["build"]["ms"] > 0
+    r = run["results"][0]
+    assert (r["cache_hits"], r["cache_misses"]) == (1, 0) and "quality" not in r  # no reference: no quality
+    assert client.post("/api/chunks", json={"ids": [top[2]["id"]]}).json()["chunks"][0]["cached"]  # the card refreshes
+    _error(client.post("/api/chunks", json={"ids": ["nope"]}), 404, "nope")
+
+
+def test_details_explain_why_qcfuse_recomputes_what_it_recomputes(client, run):
+    d = client.get(f"/api/runs/{run['run_id']}/details/0").json()
+    ex = d["explanation"]
+    chunks = [s for s in d["segments"] if s["kind"] == "chunk"]
+    assert [c["segment"] for c in ex["chunks"]] == [s["index"] for s in chunks]
+    rec = set(d["recomputed_positions"])
+    for c, s in zip(ex["chunks"], chunks):
+        toks = [t for t in d["tokens"] if t["seg"] == s["index"]]
+        assert c["recomputed"] == sum(1 for t in toks if t["pos"] in rec)
+        assert c["recomputed_at_start"] == sum(1 for t in toks if t["pos"] in rec and t["pos"] - s["start"] < 4)
+        assert c["anchors"] == sum(1 for t in toks if t["anchor"])
+    assert sum(c["score_share"] for c in ex["chunks"]) <= 1.0 + 1e-3
+    assert ex["recomputed_chunk_tokens"] == sum(c["recomputed"] for c in ex["chunks"])
+    text = " ".join(ex["text"])
+    assert "stale" in text and "critical" not in text and f"layers {', '.join(map(str, sorted(d['critical_layers'])))}" in text
+    full = client.get(f"/api/runs/{run['run_id']}/details/1").json()["explanation"]
+    assert full["text"][0].startswith("Full prefill computes every token")
+
+
+def test_adaptive_needs_a_ratio_in_its_calibrated_range(client, top):
+    ok = {"question": Q, "chunk_ids": [top[0]["id"]], "max_new_tokens": 2, "reference": False}
+    _error(client.post("/api/run", json={**ok, "modes": [{"method": "adaptive", "ratio": 0.9}]}), 422,
+           "adaptive's ratio must be within", "[0.1, 0.4]")
+    res = client.post("/api/run", json={**ok, "modes": [{"method": "adaptive", "ratio": 0.2}]})
+    assert res.status_code == 200, res.text
+    assert res.json()["results"][0]["ran_as"] in ("adaptive", "full")
+    _error(client.post("/api/run", json={**ok, "modes": [{"method": "naive"}], "repeats": 11}), 422,
+           "repeats must be an integer in [1, 10]")
+
+
+def test_adaptive_is_offered_only_with_a_calibration(client, service, top, monkeypatch):
+    monkeypatch.setattr(service, "_adaptive_shares", lambda: [])
+    assert "adaptive" not in client.get("/api/status").json()["methods"]
+    body = {"question": Q, "chunk_ids": [top[0]["id"]], "max_new_tokens": 2, "modes": [{"method": "adaptive", "ratio": 0.2}]}
+    _error(client.post("/api/run", json=body), 422, "adaptive needs a calibration of SmolLM2-135M-Instruct", "qcfuse")
+
+
+def test_a_large_json_body_gets_a_413(client):
+    """The JSON API refuses a body over max_json_bytes: declared (Content-Length) or streamed
+    without one; the server keeps answering."""
+    limit = client.app.state.service.config.max_json_bytes
+    big = json.dumps({"question": "x" * (limit + 10), "top_k": 1})
+    _error(client.post("/api/search", content=big, headers={"content-type": "application/json"}), 413,
+           f"over the limit of {limit:,} bytes")
+
+    def chunked():
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096].encode()
+
+    _error(client.post("/api/run", content=chunked(), headers={"content-type": "application/json"}), 413,
+           f"over the limit of {limit:,} bytes")
+    assert client.get("/api/status").status_code == 200
+    small = client.post("/api/search", json={"question": Q, "top_k": 1})
+    assert small.status_code == 200  # a body under the limit is replayed to the endpoint intact
+
+
+def test_a_stream_whose_client_goes_away_is_cancelled_at_once(service, top, monkeypatch):
+    """A real server (uvicorn): a long streamed run (40 answers) whose client disconnects
+    once it is answering stops at its next token, so the next request does not wait for the
+    rest: one worker thread runs them in order, and only the answer in flight (and at most
+    one more started before the cancel arrived) ran before the next request's. The cancelled
+    run never reaches the history."""
+    import http.client
+    import socket
+    import threading
+
+    import uvicorn
+
+    answers: list[str] = []
+    real = service._answer
+
+    def counted(engine, spec, docs, mode, *a, **kw):
+        answers.append(mode.method)
+        return real(engine, spec, docs, mode, *a, **kw)
+
+    monkeypatch.setattr(service, "_answer", counted)
+    app = create_app(service)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        while not server.started and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        rows_before = len(service.history()["rows"])
+        long = {"question": Q, "chunk_ids": [c["id"] for c in top], "max_new_tokens": 256, "repeats": 10,
+                "modes": [{"method": m, "ratio": 0.15} for m in ("qcfuse", "cacheblend", "epic")]}
+        payload = json.dumps(long).encode()
+        conn = socket.create_connection(("127.0.0.1", port), timeout=120)
+        conn.sendall(b"POST /api/run/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        got = b""
+        while b"event: reference" not in got:  # the run is answering now (full prefill, the reference)
+            more = conn.recv(4096)
+            assert more, got
+            got += more
+        assert got.startswith(b"HTTP/1.1 200") and b"event: build" in got
+        conn.close()  # the page went away
+        t1 = time.monotonic()
+        short = {"question": Q, "chunk_ids": [top[0]["id"]], "modes": [{"method": "naive"}], "max_new_tokens": 1,
+                 "reference": False}
+        c2 = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        c2.request("POST", "/api/run", body=json.dumps(short), headers={"content-type": "application/json"})
+        got = c2.getresponse()
+        assert got.status == 200, got.read()
+        waited = time.monotonic() - t1
+        # uncancelled, the 10 reference answers and 3 modes x 10 repeats would all run first
+        assert answers[-1] == "naive" and len(answers) <= 3, (answers, f"the next run waited {waited:.1f} s")
+        assert answers[0] == "full"
+        rows = service.history()["rows"][rows_before:]
+        assert [r["method"] for r in rows] == ["naive"]  # the cancelled run left no rows
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 # ---------------------------------------------------------------------------- ingestion

@@ -1,6 +1,9 @@
-"""`qcfuse studio` end to end: the real command on an empty store (it ingests the sample
-corpus, offline), and the page in Chromium through Playwright: ask, run two modes, open the
-details, upload a file and find its chunk. What the page shows is checked against the API.
+"""`qcfuse studio` end to end: the real command on an empty store and a fresh cache dir (it
+converts the models it loads and ingests the sample corpus, offline), and the page in
+Chromium through Playwright: ask, run modes, open the details, upload a file and find its
+chunk, build a run history over modes, ratios and both packaged models. What the page shows
+is checked against the API. A fresh cache dir (`fresh_cache_dir`) means a new machine cannot
+surprise these tests: nothing an earlier run converted or cached is there.
 
 Chromium is the operating system's (`apt-get install chromium`), never a download. Without
 it the browser tests skip with the reason, unless CI is set (then they fail: `.ci/run`
@@ -29,7 +32,8 @@ pytest.importorskip("fastapi", reason="the studio extra is not installed: pip in
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 300
+START_TIMEOUT_S = 1200  # a fresh cache dir: SmolLM2 is converted from its GGUF first (minutes on a busy 2-core CPU)
+CONVERT_TIMEOUT_MS = 1_200_000  # Gemma-3-270M's first conversion, on the same machine
 
 
 def artifacts_dir() -> Path:
@@ -74,12 +78,23 @@ def test_without_chromium_the_browser_tests_skip_locally_and_fail_in_ci(monkeypa
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`qcfuse studio` on an empty store and a free port, offline; stopped at the end."""
+def fresh_cache_dir(tmp_path_factory) -> Path:
+    """A new, empty QCFUSE_CACHE_DIR for the server of this test session: no converted model,
+    no store, no calibration left by an earlier run."""
+    d = tmp_path_factory.mktemp("qcfuse-cache")
+    assert not any(d.iterdir())
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, fresh_cache_dir):
+    """`qcfuse studio` on an empty store, a fresh cache dir and a free port, offline; stopped
+    at the end."""
     store = tmp_path_factory.mktemp("studio-empty-store")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "QCFUSE_CACHE_DIR": str(fresh_cache_dir)}
     env.pop("TRITON_INTERPRET", None)  # conftest's setting for kernel tests: a user's server has none
-    proc = subprocess.Popen([sys.executable, "-m", "qcfuse_core.cli", "studio", "--store", str(store), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "qcfuse_core.cli.commands", "studio", "--store", str(store), "--port", "0",
                              "--max-upload-mb", "0.5"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -98,7 +113,7 @@ def server(tmp_path_factory):
             proc.kill()
             raise AssertionError("qcfuse studio did not start:\n" + "".join(lines[-40:]))
     url = re.search(r"http://127\.0\.0\.1:\d+", next(x for x in lines if "QCFuse Studio on" in x)).group(0)
-    yield {"url": url, "log": lines, "store": store}
+    yield {"url": url, "log": lines, "store": store, "cache_dir": fresh_cache_dir}
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -115,6 +130,9 @@ def get(server, path: str):
 def test_cli_starts_offline_on_the_sample_corpus(server):
     log = "".join(server["log"])
     assert "the store was empty: ingested the sample corpus (12 chunks)" in log
+    converted = sorted(p.name for p in (server["cache_dir"] / "models").iterdir())
+    assert len(converted) == 1 and converted[0].startswith("SmolLM2-135M-Instruct-")  # converted into the fresh dir
+    assert {m["id"]: m["converted"] for m in get(server, "/api/models")["models"]}["gemma3-270m"] is False
     st = get(server, "/api/status")
     assert st["chunks"] == 12 and st["store"] == str(server["store"])
     assert st["model"]["name"] == "SmolLM2-135M-Instruct" and st["examples"]
@@ -148,7 +166,7 @@ def page(browser, server):
     pg.on("request", lambda r: pg.requests.append(r.url))
     pg.on("pageerror", lambda e: pg.errors.append(str(e)))
     pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
-    pg.set_default_timeout(180_000)  # runs on a shared 2-core machine
+    pg.set_default_timeout(600_000)  # runs on a shared, busy 2-core machine (one run took over 3 min)
     yield pg
     ctx.close()
 
@@ -183,6 +201,38 @@ def shot(pg, name: str, **kw) -> Path:
     return path
 
 
+def phone_width_holds(page) -> int:
+    """At 390x844 nothing is wider than the screen -> the page's width; back to 1280x800."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.evaluate("window.scrollTo(0, 0)")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, f"the page is {width} px wide at phone width"
+    page.set_viewport_size({"width": 1280, "height": 800})
+    return width
+
+
+def small_runs(page, repeats: int = 1, new_tokens: int = 6) -> None:
+    """The run settings of these tests: few repeats and new tokens (a shared 2-core CPU)."""
+    page.fill("[data-testid=repeats]", str(repeats))
+    page.fill("[data-testid=new-tokens]", str(new_tokens))
+
+
+def set_modes(page, wanted: list[str]) -> None:
+    for m in page.eval_on_selector_all("[data-testid^=mode-]", "els => els.map(e => e.dataset.testid.slice(5))"):
+        on = page.get_attribute(f"[data-testid=mode-{m}]", "aria-pressed") == "true"
+        if on != (m in wanted):
+            page.click(f"[data-testid=mode-{m}]")
+
+
+def set_ratio(page, method: str, value: float) -> None:
+    """The mode's own slider, by keyboard (0.01 a step from its minimum 0)."""
+    page.focus(f"[data-testid=ratio-{method}]")
+    page.keyboard.press("Home")
+    for _ in range(round(value * 100)):
+        page.keyboard.press("ArrowRight")
+    assert page.inner_text(f"[data-testid=ratio-value-{method}]") == f"{value:.2f}"
+
+
 def run_and_check_cards(page) -> dict:
     """Click Run; -> the run the stream's `done` event carries, after checking that every
     answer card shows that run's TTFT, answer and speedup."""
@@ -197,24 +247,36 @@ def run_and_check_cards(page) -> dict:
         assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
         assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
         assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
+        assert card.locator("[data-testid=kl]").inner_text() == js_fixed(r["quality"]["kl_first_token"], 4)
+        assert card.locator("[data-testid=match]").inner_text() == f"{js_fixed(100 * r['quality']['token_match'], 1)}%"
+    build = page.locator("[data-testid=build-step]")
+    assert build.get_attribute("data-state") == "done"
+    assert f"{run['build']['built']} chunk cache" in build.inner_text() and "before any mode was timed" in build.inner_text()
     return run
 
 
 def test_run_two_modes_and_the_details_match_the_api(page, server):
+    """A new question typed and run without pressing Retrieve is answered from its own chunks
+    (Run retrieves first); the cards and the details equal the API's; the phone width holds
+    on the fresh cache dir, before Gemma-3-270M was ever converted."""
     q = "How tall is the Cape Wrayth lighthouse?"
     page.goto(server["url"])
     page.wait_for_selector("[data-testid=chunk-card]")  # the example question, retrieved on load
+    assert page.locator("[data-testid=chunk-card]:first-child").get_attribute("data-source") != "10-lighthouse.md"
+    assert page.get_attribute("[data-testid=repeats]", "value") == "3"  # the page's default N
+    small_runs(page)
     page.fill("[data-testid=question-input]", q)
-    page.click("[data-testid=search-button]")
-    page.wait_for_selector("[data-testid=chunk-card]:first-child[data-source='10-lighthouse.md']")
-    cards = page.locator("[data-testid=chunk-card]")
-    chunk_ids = [cards.nth(i).get_attribute("data-chunk-id") for i in range(cards.count())]
-    assert len(chunk_ids) == 4
     assert [page.get_attribute(f"[data-testid=mode-{m}]", "aria-pressed") for m in ("qcfuse", "full", "cacheblend")] == \
         ["true", "true", "false"]  # two modes by default
-
-    run = run_and_check_cards(page)
-    assert run["chunk_ids"] == chunk_ids and [r["method"] for r in run["results"]] == ["qcfuse", "full"]
+    with page.expect_response(lambda r: r.url.endswith("/api/search") and q in (r.request.post_data or "")) as found:
+        run = run_and_check_cards(page)  # Run, not Retrieve: the question changed, so it retrieves first
+    hits = found.value.json()["chunks"]
+    assert hits[0]["source"] == "10-lighthouse.md" and len(hits) == 4
+    assert run["question"] == q and run["chunk_ids"] == [h["id"] for h in hits]  # its own chunks, not the last ones
+    cards = page.locator("[data-testid=chunk-card]")
+    assert [cards.nth(i).get_attribute("data-chunk-id") for i in range(cards.count())] == run["chunk_ids"]
+    assert [r["method"] for r in run["results"]] == ["qcfuse", "full"]
+    assert "no cache for this model yet" not in page.inner_text("[data-testid=chunk-list]")
     shot(page, "studio-1280x800.png")
 
     # details of qcfuse: the highlighted tokens are exactly the API's recomputed positions
@@ -240,7 +302,9 @@ def test_run_two_modes_and_the_details_match_the_api(page, server):
     page.evaluate("document.activeElement.blur()")
     heat = page.locator("[data-testid=details-panel] [data-testid=heat-strip]")
     assert heat.count() == 4  # one per chunk: the probe's attention mass
-    assert page.locator("[data-testid=waterfall] .wf-row").count() == 6
+    stages = ["queue", "lookup", "load", "probe", "select", "fuse", "first token"]
+    assert [s["name"] for s in api["stages"]] == stages  # one bar per stage, in the pipeline's order
+    assert page.locator("[data-testid=waterfall] .wf-row .wf-name").all_inner_texts() == stages
     assert f"{js_fixed(run['results'][0]['ttft_ms'])} ms" in page.inner_text("[data-testid=waterfall] h3")
     page.evaluate("window.scrollTo(0, 0)")
     shot(page, "studio-1280x800-details.png")
@@ -252,9 +316,20 @@ def test_run_two_modes_and_the_details_match_the_api(page, server):
     full = get(server, f"/api/runs/{run['run_id']}/details/1")
     assert highlighted() == full["recomputed_positions"] == [t["pos"] for t in full["tokens"]]
 
-    # a phone-width screen: one column, nothing wider than the screen
+    # the explanation of qcfuse's rows, and the attention numbers on hover and on touch
     page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")
     page.wait_for_selector("[data-testid=details-panel][data-index='0']")
+    why = page.inner_text("[data-testid=why]")
+    assert all(t in why for t in api["explanation"]["text"])
+    assert page.locator("[data-testid=chunk-numbers]").count() == 4
+    cell = page.locator("[data-testid=heat-strip]").first.locator("[data-testid=heat-cell]").nth(0)
+    cell.hover()
+    first = next(t for t in api["tokens"] if api["segments"][t["seg"]]["kind"] == "chunk")
+    assert f"{page.evaluate('x => x.toPrecision(3)', first['score'])}" in page.inner_text("[data-testid=heat-readout] >> nth=0")
+    assert page.locator("[data-testid=memory]").inner_text().count("resident growth during the run") == 1
+
+    # a phone-width screen on a fresh cache dir (Gemma not converted yet): one column, nothing wider
+    assert "converts once" in page.inner_text("[data-testid=model-option-gemma3-270m]")
     page.set_viewport_size({"width": 390, "height": 844})
     page.evaluate("window.scrollTo(0, 0)")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
@@ -276,7 +351,8 @@ def test_upload_a_file_and_find_its_chunk(page, server, tmp_path):
     q = "Who built the Quillon Observatory?"
     page.fill("[data-testid=question-input]", q)
     with page.expect_response(lambda r: r.url.endswith("/api/search") and q in (r.request.post_data or "")) as got:
-        page.click("[data-testid=search-button]")
+        page.press("[data-testid=question-input]", "Enter")  # Enter retrieves (no newline)
+    assert page.input_value("[data-testid=question-input]") == q
     hits = got.value.json()["chunks"]
     assert hits[0]["source"] == "quillon-observatory.md"
     first = page.locator("[data-testid=chunk-card]:first-child")
@@ -293,53 +369,127 @@ def test_upload_a_file_and_find_its_chunk(page, server, tmp_path):
     only_local(page, server, expected_errors=("status of 422",))  # the browser logs the refused upload
 
 
-def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
-    """The menu offers both packaged models; choosing Gemma-3-270M shows the loading message
-    until it is loaded, then its plain prompt frame; qcfuse and full answer on it (what the
-    page shows == the API's run); switching back to SmolLM2 answers from its own caches."""
+HISTORY_MODES = ["qcfuse", "cacheblend", "epic"]
+HISTORY_RATIOS = (0.15, 0.3)
+
+
+def history_rows_match_the_api(page, server) -> list[dict]:
+    """Every row of the page's history table equals the API's row: TTFT, decode rate, total
+    and the quality columns (KL, token match, same answer) -> the API's rows."""
+    api = get(server, "/api/history")["rows"]
+    rows = page.locator("[data-testid=history-row]")
+    assert rows.count() == len(api)
+    for i, want in enumerate(api):
+        row = rows.nth(i)
+        assert row.get_attribute("data-run-id") == want["run_id"] and row.get_attribute("data-model") == want["model"]
+        assert row.get_attribute("data-method") == want["method"]
+        assert row.locator("[data-testid=h-ttft]").inner_text() == f"{js_fixed(want['ttft_ms'])} ms"
+        assert row.locator("[data-testid=h-total]").inner_text() == f"{js_fixed(want['total_ms'])} ms"
+        dec = want["decode_tok_s"]
+        assert row.locator("[data-testid=h-decode]").inner_text() == ("–" if dec is None else f"{js_fixed(dec)} tok/s")
+        q = want["quality"]
+        assert q is not None  # every run here had full prefill to compare with
+        assert row.locator("[data-testid=h-kl]").inner_text() == js_fixed(q["kl_first_token"], 4)
+        assert row.locator("[data-testid=h-match]").inner_text() == f"{js_fixed(100 * q['token_match'], 1)}%"
+        assert row.locator("[data-testid=h-same]").inner_text() == ("yes" if q["answer_matches"] else "no")
+    return api
+
+
+def test_run_history_over_modes_ratios_and_both_models(page, server):
+    """3 modes x 2 ratios on SmolLM2, then the switch to Gemma-3-270M (converted now, into the
+    fresh cache dir: the loading message shows until it is loaded, then its plain frame) and
+    the same 3 x 2 there; every row stays on screen with quality columns equal to the API's,
+    the quality-vs-TTFT plot has a point per row, the phone width holds after the conversion,
+    and switching back to SmolLM2 answers from its own caches with the history still there."""
+    q = "How tall is the Cape Wrayth lighthouse?"
     page.goto(server["url"])
     page.wait_for_selector("[data-testid=chunk-card]")
     options = page.eval_on_selector_all("[data-testid=model-select] option", "els => els.map(e => e.value)")
     assert options[:2] == ["smollm2-135m", "gemma3-270m"]
     assert "(base)" in page.inner_text("[data-testid=model-option-gemma3-270m]")
     assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "chat"
+    rows_before = len(get(server, "/api/history")["rows"])  # the earlier tests' runs are kept too
 
-    page.select_option("[data-testid=model-select]", "gemma3-270m")
-    notice = page.wait_for_selector("[data-testid=model-loading]")
-    assert re.search(r"(Waiting to load|Converting|Loading|Warming up) gemma-3-270m|loading the model",
-                     notice.inner_text()), notice.inner_text()
-    page.wait_for_selector("[data-testid=model-loading]", state="detached")
-    page.wait_for_selector("[data-testid=prompt-frame][data-kind=plain]")  # the page shows the loaded model
-    assert page.locator("[data-testid=error]").count() == 0
-    assert page.input_value("[data-testid=model-select]") == "gemma3-270m"
-    assert " 18 layers " in f" {page.inner_text('[data-testid=store-info]')} "
-    assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "plain"
-    page.click("[data-testid=prompt-frame] summary")
-    frame = page.inner_text("[data-testid=prompt-frame-text]")
-    assert frame.startswith("<bos>") and frame.rstrip().endswith("Answer:") and "{question}" in frame
-    assert "no chat template" in page.inner_text("[data-testid=prompt-frame] summary")
-
-    def run_on_current_model(question: str) -> dict:
+    def retrieve(question: str) -> None:
         page.fill("[data-testid=top-k]", "1")  # one chunk, a tiny prompt
         page.fill("[data-testid=question-input]", question)
         with page.expect_response(lambda r: r.url.endswith("/api/search") and question in (r.request.post_data or "")):
             page.click("[data-testid=search-button]")
         page.wait_for_selector("[data-testid=chunk-card]:first-child[data-source='10-lighthouse.md']")
         assert page.locator("[data-testid=chunk-card]").count() == 1
-        return run_and_check_cards(page)
 
-    q = "How tall is the Cape Wrayth lighthouse?"
-    gemma = run_on_current_model(q)
-    assert gemma["model"] == "gemma3-270m" and [r["method"] for r in gemma["results"]] == ["qcfuse", "full"]
-    qc = gemma["results"][0]
+    def runs_on_current_model(model: str) -> list[dict]:
+        retrieve(q)
+        small_runs(page, repeats=1, new_tokens=4)
+        set_modes(page, HISTORY_MODES)
+        out = []
+        for ratio in HISTORY_RATIOS:
+            for m in HISTORY_MODES:
+                set_ratio(page, m, ratio)
+            run = run_and_check_cards(page)
+            assert run["model"] == model and [(r["method"], r["ratio"]) for r in run["results"]] == \
+                [(m, ratio) for m in HISTORY_MODES]
+            assert run["reference"] is not None  # full is not a mode: the reference the quality is against
+            out.append(run)
+        return out
+
+    smol = runs_on_current_model("smollm2-135m")
+    assert smol[0]["results"][0]["cache_hits"] == 1
+
+    page.select_option("[data-testid=model-select]", "gemma3-270m")
+    notice = page.wait_for_selector("[data-testid=model-loading]")
+    assert re.search(r"(Waiting to load|Converting|Loading|Warming up) gemma-3-270m|loading the model",
+                     notice.inner_text()), notice.inner_text()
+    page.wait_for_selector("[data-testid=model-loading]", state="detached", timeout=CONVERT_TIMEOUT_MS)
+    page.wait_for_selector("[data-testid=prompt-frame][data-kind=plain]")  # the page shows the loaded model
+    assert page.locator("[data-testid=error]").count() == 0
+    assert page.input_value("[data-testid=model-select]") == "gemma3-270m"
+    assert " 18 layers " in f" {page.inner_text('[data-testid=store-info]')} "
+    page.click("[data-testid=prompt-frame] summary")
+    frame = page.inner_text("[data-testid=prompt-frame-text]")
+    assert frame.startswith("<bos>") and frame.rstrip().endswith("Answer:") and "{question}" in frame
+    assert "no chat template" in page.inner_text("[data-testid=prompt-frame] summary")
+    stops = page.inner_text("[data-testid=prompt-frame-stop]")
+    assert '"\\nQuestion:"' in stops and '"\\nAnswer:"' in stops
+    assert {m["id"]: m["converted"] for m in get(server, "/api/models")["models"]}["gemma3-270m"] is True
+    assert "converts once" not in page.inner_text("[data-testid=model-option-gemma3-270m]")
+    phone_width_holds(page)  # after Gemma's conversion
+
+    gemma = runs_on_current_model("gemma3-270m")
+    for run in gemma:
+        for r in run["results"]:  # the base model's answer ends where it starts a next line of the frame
+            assert r["answer"].strip() and "Question:" not in r["answer"] and "Answer:" not in r["answer"]
+            assert r["finish_reason"] == "stop" or r["new_tokens"] == 4, r
+        assert "Answer:" not in run["reference"]["answer"]
+    qc = gemma[0]["results"][0]
     assert 0 < qc["recomputed_tokens"] < qc["context_tokens"]
-    for r in gemma["results"]:  # the base model's answer ends where it starts a next question
-        assert r["answer"].strip() and "Question:" not in r["answer"]
-        assert r["finish_reason"] == "stop" or r["new_tokens"] == 48, r
-    assert '"\\nQuestion:"' in page.inner_text("[data-testid=prompt-frame-stop]")
     page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")
     page.wait_for_selector("[data-testid=details-panel]")
     assert page.inner_text("[data-testid=layer-value]") == "17"  # Gemma-3-270M's last layer
+    page.click("[data-testid=answer-card][data-method=qcfuse] [data-testid=details-button]")  # closed again
+
+    # the history: 3 modes x 2 ratios x 2 models (and each run's reference), all on screen
+    api = history_rows_match_the_api(page, server)
+    new = api[rows_before:]
+    combos = {(r["model"], r["method"], r["ratio"]) for r in new if r["index"] is not None}
+    assert combos == {(m, x, r) for m in ("smollm2-135m", "gemma3-270m") for x in HISTORY_MODES for r in HISTORY_RATIOS}
+    assert sum(1 for r in new if r["label"] == "full (reference)") == 4
+    plot = page.locator("[data-testid=quality-plot]")
+    assert plot.locator("svg").count() == 1
+    assert plot.locator("[data-testid=plot-point]").count() == sum(1 for r in api if r["quality"] is not None)
+    assert plot.locator("[data-testid=plot-point][data-model=gemma3-270m]").count() == 8
+    page.select_option("[data-testid=plot-axis]", "match")
+    assert plot.get_attribute("data-axis") == "match"
+    assert plot.locator("[data-testid=plot-point]").count() == len(api)
+    page.select_option("[data-testid=plot-axis]", "kl")
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.locator("[data-testid=history]").scroll_into_view_if_needed()
+    shot(page, "studio-1280x800-history.png")
+    phone_width_holds(page)
+    page.locator("[data-testid=quality-plot]").scroll_into_view_if_needed()
+    page.set_viewport_size({"width": 390, "height": 844})
+    shot(page, "studio-390x844-history.png")
+    page.set_viewport_size({"width": 1280, "height": 800})
     page.evaluate("window.scrollTo(0, 0)")
     shot(page, "studio-1280x800-gemma.png")
 
@@ -348,8 +498,12 @@ def test_switch_to_gemma_and_back_in_the_model_menu(page, server):
     # wait for what the page shows of the model, not for the notice to go
     page.wait_for_selector("[data-testid=prompt-frame][data-kind=chat]")
     page.wait_for_selector("[data-testid=model-loading]", state="detached")
-    assert page.get_attribute("[data-testid=prompt-frame]", "data-kind") == "chat"
-    smol = run_on_current_model(q)
-    assert smol["model"] == "smollm2-135m" and smol["results"][0]["cache_hits"] == 1
+    assert page.locator("[data-testid=history-row]").count() == len(api)  # the history survived both switches
+    retrieve(q)
+    set_modes(page, ["qcfuse", "full"])
+    again = run_and_check_cards(page)
+    assert again["model"] == "smollm2-135m" and again["results"][0]["cache_hits"] == 1
+    assert again["build"]["built"] == 0  # its caches were where they were
     assert get(server, "/api/status")["model"]["id"] == "smollm2-135m"
+    history_rows_match_the_api(page, server)
     only_local(page, server)

@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("fastapi", reason="the studio extra is not installed: pip install 'qcfuse[studio]'")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from qcfuse_core import critical_layers  # noqa: E402
-from qcfuse_core.model import packaged_model_target  # noqa: E402
+from qcfuse_core.selection import profiles as critical_layers  # noqa: E402
+from qcfuse_core.model.adapter import packaged_model_target  # noqa: E402
 from qcfuse_core.store import kv_dir  # noqa: E402
 from qcfuse_core.studio.app import create_app  # noqa: E402
 from qcfuse_core.studio.service import StudioConfig, StudioService  # noqa: E402
@@ -144,7 +144,7 @@ def test_switch_answers_on_each_model_from_its_own_caches(client, service):
     assert model["id"] == "gemma3-270m" and model["layers"] == 18 and model["fingerprint"] != smol_fp
     frame = model["prompt_frame"]
     cfg = service.engine.config
-    assert frame["kind"] == "plain" and "no chat template" in frame["label"] and frame["stop"] == ["\nQuestion:"]
+    assert frame["kind"] == "plain" and "no chat template" in frame["label"] and frame["stop"] == ["\nQuestion:", "\nAnswer:"]
     assert frame["text"] == ("<bos>" + cfg.system_prompt + "\n\n" + cfg.context_header + "{document 1}" + cfg.glue
                              + "{document 2}" + cfg.question_template.format(question="{question}") + "\nAnswer:")
     st = client.get("/api/status").json()
@@ -199,7 +199,7 @@ def test_a_first_use_converts_with_its_message(service, tmp_path, monkeypatch):
     """A cache dir without the converted Gemma: the switch says it converts (first time only,
     where to), converts (here: the converted folder linked in place of the minutes-long
     dequantisation), then loads; afterwards the model is listed as converted."""
-    import qcfuse_core.model as model_mod
+    import qcfuse_core.model.adapter as model_mod
 
     service.select_model("smollm2-135m")
     real, converted = packaged_model_target("gemma3-270m")

@@ -1,4 +1,4 @@
-"""Sub-spans of stored chunk caches (qcfuse_core/subspans.py): a re-rendered text (truncated,
+"""Sub-spans of stored chunk caches (qcfuse_core/cache/subspans.py): a re-rendered text (truncated,
 other whitespace) served from the stored cache of the text it renders."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core import subspans
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.fusion import fused_prefill
+from qcfuse_core.cache import subspans
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import fused_prefill
 from qcfuse_core.types import ChunkKey, Piece
 
 pytestmark = pytest.mark.slow
@@ -37,12 +37,12 @@ def test_a_prefix_slice_is_the_alone_cache_of_its_tokens(engine):
     stored = engine.store.get(engine.chunk_tokens(STORED)[1])
     for n in (5, 17, stored.num_tokens - 3):
         piece = subspans.slice_chunk(stored, 0, n, engine.fingerprint)
-        k, v = engine.prefill_alone(stored.token_ids[:n])
+        k, v = engine.caches.prefill_alone(stored.token_ids[:n])
         assert torch.equal(piece.token_ids, stored.token_ids[:n]) and piece.exact
         assert torch.allclose(piece.k, k, atol=1e-4) and torch.allclose(piece.v, v, atol=1e-4)
         assert piece.key == ChunkKey.for_tokens(engine.fingerprint, stored.token_ids[:n])  # what it is
     inner = subspans.slice_chunk(stored, 7, 20, engine.fingerprint)
-    k, _ = engine.prefill_alone(stored.token_ids[7:27])
+    k, _ = engine.caches.prefill_alone(stored.token_ids[7:27])
     assert not torch.allclose(inner.k, k, atol=1e-2)  # an inner slice is not its tokens' alone-cache ...
     assert inner.key not in (stored.key, ChunkKey.for_tokens(engine.fingerprint, inner.token_ids))  # ... nor keyed so
     with pytest.raises(ValueError, match="outside a chunk"):
@@ -52,8 +52,8 @@ def test_a_prefix_slice_is_the_alone_cache_of_its_tokens(engine):
 @pytest.mark.parametrize("rendering", [TRUNCATED, NORMALISED], ids=["truncated", "normalised"])
 def test_a_rendering_is_served_from_the_stored_chunk_at_its_own_tokens(engine, rendering):
     entries = len(list(engine.store.keys()))
-    looked = engine.lookup(pieces(engine, rendering), "qcfuse", streaming=False)
-    plain = engine.lookup(engine.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", []), "full")
+    looked = engine.steps.lookup(pieces(engine, rendering), "qcfuse", streaming=False)
+    plain = engine.steps.lookup(engine.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", []), "full")
     stored = engine.store.get(engine.chunk_tokens(STORED)[1])
     own = engine.chunk_tokens(rendering)[0]
     # the prompt's tokens are those of the rendering, whatever was served
@@ -85,7 +85,7 @@ def test_a_rendering_is_served_from_the_stored_chunk_at_its_own_tokens(engine, r
 
 @pytest.mark.parametrize("rendering", [TRUNCATED, NORMALISED], ids=["truncated", "normalised"])
 def test_fused_prefill_with_every_row_recomputed_equals_hf_on_a_served_prompt(engine, smol, rendering):
-    prompt, hits, misses = engine.fuse_pieces(pieces(engine, rendering))
+    prompt, hits, misses = engine.steps.fuse_pieces(pieces(engine, rendering))
     assert hits >= 1 and misses == 0 and subspans.served_tokens(prompt.segments) > 0
     ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)
@@ -117,7 +117,7 @@ def test_runs_obey_their_minimum_lengths(monkeypatch):
 
 def test_a_text_served_in_several_runs_counts_as_one_chunk(engine):
     """NORMALISED is served in two runs (its paragraphs); the statistics count one chunk, a hit."""
-    looked = engine.lookup(pieces(engine, NORMALISED), "qcfuse", streaming=False)
+    looked = engine.steps.lookup(pieces(engine, NORMALISED), "qcfuse", streaming=False)
     assert sum(isinstance(p.chunk, subspans.SliceChunk) for p in looked.parts) == 2
     assert (looked.hits, looked.misses) == (1, 0)
     got = engine.complete(f"Context:\n{NORMALISED}\n\nQuestion: {QUESTION}",

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from qcfuse_core import threads as T
-from qcfuse_core.threads import CpuInfo, busy_cpus, choose_threads, configure_cpu_threads, helper_threads
+from qcfuse_core.engine import threads as T
+from qcfuse_core.engine.threads import CpuInfo, busy_cpus, choose_threads, configure_cpu_threads, helper_threads
 
 IDLE2 = CpuInfo(cpus=2, cores=2, busy=0.0)
 LOADED2 = CpuInfo(cpus=2, cores=2, busy=3.6)  # the laptop: load ~3.6 on 2 cores

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core.fusion import FusedPrompt, KVCache, Segment, decode_step, fused_prefill
-from qcfuse_core.selectors import QCFuseOptions, SelectionContext, get_selector
-from qcfuse_core.testing import tiny_model
-from qcfuse_core.windows import exact_from, exact_rows
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, decode_step, fused_prefill
+from qcfuse_core.selection.options import QCFuseOptions
+from qcfuse_core.selection.base import SelectionContext, get_selector
+from qcfuse_core.model.testing import tiny_model
+from qcfuse_core.model.windows import exact_from, exact_rows
 from tests.qc_fixtures import prompt_alone
 
 pytestmark = pytest.mark.kernels

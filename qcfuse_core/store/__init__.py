@@ -10,6 +10,7 @@ from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.eviction import POLICIES, get_policy
 from qcfuse_core.store.memory import MemoryStore
 from qcfuse_core.store.sidecar import Sidecar
+from qcfuse_core.store.tier import TierPin
 from qcfuse_core.store.tiered import LayerBatch, StoreConfig, TieredStore, kv_dir, open_store, writable
 
 STORE_FORMAT_VERSION = FORMAT_VERSION
@@ -26,6 +27,7 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "StoreStats",
+    "TierPin",
     "TieredStore",
     "get_policy",
     "kv_dir",

@@ -9,6 +9,9 @@ and the tiered disk store. Contract:
 - `put` is idempotent; putting the same key twice stores it once.
 - Per-layer reads (`get_layer`) exist so the engine can stream layer l+1 while computing l;
   the default reads the whole chunk, fast backends override it.
+- `pin` holds a memory-tier entry against eviction while a load session streams from it;
+  every `pin` that returned a `TierPin` is given back with `unpin` exactly once (a store
+  without memory tiers pins nothing: `pin` returns None).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Self
 
 import torch
 
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
+
+if TYPE_CHECKING:
+    from qcfuse_core.store.tier import TierPin
 
 
 class StoreError(Exception):
@@ -50,7 +57,17 @@ class ChunkStore(ABC):
     def get(self, key: ChunkKey) -> KVChunk | None: ...
 
     @abstractmethod
-    def put(self, chunk: KVChunk) -> None: ...
+    def put(
+        self,
+        chunk: KVChunk,
+        *,
+        anchors: dict[str, torch.Tensor] | None = None,
+        layer_keys: dict[int, torch.Tensor] | None = None,
+        bulk: bool = False,
+    ) -> None:
+        """Store a chunk (idempotent). anchors / layer_keys: its probe sidecar, for stores that
+        keep one (`streams_layers`); bulk: an ingestion write, which a store with memory tiers
+        may keep out of them."""
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool: ...
@@ -71,7 +88,23 @@ class ChunkStore(ABC):
     @abstractmethod
     def stats(self) -> dict: ...
 
+    streams_layers = False
+    """True for a store that keeps probe sidecars and serves layer-wise reads to the engine's
+    prefetcher (the tiered store); the engine then streams chunks instead of reading them whole."""
+
     # Batched and per-layer defaults; fast backends override.
+    def counters(self) -> dict:
+        """What `stats` counts in this process, cheap enough to read per answer."""
+        return self.stats()
+
+    def entry_bytes(self, key: ChunkKey, dtype: torch.dtype, L: int, T: int, Hkv: int, D: int) -> int:
+        """Bytes a chunk of this shape takes in the store (0: the store does not say)."""
+        return 0
+
+    def prepare_bulk(self, sizes: list[int], writers: int) -> int:
+        """Get ready for a bulk load of entries of these sizes (bytes); -> blocks prepared."""
+        return 0
+
     def get_many(self, keys: Iterable[ChunkKey]) -> list[KVChunk | None]:
         return [self.get(k) for k in keys]
 
@@ -80,10 +113,27 @@ class ChunkStore(ABC):
         chunk = self.get(key)
         return None if chunk is None else (chunk.k[layer], chunk.v[layer])
 
+    def in_memory(self, key: ChunkKey) -> bool:
+        """Held in memory (a read costs no disk I/O); a store without tiers: whether it holds it."""
+        return self.contains(key)
+
+    def promote(self, key: ChunkKey) -> bool:
+        """Copy a chunk read from a slower tier into memory -> True when it was admitted
+        (a store without tiers has nothing to promote)."""
+        return False
+
+    def pin(self, key: ChunkKey) -> "TierPin | None":
+        """Hold the chunk's image in the fastest memory tier that has it against eviction ->
+        the pin (with the image to read), or None when no memory tier holds it."""
+        return None
+
+    def unpin(self, pin: "TierPin") -> None:
+        """Give back a pin from `pin` (never raises)."""
+
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "ChunkStore":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -85,9 +85,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.float() * scale.to(q.device)[:, None, :, None]).to(dtype)
 
 
-def encode_layer(
-    k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_layer(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """k, v (T, Hkv, D) -> (kv (2, T, Hkv, D) in `dtype`, scale (2, Hkv) or None)."""
     kv = torch.stack([k, v])  # (2, T, Hkv, D)
     if is_fp8(dtype):
@@ -95,9 +93,7 @@ def encode_layer(
     return kv.to(dtype), None
 
 
-def decode_layer(
-    kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
+def decode_layer(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Stored (2, T, Hkv, D) -> (2, T, Hkv, D) in `dtype`; always a new tensor (callers own it)."""
     if scale is not None:
         return dequantize_fp8(kv, scale, dtype)

@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from qcfuse_core.store.atomic import is_disk_full, prepare_tmp, publish, read_exact
+from qcfuse_core.store.base import ReadOnlyStoreError
 from qcfuse_core.store.codec import DTYPE_NAME, check_storage_name, decode_layer
 from qcfuse_core.store.entry import (
     FORMAT_VERSION,
@@ -48,7 +49,6 @@ from qcfuse_core.store.entry import (
     header_length,
     parse_header,
 )
-from qcfuse_core.store.base import ReadOnlyStoreError
 from qcfuse_core.store.manifest import EntryRow, Manifest, SidecarRow, is_read_only
 from qcfuse_core.store.sidecar import Sidecar, decode_sidecar, encode_sidecar
 from qcfuse_core.store.tier import TierStats
@@ -83,8 +83,14 @@ def _sqlite_full(e: sqlite3.Error) -> bool:
 
 class DiskTier:
     def __init__(
-        self, root: Path | str, storage: str = "auto", *, capacity_bytes: int | None = None,
-        alloc: Alloc = plain_alloc, io_threads: int = 8, durable: bool = False,
+        self,
+        root: Path | str,
+        storage: str = "auto",
+        *,
+        capacity_bytes: int | None = None,
+        alloc: Alloc = plain_alloc,
+        io_threads: int = 8,
+        durable: bool = False,
         read_only: bool = False,
     ) -> None:
         self.root = Path(root)
@@ -110,8 +116,11 @@ class DiskTier:
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, key: ChunkKey, tag: str, kind: str) -> str:
         h = key.token_hash
-        name = (f"{h}.{self.storage}.v{FORMAT_VERSION}.{tag}.safetensors" if kind == "entry"
-                else f"{h}.v{FORMAT_VERSION}.{tag}.sidecar.safetensors")
+        name = (
+            f"{h}.{self.storage}.v{FORMAT_VERSION}.{tag}.safetensors"
+            if kind == "entry"
+            else f"{h}.v{FORMAT_VERSION}.{tag}.sidecar.safetensors"
+        )
         return f"{DATA_DIR}/{key.fingerprint}/{h[:2]}/{name}"
 
     # -- failure handling -------------------------------------------------------------------
@@ -119,14 +128,20 @@ class DiskTier:
         self.stats.write_failures += 1
         if not self.degraded:
             self.degraded = True
-            logger.warning("KV store %s: disk full (%s); no more disk writes (memory tiers and recompute still serve)",
-                           self.root, exc)
+            logger.warning(
+                "KV store %s: disk full (%s); no more disk writes (memory tiers and recompute still serve)",
+                self.root,
+                exc,
+            )
 
     def _turn_read_only(self, exc: BaseException) -> None:
         if not self.read_only:
             self.read_only = True
-            logger.warning("KV store %s is not writable (%s); answering from what is stored, nothing more is "
-                           "written", self.root, exc)
+            logger.warning(
+                "KV store %s is not writable (%s); answering from what is stored, nothing more is written",
+                self.root,
+                exc,
+            )
 
     def guard(self, fn: Callable[[], bool]) -> bool:
         """Run a write. A full disk degrades the tier (one warning, then every write is a
@@ -206,12 +221,22 @@ class DiskTier:
         rel = self._rel(key, checksum("".join(sums).encode())[:12], "entry")
         final = self.root / rel
         now = time.time()
-        row = EntryRow(key.to_string(), FORMAT_VERSION, self.storage, rel, lay.file_bytes, sums,
-                       lay.num_layers, lay.num_tokens, DTYPE_NAME[lay.dtype], now, now)
-        tmp = prepare_tmp(final, [memoryview(image.data.numpy())], self.durable)
+        row = EntryRow(
+            key.to_string(),
+            FORMAT_VERSION,
+            self.storage,
+            rel,
+            lay.file_bytes,
+            sums,
+            lay.num_layers,
+            lay.num_tokens,
+            DTYPE_NAME[lay.dtype],
+            now,
+            now,
+        )
+        tmp = prepare_tmp(final, [memoryview(image.data.numpy())], self.durable)  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
         try:
-            committed, old = self.manifest.commit_entry(row, lambda: publish(tmp, final, self.durable),
-                                                        self._entry_ok)
+            committed, old = self.manifest.commit_entry(row, lambda: publish(tmp, final, self.durable), self._entry_ok)
         finally:
             tmp.unlink(missing_ok=True)
         if committed:
@@ -272,13 +297,13 @@ class DiskTier:
             if size != row.nbytes:
                 return None, f"size {size} != {row.nbytes} (truncated or replaced)"
             data = self.alloc(row.nbytes)
-            if read_exact(fd, memoryview(data.numpy()), 0) != row.nbytes:
+            if read_exact(fd, memoryview(data.numpy()), 0) != row.nbytes:  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
                 return None, "short read"
         except OSError as e:
             return None, f"read failed: {e}"
         finally:
             os.close(fd)
-        mv = memoryview(data.numpy())
+        mv = memoryview(data.numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
         try:
             S = header_length(bytes(mv[:8]))
             if S > row.nbytes or checksum(mv[:S]) != row.checksums[0]:
@@ -394,7 +419,7 @@ class DiskTier:
 
         def views_for(lay: EntryLayout) -> list[memoryview]:
             buf.append(self.alloc(lay.layer_bytes))
-            mv = memoryview(buf[0].numpy())
+            mv = memoryview(buf[0].numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
             return [mv[: lay.layer_bytes // 2], mv[lay.layer_bytes // 2 :]]
 
         loc = self._read_layer(key, layer, views_for)
@@ -403,9 +428,7 @@ class DiskTier:
         kv = buf[0].view(loc.layout.dtype).view(loc.layout.layer_shape)
         return kv, None if loc.scales is None else loc.scales[layer]
 
-    def read_layer_into(
-        self, key: ChunkKey, layer: int, out_k: torch.Tensor, out_v: torch.Tensor
-    ) -> bool:
+    def read_layer_into(self, key: ChunkKey, layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> bool:
         """Read layer `layer` of one entry into out_k, out_v (T, Hkv, D) on the host.
 
         Fast path (stored dtype == out dtype, contiguous): the bytes go straight from the
@@ -418,16 +441,26 @@ class DiskTier:
         shape = lay.layer_shape[1:]
         if tuple(out_k.shape) != shape or tuple(out_v.shape) != shape:
             raise ValueError(f"out_k/out_v must be {shape}, got {tuple(out_k.shape)}, {tuple(out_v.shape)}")
-        direct = (out_k.dtype == lay.dtype and out_v.dtype == lay.dtype and lay.scale_span is None
-                  and out_k.device.type == "cpu" and out_k.is_contiguous() and out_v.is_contiguous())
+        direct = (
+            out_k.dtype == lay.dtype
+            and out_v.dtype == lay.dtype
+            and lay.scale_span is None
+            and out_k.device.type == "cpu"
+            and out_k.is_contiguous()
+            and out_v.is_contiguous()
+        )
         if direct:
-            views = [memoryview(out_k.view(torch.uint8).numpy()).cast("B"),
-                     memoryview(out_v.view(torch.uint8).numpy()).cast("B")]
+            views = [
+                memoryview(out_k.view(torch.uint8).numpy()).cast("B"),  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
+                memoryview(out_v.view(torch.uint8).numpy()).cast("B"),  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
+            ]
             return self._read_layer(key, layer, lambda _: views) is not None
         raw = self.read_layer_raw(key, layer)
         if raw is None:
             return False
-        with torch.inference_mode():  # the I/O threads do not inherit the caller's mode; out_k may be an inference tensor
+        with (
+            torch.inference_mode()
+        ):  # the I/O threads do not inherit the caller's mode; out_k may be an inference tensor
             kv = decode_layer(raw[0], raw[1], out_k.dtype)
             out_k.copy_(kv[0])
             out_v.copy_(kv[1])
@@ -459,9 +492,7 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def read_layers_into(
-        self, jobs: list[tuple[ChunkKey, int, torch.Tensor, torch.Tensor]]
-    ) -> list[bool]:
+    def read_layers_into(self, jobs: list[tuple[ChunkKey, int, torch.Tensor, torch.Tensor]]) -> list[bool]:
         """`read_layer_into` for many (key, layer, out_k, out_v) at once, on the I/O threads,
         with every read announced to the kernel first so the disk sees a deeper queue."""
         if len(jobs) > 1:
@@ -502,8 +533,7 @@ class DiskTier:
         return n
 
     def keys(self) -> list[ChunkKey]:
-        return [ChunkKey.from_string(r.chunk_key)
-                for r in self.manifest.entries(FORMAT_VERSION, self.storage)]
+        return [ChunkKey.from_string(r.chunk_key) for r in self.manifest.entries(FORMAT_VERSION, self.storage)]
 
     # -- sidecars ---------------------------------------------------------------------------
     def write_sidecar(self, key: ChunkKey, sidecar: Sidecar) -> bool:

@@ -130,10 +130,19 @@ def plan_layout(
     S = len(header)
     shift = lambda span: (span[0] + S, span[1] + S)  # noqa: E731
     layout = EntryLayout(
-        key=key, storage=storage, dtype=dtype, src_dtype=src_dtype,
-        num_layers=L, num_tokens=T, kv_heads=Hkv, head_dim=D, data_start=S,
-        token_span=shift(tok), scale_span=None if sc is None else shift(sc),
-        layer_spans=tuple(shift(s) for s in layers), file_bytes=S + offset,
+        key=key,
+        storage=storage,
+        dtype=dtype,
+        src_dtype=src_dtype,
+        num_layers=L,
+        num_tokens=T,
+        kv_heads=Hkv,
+        head_dim=D,
+        data_start=S,
+        token_span=shift(tok),
+        scale_span=None if sc is None else shift(sc),
+        layer_spans=tuple(shift(s) for s in layers),
+        file_bytes=S + offset,
     )
     return layout, header
 
@@ -244,7 +253,7 @@ class EntryImage:
 
     def checksums(self) -> tuple[str, ...]:
         """xxh3-64 of each segment (host images only)."""
-        mv = memoryview(self.data.numpy())
+        mv = memoryview(self.data.numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
         return tuple(checksum(mv[a:b]) for a, b in self.layout.segments())
 
     def to(self, device: torch.device | str, *, pin: bool = False) -> "EntryImage":
@@ -278,5 +287,6 @@ def encode_chunk(chunk: KVChunk, storage: str, *, pin: bool = False) -> EntryIma
         kv, sc = encode_layer(chunk.k[l], chunk.v[l], layout.dtype)
         image.kv(l).copy_(kv)
         if scales is not None:
+            assert sc is not None  # an fp8 layout has a scale span, and encode_layer gives fp8 a scale
             scales[l].copy_(sc)
     return image

@@ -2,28 +2,52 @@
 
     <root>/chunk_texts.sqlite   chunk text -> node id (finding chunks inside framework prompts)
     <root>/chroma/              the vector index (ids, documents, embeddings)
+    <root>/.vector-index        written when the vector index is first opened: it is expected
     <root>/kv/                  the KV store (maintenance.py)
 
-Both hold every chunk's text, so either rebuilds the other: the chunk-text index from
-Chroma's documents, the vector index by embedding the chunk-text index's texts again
-(texts shorter than `segment.ANCHOR` characters are not in the chunk-text index, and the
-rebuilt vector index carries no source metadata). A rebuild writes the new index beside
-the old one and swaps it in; the damaged one is kept as `<name>.bad-<time>`, never deleted.
-Checks open copies or read-only connections: checking never writes.
+Both hold every chunk's text, and every text is checked by its content hash: a chunk-text
+row by its key (the sha256 of its text), a vector-index document by its metadata's sha256
+(or, for rows written before that key, by its id, `chunk_id(source, text)`). A text that
+fails is damaged: reported, never served, never copied. The vector index is derived data:
+missing while texts are stored, with damaged documents, damaged HNSW files, a graph that
+lacks rows, or a probe (a child process) that crashes or cannot find stored vectors - it
+is rebuilt from every verified text (its own verified documents with their ids and
+sources, then the chunk-text index's) by embedding them again. The chunk-text index is
+rebuilt from the same verified texts. Texts shorter than `segment.ANCHOR` characters are
+not in the chunk-text index; a text damaged in both indexes is lost (ingest its file
+again). A rebuild writes the new index beside the old one and swaps it in; the damaged one
+is kept as `<name>.bad-<time>`, never deleted. Checks read with read-only connections and
+open Chroma only in a child process on a copy: checking never writes.
+
+A store whose texts came without a vector index - registered through `qcfuse serve`'s
+`/v1/chunks`, where retrieval runs in the client's framework - never had one: its absence is
+noted, not reported as damage. The marker `.vector-index`, written when a vector index is
+first opened under the root, tells the two apart: with it, a missing vector index is lost.
 """
 
 from __future__ import annotations
 
 import shutil
 import sqlite3
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CHUNK_TEXTS = "chunk_texts.sqlite"
 CHROMA = "chroma"
+VECTOR_MARKER = ".vector-index"
+
+
+def mark_vector_index(root: Path) -> None:
+    """Record that `root` has a vector index (see the module docstring); a read-only root
+    is left as it is."""
+    marker = Path(root) / VECTOR_MARKER
+    if marker.exists():
+        return
+    try:
+        marker.write_text("a vector index was opened under this folder; `qcfuse store verify` expects it\n")
+    except OSError:
+        pass
 
 
 @dataclass
@@ -32,6 +56,7 @@ class IndexState:
     present: bool = False
     rows: int = 0
     problem: str = ""  # empty when usable
+    damaged: int = 0  # rows whose text does not match its content hash
 
     @property
     def ok(self) -> bool:
@@ -47,27 +72,48 @@ class IndexReport:
 
     @property
     def bad(self) -> list[str]:
-        return [f"{name}: {s.problem}" for name, s in (("chunk-text index", self.chunk_texts),
-                                                       ("vector index", self.chroma)) if s.problem]
+        return [
+            f"{name}: {s.problem}"
+            for name, s in (("chunk-text index", self.chunk_texts), ("vector index", self.chroma))
+            if s.problem
+        ]
 
     def as_dict(self) -> dict:
-        return {"chunk_texts": asdict(self.chunk_texts), "chroma": asdict(self.chroma),
-                "notes": self.notes, "repaired": self.repaired}
+        return {
+            "chunk_texts": asdict(self.chunk_texts),
+            "chroma": asdict(self.chroma),
+            "notes": self.notes,
+            "repaired": self.repaired,
+        }
 
 
 def _ro(path: Path) -> sqlite3.Connection:
     """Read-only: mode=ro sees the write-ahead log; immutable=1 when a read-only folder
-    cannot take the -shm file mode=ro needs."""
+    cannot take the -shm file mode=ro needs. Text that is not UTF-8 reads as surrogates."""
+    from qcfuse_core.retrieval.texts import lenient_text
+
     uri = path.resolve().as_uri()
     try:
         db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
         db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        return db
     except sqlite3.OperationalError:
-        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+        db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+    db.text_factory = lenient_text
+    return db
+
+
+def _text_rows(path: Path) -> list[tuple[str, str | None, str]]:
+    """(sha, node id, text) of every chunk-text row, verified or not."""
+    db = _ro(path)
+    try:
+        return db.execute("SELECT sha, node_id, text FROM chunk_text ORDER BY rowid").fetchall()
+    finally:
+        db.close()
 
 
 def check_chunk_texts(path: Path) -> IndexState:
+    from qcfuse_core.retrieval.texts import text_hash_ok
+
     st = IndexState(str(path), path.is_file())
     if not st.present:
         return st
@@ -77,66 +123,127 @@ def check_chunk_texts(path: Path) -> IndexState:
             res = db.execute("PRAGMA quick_check").fetchone()[0]
             if res != "ok":
                 raise sqlite3.DatabaseError(res)
-            st.rows = int(db.execute("SELECT COUNT(*) FROM chunk_text").fetchone()[0])
         finally:
             db.close()
+        rows = _text_rows(path)
     except sqlite3.Error as e:
         st.problem = f"unreadable ({e})"
+        return st
+    st.rows = len(rows)
+    st.damaged = sum(1 for sha, _, text in rows if not text_hash_ok(sha, text))
+    if st.damaged:
+        st.problem = f"{st.damaged} of {st.rows} texts do not match their content hash (damaged; they are never served)"
     return st
 
 
-@contextmanager
-def _chroma_copy(path: Path):
-    """A Chroma collection opened on a private copy (Chroma writes when it opens)."""
-    from qcfuse_integrations.chroma import open_collection
+def check_chroma(path: Path, expected_texts: int = 0, *, probe: bool = True) -> tuple[IndexState, set[str]]:
+    """-> (state, the ids it holds). `expected_texts`: verified texts stored elsewhere (the
+    vector index must exist when there are any). `probe`: also open a copy in a child
+    process and look up a sample of its vectors (once a graph is written to disk)."""
+    from qcfuse_core.store import vector_index as vi
 
-    tmp = Path(tempfile.mkdtemp(prefix="qcfuse-chroma-check-"))
-    try:
-        shutil.copytree(path, tmp / CHROMA, copy_function=shutil.copyfile)
-        for q in [tmp / CHROMA, *(tmp / CHROMA).rglob("*")]:  # the copy is ours to write, whatever the source's modes
-            q.chmod(q.stat().st_mode | 0o700 if q.is_dir() else 0o600)
-        yield open_collection(tmp / CHROMA)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def check_chroma(path: Path) -> tuple[IndexState, set[str]]:
-    """-> (state, the ids it holds)."""
-    st = IndexState(str(path), (path / "chroma.sqlite3").is_file())
+    st = IndexState(str(path), (path / vi.CHROMA_DB).is_file())
     if not st.present:
+        if expected_texts:
+            st.problem = (
+                f"missing, while the chunk-text index holds {expected_texts} texts "
+                "(the vector index is rebuilt from them)"
+            )
         return st, set()
     try:
-        import chromadb.errors as chroma_errors
-    except ImportError:
-        st.problem = "chromadb is not installed (pip install 'qcfuse[chroma]'): not checked"
-        return st, set()
-    try:
-        with _chroma_copy(path) as col:
-            ids = set(col.get(include=[])["ids"])
-            st.rows = col.count()
-        if st.rows != len(ids):
-            st.problem = f"count {st.rows} disagrees with its {len(ids)} ids"
-    except chroma_errors.ChromaError as e:
+        docs = list(vi.documents(path))
+    except sqlite3.Error as e:
         st.problem = f"unreadable ({e})"
-        ids = set()
+        return st, set()
+    st.rows = len(docs)
+    ids = {d.id for d in docs}
+    st.damaged = sum(1 for d in docs if not d.ok)
+    if st.damaged:
+        st.problem = (
+            f"{st.damaged} of {st.rows} documents do not match their content hash (damaged; they are never served)"
+        )
+        return st, ids
+    if st.rows != len(ids):
+        st.problem = f"count {st.rows} disagrees with its {len(ids)} ids"
+        return st, ids
+    st.problem = vi.quick_problem(path)
+    if not st.problem and probe and st.rows and vi.persisted_graph(path):
+        try:
+            import chromadb  # noqa: F401
+        except ImportError:
+            st.problem = "chromadb is not installed (pip install 'qcfuse[chroma]'): not checked"
+            return st, ids
+        st.problem = vi.probe(path)
     return st, ids
 
 
-def check(root: Path, linked_nodes: set[str] | None = None) -> IndexReport:
+def check(root: Path, linked_nodes: set[str] | None = None, *, probe: bool = True) -> IndexReport:
     """Check both indexes and their agreement (with the KV store's node links, if given)."""
     texts = check_chunk_texts(root / CHUNK_TEXTS)
-    chroma, ids = check_chroma(root / CHROMA)
+    verified = texts.rows - texts.damaged if texts.present else 0
+    expected = (root / VECTOR_MARKER).exists()
+    chroma, ids = check_chroma(root / CHROMA, verified if expected else 0, probe=probe)
     rep = IndexReport(texts, chroma)
+    if verified and not chroma.present and not expected:
+        rep.notes.append(
+            f"no vector index: the {verified} texts came without one (registered through `qcfuse serve`'s "
+            "/v1/chunks, where retrieval runs in the client's framework); `qcfuse ingest` builds one"
+        )
     if texts.ok and chroma.ok and texts.present and chroma.present and texts.rows != chroma.rows:
-        rep.notes.append(f"the chunk-text index has {texts.rows} texts, the vector index {chroma.rows} chunks "
-                         f"(it never holds texts under 32 characters; others are missing after a full disk or a "
-                         f"read-only run - the same `qcfuse ingest` again adds them)")
+        rep.notes.append(
+            f"the chunk-text index has {texts.rows} texts, the vector index {chroma.rows} chunks "
+            f"(it never holds texts under 32 characters; others are missing after a full disk or a "
+            f"read-only run - the same `qcfuse ingest` again adds them)"
+        )
     if linked_nodes is not None and chroma.ok and ids:
         uncached = len(ids - linked_nodes)
         if uncached:
-            rep.notes.append(f"{uncached} of {len(ids)} chunks have no stored cache (computed when asked; "
-                             "`qcfuse ingest` stores them)")
+            rep.notes.append(
+                f"{uncached} of {len(ids)} chunks are not linked to a stored cache (a stored one is "
+                "found by its tokens when asked, a missing one computed; `qcfuse ingest` stores them)"
+            )
     return rep
+
+
+def verified_texts(root: Path) -> tuple[list[tuple[str, str, dict]], set[str]]:
+    """Every text that verifies, from both indexes: ([(id, text, metadata)] in order, the
+    vector index's first), and the content hashes of the damaged chunk-text rows that no
+    verified copy replaces (texts lost)."""
+    from qcfuse_core.ingest.corpus import chunk_id
+    from qcfuse_core.retrieval.texts import text_hash_ok
+    from qcfuse_core.store import vector_index as vi
+
+    out: list[tuple[str, str, dict]] = []
+    seen_ids: set[str] = set()
+    shas: set[str] = set()
+    if (root / CHROMA / vi.CHROMA_DB).is_file():
+        try:
+            for d in vi.documents(root / CHROMA):
+                if d.ok and d.id not in seen_ids:
+                    assert d.text is not None  # ok: the text is present and matches its hash
+                    sha = vi.text_sha256(d.text)
+                    seen_ids.add(d.id)
+                    shas.add(sha)
+                    out.append((d.id, d.text, {**d.metadata, vi.SHA_KEY: sha}))
+        except sqlite3.Error:
+            pass
+    damaged: set[str] = set()
+    if (root / CHUNK_TEXTS).is_file():
+        try:
+            rows = _text_rows(root / CHUNK_TEXTS)
+        except sqlite3.Error:
+            rows = []
+        for sha, node_id, text in rows:
+            if not text_hash_ok(sha, text):
+                damaged.add(sha)
+            elif sha not in shas:
+                doc_id = node_id or chunk_id("rebuilt", text)
+                if doc_id in seen_ids:
+                    continue
+                shas.add(sha)
+                seen_ids.add(doc_id)
+                out.append((doc_id, text, {"source": "(rebuilt by store verify --repair)", vi.SHA_KEY: sha}))
+    return out, damaged - shas
 
 
 def _set_aside(path: Path) -> Path:
@@ -149,16 +256,16 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
-def rebuild_chunk_texts(root: Path) -> int:
-    """The chunk-text index from the vector index's documents. Returns the rows written."""
-    from qcfuse_core.segment import ChunkTextIndex
+def rebuild_chunk_texts(root: Path, texts: list[tuple[str, str, dict]] | None = None) -> int:
+    """The chunk-text index from the verified texts (`verified_texts`). Returns the rows written."""
+    from qcfuse_core.retrieval.texts import ChunkTextIndex
 
-    with _chroma_copy(root / CHROMA) as col:
-        got = col.get(include=["documents"])
+    if texts is None:
+        texts, _ = verified_texts(root)
     tmp = root / f".{CHUNK_TEXTS}.rebuild"
     tmp.unlink(missing_ok=True)
     index = ChunkTextIndex(tmp)
-    n = sum(index.add(text, node_id) for node_id, text in zip(got["ids"], got["documents"]))
+    n = sum(index.add(text, node_id) for node_id, text, _ in texts)
     index.close()
     target = root / CHUNK_TEXTS
     if target.exists():
@@ -169,26 +276,26 @@ def rebuild_chunk_texts(root: Path) -> int:
     return n
 
 
-def rebuild_chroma(root: Path) -> int:
-    """The vector index from the chunk-text index (texts embedded again). Returns its size."""
-    from qcfuse_core.corpus import chunk_id
-    from qcfuse_integrations.chroma import open_collection
-    from qcfuse_integrations.embedder import get_embedder
+def rebuild_chroma(root: Path, texts: list[tuple[str, str, dict]] | None = None) -> int:
+    """The vector index from the verified texts (embedded again). Returns its size."""
+    from qcfuse_core.retrieval.chroma import open_collection
+    from qcfuse_core.retrieval.embedder import get_embedder
 
-    db = _ro(root / CHUNK_TEXTS)
-    try:
-        rows = db.execute("SELECT node_id, text FROM chunk_text ORDER BY rowid").fetchall()
-    finally:
-        db.close()
+    if texts is None:
+        texts, _ = verified_texts(root)
     tmp = root / f".{CHROMA}.rebuild"
     shutil.rmtree(tmp, ignore_errors=True)
     col = open_collection(tmp)
     embedder = get_embedder()
-    ids = [nid or chunk_id("rebuilt", text) for nid, text in rows]
-    for i in range(0, len(rows), 64):
-        texts = [t for _, t in rows[i : i + 64]]
-        col.add(ids=ids[i : i + 64], documents=texts, embeddings=embedder.embed(texts),
-                metadatas=[{"source": "(rebuilt by store verify --repair)"} for _ in texts])
+    for i in range(0, len(texts), 64):
+        batch = texts[i : i + 64]
+        docs = [t for _, t, _ in batch]
+        col.add(
+            ids=[d for d, _, _ in batch],
+            documents=docs,
+            embeddings=embedder.embed(docs),
+            metadatas=[m for _, _, m in batch],
+        )
     n = col.count()
     del col
     _forget_chroma_clients()
@@ -196,6 +303,7 @@ def rebuild_chroma(root: Path) -> int:
     if target.exists():
         target.rename(target.with_name(f"{CHROMA}.bad-{int(time.time())}"))
     tmp.rename(target)
+    mark_vector_index(root)
     return n
 
 
@@ -210,14 +318,23 @@ def _forget_chroma_clients() -> None:
 
 
 def repair(root: Path, rep: IndexReport) -> list[str]:
-    """Rebuild whichever index is damaged from the other; -> what was done (or not)."""
-    done = []
+    """Rebuild whichever index is damaged (or missing while the other holds texts) from
+    every text that verifies in either; -> what was done (or not)."""
+    done: list[str] = []
     texts, chroma = rep.chunk_texts, rep.chroma
-    if texts.problem and chroma.ok and chroma.present:
-        done.append(f"rebuilt the chunk-text index from the vector index ({rebuild_chunk_texts(root)} texts)")
-    elif chroma.problem and texts.ok and texts.present:
-        done.append(f"rebuilt the vector index from the chunk-text index ({rebuild_chroma(root)} chunks)")
-    elif texts.problem and chroma.problem:
-        done.append("both indexes are damaged: nothing to rebuild them from; run `qcfuse ingest` again")
+    if not texts.problem and not chroma.problem:
+        rep.repaired = done
+        return done
+    good, lost = verified_texts(root)
+    if not good:
+        done.append("no text verifies in either index: nothing to rebuild them from; run `qcfuse ingest` again")
+        rep.repaired = done
+        return done
+    if chroma.problem:
+        done.append(f"rebuilt the vector index from the verified texts ({rebuild_chroma(root, good)} chunks)")
+    if texts.problem:
+        done.append(f"rebuilt the chunk-text index from the verified texts ({rebuild_chunk_texts(root, good)} texts)")
+    if lost:
+        done.append(f"{len(lost)} texts were damaged in both indexes and are not restored: ingest their files again")
     rep.repaired = done
     return done

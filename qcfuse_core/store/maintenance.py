@@ -1,5 +1,11 @@
 """Offline upkeep of a disk tier: verify every entry, collect garbage, clear.
 
+The manifest is derived data: every entry's and sidecar's header carries its key and its
+checksums, so a manifest that is damaged (`manifest_problem`) or deleted is rebuilt by
+setting it aside (`set_aside_manifest`, kept as `manifest.sqlite.bad-<time>`) and
+indexing the files again (`verify(..., repair=True)`). Node links (framework node id ->
+chunk cache) live only in the manifest and are made again when the chunks are next asked.
+
 A file under `data/` that no manifest row names is either
 - *unindexed*: an intact entry or sidecar (its header names its key, every checksum and the
   token-id hash agree, its name carries the tag of its checksums) - e.g. after the manifest
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +30,7 @@ import torch
 from qcfuse_core.store.atomic import TMP_PREFIX
 from qcfuse_core.store.codec import DTYPE_NAME
 from qcfuse_core.store.disk import DATA_DIR, DiskTier
-from qcfuse_core.store.entry import (FORMAT_VERSION, EntryFormatError, EntryImage, checksum, header_length,
-                                     parse_header)
+from qcfuse_core.store.entry import FORMAT_VERSION, EntryFormatError, EntryImage, checksum, header_length, parse_header
 from qcfuse_core.store.manifest import EntryRow, SidecarRow
 from qcfuse_core.store.sidecar import decode_sidecar
 from qcfuse_core.types import ChunkKey, hash_token_ids
@@ -44,9 +50,16 @@ class VerifyReport:
     repaired: int = 0
 
     def as_dict(self) -> dict:
-        return {"checked": self.checked, "ok": self.ok, "bad": [list(b) for b in self.bad],
-                "stale": self.stale, "orphans": self.orphans, "unindexed": self.unindexed,
-                "removed": self.removed, "repaired": self.repaired}
+        return {
+            "checked": self.checked,
+            "ok": self.ok,
+            "bad": [list(b) for b in self.bad],
+            "stale": self.stale,
+            "orphans": self.orphans,
+            "unindexed": self.unindexed,
+            "removed": self.removed,
+            "repaired": self.repaired,
+        }
 
 
 @dataclass
@@ -60,13 +73,48 @@ class GcReport:
         return dict(self.__dict__)
 
 
+def manifest_problem(path: Path) -> str:
+    """'' when the manifest at `path` reads in full (SQLite's quick_check and every table);
+    'missing' when there is no file; else 'damaged (<why>)'. Read-only: never writes."""
+    if not path.is_file():
+        return "missing"
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            res = db.execute("PRAGMA quick_check").fetchone()[0]
+            if res != "ok":
+                raise sqlite3.DatabaseError(res)
+            for table in ("meta", "entries", "sidecars", "nodes"):
+                db.execute(f"SELECT * FROM {table}").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        return f"damaged ({e})"
+    return ""
+
+
+def set_aside_manifest(path: Path) -> Path:
+    """Move a damaged manifest (and its journal files) to `<name>.bad-<time>`; never deletes."""
+    aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+    for suffix in ("", "-wal", "-shm"):
+        p = Path(str(path) + suffix)
+        if p.exists():
+            p.rename(Path(str(aside) + suffix))
+    return aside
+
+
+def cache_files(root: Path) -> int:
+    """Entry and sidecar files under the KV store folder's data/ (indexed or not)."""
+    data = root / DATA_DIR
+    return sum(1 for p in data.rglob("*.safetensors") if p.is_file()) if data.is_dir() else 0
+
+
 def _unnamed(disk: DiskTier) -> list[Path]:
     named = {r.path for r in disk.manifest.entries()} | {s.path for s in disk.manifest.sidecars()}
     data = disk.root / DATA_DIR
     if not data.is_dir():
         return []
-    return [p for p in sorted(data.rglob("*"))
-            if p.is_file() and p.relative_to(disk.root).as_posix() not in named]
+    return [p for p in sorted(data.rglob("*")) if p.is_file() and p.relative_to(disk.root).as_posix() not in named]
 
 
 def _orphans(disk: DiskTier, grace_s: float) -> list[Path]:
@@ -120,8 +168,19 @@ def recover_row(disk: DiskTier, path: Path) -> EntryRow | SidecarRow | None:
     if rel != f"{prefix}{storage}.v{FORMAT_VERSION}.{checksum(''.join(sums).encode())[:12]}.safetensors":
         return None
     mtime = path.stat().st_mtime
-    return EntryRow(key.to_string(), FORMAT_VERSION, storage, rel, layout.file_bytes, sums, layout.num_layers,
-                    layout.num_tokens, DTYPE_NAME[layout.dtype], mtime, mtime)
+    return EntryRow(
+        key.to_string(),
+        FORMAT_VERSION,
+        storage,
+        rel,
+        layout.file_bytes,
+        sums,
+        layout.num_layers,
+        layout.num_tokens,
+        DTYPE_NAME[layout.dtype],
+        mtime,
+        mtime,
+    )
 
 
 def _reindex(disk: DiskTier, row: EntryRow | SidecarRow) -> bool:
@@ -145,8 +204,9 @@ def _drop_row(disk: DiskTier, chunk_key: str, version: int, storage: str, path: 
     return 0
 
 
-def verify(disk: DiskTier, *, remove: bool = False, repair: bool = False,
-           grace_s: float = DEFAULT_GRACE_S) -> VerifyReport:
+def verify(
+    disk: DiskTier, *, remove: bool = False, repair: bool = False, grace_s: float = DEFAULT_GRACE_S
+) -> VerifyReport:
     """Read and check every entry and sidecar, then every file no row names; with `repair`,
     index intact unnamed files again (entries before sidecars); with `remove`, delete bad,
     stale and orphaned ones - never a file that verifies."""
@@ -189,9 +249,9 @@ def verify(disk: DiskTier, *, remove: bool = False, repair: bool = False,
     now = time.time()
     recovered: list[tuple[Path, EntryRow | SidecarRow]] = []
     for p in _unnamed(disk):
-        row = recover_row(disk, p)
-        if row is not None:
-            recovered.append((p, row))
+        rec = recover_row(disk, p)
+        if rec is not None:
+            recovered.append((p, rec))
             continue
         try:
             old = now - p.stat().st_mtime >= grace_s
@@ -203,8 +263,8 @@ def verify(disk: DiskTier, *, remove: bool = False, repair: bool = False,
                 p.unlink(missing_ok=True)
                 rep.removed += 1
     recovered.sort(key=lambda pr: isinstance(pr[1], SidecarRow))  # entries first
-    for p, row in recovered:
-        if repair and _reindex(disk, row):
+    for p, rec in recovered:
+        if repair and _reindex(disk, rec):
             rep.repaired += 1
         elif repair:  # another intact copy is indexed for this key: a redundant file
             rep.orphans.append(p.relative_to(disk.root).as_posix())

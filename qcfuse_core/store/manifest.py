@@ -72,8 +72,9 @@ class SidecarRow:
     checksum: str
 
 
-_ENTRY_COLS = ("chunk_key, format_version, storage, path, nbytes, checksums, num_layers, "
-               "num_tokens, dtype, created, last_access")
+_ENTRY_COLS = (
+    "chunk_key, format_version, storage, path, nbytes, checksums, num_layers, num_tokens, dtype, created, last_access"
+)
 
 
 def _entry(row: tuple) -> EntryRow:
@@ -92,8 +93,11 @@ def is_read_only(e: BaseException) -> bool:
     """A write refused by permissions or a read-only file system (SQLite or the OS)."""
     if isinstance(e, sqlite3.Error):
         code = getattr(e, "sqlite_errorcode", None)
-        return (code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
-                or "readonly database" in str(e) or "unable to open database" in str(e))
+        return (
+            code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+            or "readonly database" in str(e)
+            or "unable to open database" in str(e)
+        )
     return isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
@@ -119,8 +123,13 @@ class Manifest:
                     raise ReadOnlyStoreError(f"the KV manifest {self.path} is not writable ({e})") from e
                 raise
             aside = self.path.with_name(f"{self.path.name}.bad-{int(time.time())}")
-            logger.warning("manifest %s unusable (%s); moved to %s, starting empty (`qcfuse store verify "
-                           "--repair` re-indexes the entries)", self.path, e, aside)
+            logger.warning(
+                "manifest %s unusable (%s); moved to %s, starting empty (`qcfuse store verify "
+                "--repair` re-indexes the entries)",
+                self.path,
+                e,
+                aside,
+            )
             for suffix in ("", "-wal", "-shm"):
                 p = Path(str(self.path) + suffix)
                 if p.exists():
@@ -133,9 +142,13 @@ class Manifest:
         absent or damaged."""
         if self.path.is_file():
             for flags in ("mode=ro", "mode=ro&immutable=1"):
-                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?{flags}", uri=True,
-                                       timeout=self._busy_timeout_s, isolation_level=None,
-                                       check_same_thread=False)
+                conn = sqlite3.connect(
+                    f"{self.path.resolve().as_uri()}?{flags}",
+                    uri=True,
+                    timeout=self._busy_timeout_s,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
                 try:
                     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
                     conn.execute("SELECT COUNT(*) FROM entries").fetchone()
@@ -154,9 +167,7 @@ class Manifest:
         return conn
 
     def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
+        conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False)
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
             conn.execute("PRAGMA journal_mode = WAL")
@@ -219,9 +230,19 @@ class Manifest:
             install()
             c.execute(
                 f"INSERT OR REPLACE INTO entries ({_ENTRY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (row.chunk_key, row.format_version, row.storage, row.path, row.nbytes,
-                 json.dumps(list(row.checksums)), row.num_layers, row.num_tokens, row.dtype,
-                 row.created, row.last_access),
+                (
+                    row.chunk_key,
+                    row.format_version,
+                    row.storage,
+                    row.path,
+                    row.nbytes,
+                    json.dumps(list(row.checksums)),
+                    row.num_layers,
+                    row.num_tokens,
+                    row.dtype,
+                    row.created,
+                    row.last_access,
+                ),
             )
             return True, old
 
@@ -242,7 +263,8 @@ class Manifest:
             )
 
     def entries(self, version: int | None = None, storage: str | None = None) -> list[EntryRow]:
-        sql, args = f"SELECT {_ENTRY_COLS} FROM entries WHERE 1=1", ()
+        sql = f"SELECT {_ENTRY_COLS} FROM entries WHERE 1=1"
+        args: tuple[int | str, ...] = ()
         if version is not None:
             sql, args = sql + " AND format_version=?", args + (version,)
         if storage is not None:
@@ -250,7 +272,8 @@ class Manifest:
         return [_entry(r) for r in self._query(sql + " ORDER BY last_access, created", args)]
 
     def count_and_bytes(self, version: int | None = None, storage: str | None = None) -> tuple[int, int]:
-        sql, args = "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries WHERE 1=1", ()
+        sql = "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries WHERE 1=1"
+        args: tuple[int | str, ...] = ()
         if version is not None:
             sql, args = sql + " AND format_version=?", args + (version,)
         if storage is not None:
@@ -262,7 +285,8 @@ class Manifest:
     def lookup_sidecar(self, chunk_key: str, version: int) -> SidecarRow | None:
         rows = self._query(
             "SELECT chunk_key, format_version, path, nbytes, checksum FROM sidecars "
-            "WHERE chunk_key=? AND format_version=?", (chunk_key, version),
+            "WHERE chunk_key=? AND format_version=?",
+            (chunk_key, version),
         )
         return SidecarRow(*rows[0]) if rows else None
 
@@ -290,8 +314,10 @@ class Manifest:
 
     def orphan_sidecars(self, chunk_key: str | None = None) -> list[SidecarRow]:
         """Sidecars whose chunk has no entry left (in any format version or storage)."""
-        sql = ("SELECT chunk_key, format_version, path, nbytes, checksum FROM sidecars s WHERE NOT EXISTS "
-               "(SELECT 1 FROM entries e WHERE e.chunk_key = s.chunk_key)")
+        sql = (
+            "SELECT chunk_key, format_version, path, nbytes, checksum FROM sidecars s WHERE NOT EXISTS "
+            "(SELECT 1 FROM entries e WHERE e.chunk_key = s.chunk_key)"
+        )
         args: tuple = ()
         if chunk_key is not None:
             sql, args = sql + " AND s.chunk_key = ?", (chunk_key,)
@@ -304,16 +330,13 @@ class Manifest:
     # -- nodes ------------------------------------------------------------------------------
     def link(self, node_id: str, fingerprint: str, chunk_key: str) -> None:
         with self.transaction() as c:
-            c.execute("INSERT OR REPLACE INTO nodes VALUES (?,?,?,?)",
-                      (node_id, fingerprint, chunk_key, time.time()))
+            c.execute("INSERT OR REPLACE INTO nodes VALUES (?,?,?,?)", (node_id, fingerprint, chunk_key, time.time()))
 
     def resolve(self, node_id: str, fingerprint: str | None = None) -> str | None:
         if fingerprint is None:
-            rows = self._query("SELECT chunk_key FROM nodes WHERE node_id=? ORDER BY updated DESC LIMIT 1",
-                               (node_id,))
+            rows = self._query("SELECT chunk_key FROM nodes WHERE node_id=? ORDER BY updated DESC LIMIT 1", (node_id,))
         else:
-            rows = self._query("SELECT chunk_key FROM nodes WHERE node_id=? AND fingerprint=?",
-                               (node_id, fingerprint))
+            rows = self._query("SELECT chunk_key FROM nodes WHERE node_id=? AND fingerprint=?", (node_id, fingerprint))
         return rows[0][0] if rows else None
 
     def node_links(self) -> list[tuple[str, str]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from qcfuse_core.store.base import ChunkStore, StoreStats
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
@@ -23,7 +25,17 @@ class MemoryStore(ChunkStore):
             self._stats.bytes_read += chunk.nbytes
         return chunk
 
-    def put(self, chunk: KVChunk) -> None:
+    def put(
+        self,
+        chunk: KVChunk,
+        *,
+        anchors: dict[str, torch.Tensor] | None = None,
+        layer_keys: dict[int, torch.Tensor] | None = None,
+        bulk: bool = False,
+    ) -> None:
+        """Keep the chunk (its anchors merged in); layer keys and `bulk` mean nothing here."""
+        if anchors:
+            chunk.anchors.update(anchors)
         if chunk.key not in self._chunks:
             self._chunks[chunk.key] = chunk
             self._stats.puts += 1

@@ -1,8 +1,25 @@
 """A memory tier: entry images on one device under a byte capacity, evicted by policy.
 
 Invariant: `bytes_used <= capacity_bytes` after every call (an image larger than the whole
-capacity is not admitted). Bytes are charged as allocated (`charge`), not as payload. The tier never talks to disk; the tiered store decides what
-enters (promotion on hit, write-through on put).
+capacity is not admitted). Bytes are charged as allocated (`charge`), not as payload. The
+tier never talks to disk; the tiered store decides what enters (promotion on hit,
+write-through on put).
+
+Pins (eviction holds, reference counted; nothing to do with page-locked host memory): a
+load session streaming layers out of an image pins its key for as long as it is open
+(`pin` ... `unpin`), so the bytes it reads stay charged to the tier and the policy never
+picks them:
+
+    put(image)   fits beside what is held ───────────────────────────────> admitted
+                 fits once unpinned entries go ──> evict them, by policy ─> admitted
+                 does not fit even then ──> not admitted, nothing evicted, counted
+                                            (`stats.refused_pinned`; never raises)
+
+- a pinned entry is never evicted; `remove` (an explicit delete) still drops it from the
+  tier (the session keeps its reference to the image, so its reads stay valid);
+- pins count per key, independently of presence: `unpin` of a key that was removed, or
+  never pinned, does nothing; a key pinned, removed and admitted again is pinned until the
+  holder lets go.
 """
 
 from __future__ import annotations
@@ -24,11 +41,25 @@ class TierStats:
     bytes_read: int = 0  # bytes served from this tier
     bytes_written: int = 0  # bytes admitted into this tier
     evictions: int = 0
+    refused_pinned: int = 0  # puts not admitted: every entry that could have made room was pinned
     corrupt: int = 0
     write_failures: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class TierPin:
+    """One open pin: the memory tier that holds it and the image pinned there (what a load
+    session reads from). Given back with the store's `unpin`."""
+
+    tier: str  # gpu | host
+    image: EntryImage
+
+    @property
+    def key(self) -> ChunkKey:
+        return self.image.key
 
 
 def charge(image: EntryImage) -> int:
@@ -48,21 +79,28 @@ def charge_bytes(n: int, device_type: str, pinned: bool) -> int:
 
 class MemoryTier:
     def __init__(
-        self, name: str, device: torch.device | str, capacity_bytes: int, policy: EvictionPolicy,
-        *, pin: bool = False,
+        self,
+        name: str,
+        device: torch.device | str,
+        capacity_bytes: int,
+        policy: EvictionPolicy,
+        *,
+        pin: bool = False,
     ) -> None:
+        """pin: hold the images in page-locked host memory (CUDA hosts), not an eviction pin."""
         if capacity_bytes < 0:
             raise ValueError(f"{name} tier capacity must be >= 0, got {capacity_bytes}")
         self.name = name
         self.device = torch.device(device)
         self.capacity_bytes = int(capacity_bytes)
         self.policy = policy
-        self.pin = pin
+        self.pin_memory = pin
         self.stats = TierStats()
         self._images: dict[ChunkKey, EntryImage] = {}
         self._meta: dict[ChunkKey, EntryMeta] = {}
         self._bytes = 0
         self._tick = 0
+        self._pins: dict[ChunkKey, int] = {}  # key -> open holders (eviction pins)
         self._lock = threading.RLock()
 
     @property
@@ -81,7 +119,7 @@ class MemoryTier:
 
     def has_room(self, nbytes: int) -> bool:
         """An image of `nbytes` fits beside what the tier holds, evicting nothing."""
-        n = charge_bytes(nbytes, self.device.type, self.pin)
+        n = charge_bytes(nbytes, self.device.type, self.pin_memory)
         with self._lock:
             return self._bytes + n <= self.capacity_bytes
 
@@ -101,21 +139,50 @@ class MemoryTier:
                 self.stats.bytes_read += image.nbytes
             return image
 
+    def pin(self, key: ChunkKey) -> EntryImage | None:
+        """Hold `key` against eviction until `unpin` -> its image (touched for the policy, not
+        counted as a hit); None on a miss (nothing is held then)."""
+        with self._lock:
+            image = self.get(key, count=False)
+            if image is not None:
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return image
+
+    def unpin(self, key: ChunkKey) -> None:
+        """Let go of one `pin` of `key` (a key not pinned: nothing happens; never raises)."""
+        with self._lock:
+            n = self._pins.get(key, 0)
+            if n > 1:
+                self._pins[key] = n - 1
+            else:
+                self._pins.pop(key, None)
+
+    def pins(self, key: ChunkKey) -> int:
+        """Open pins of `key`."""
+        with self._lock:
+            return self._pins.get(key, 0)
+
     def put(self, image: EntryImage) -> list[ChunkKey]:
-        """Admit `image` (copied to this tier's device), evicting as needed. Returns evicted keys."""
+        """Admit `image` (copied to this tier's device), evicting unpinned entries as needed.
+        Returns evicted keys. When even evicting every unpinned entry would not make room it
+        is not admitted and nothing is evicted (`stats.refused_pinned`)."""
         with self._lock:
             if image.key in self._images or image.nbytes > self.capacity_bytes:
                 return []
-        local = image.to(self.device, pin=self.pin)  # copy outside the lock
+        local = image.to(self.device, pin=self.pin_memory)  # copy outside the lock
         n = charge(local)
         with self._lock:
             if n > self.capacity_bytes:
                 return []
             if image.key in self._images:
                 return []
+            held = sum(m.nbytes for k, m in self._meta.items() if k in self._pins)
+            if held + n > self.capacity_bytes:  # pinned entries leave no room for it
+                self.stats.refused_pinned += 1
+                return []
             evicted = []
             while self._bytes + n > self.capacity_bytes:
-                victim = self.policy.victim(list(self._meta.values()))
+                victim = self.policy.victim([m for k, m in self._meta.items() if k not in self._pins])
                 self._drop(victim.key)
                 evicted.append(victim.key)
             self._tick += 1
@@ -147,7 +214,8 @@ class MemoryTier:
         with self._lock:
             return {
                 "device": str(self.device),
-                "pinned": self.pin,
+                "pinned": self.pin_memory,
+                "pinned_entries": len(self._pins),
                 "policy": self.policy.name,
                 "entries": len(self._images),
                 "bytes_used": self._bytes,

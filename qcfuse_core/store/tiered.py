@@ -13,6 +13,9 @@ What must hold:
 - nothing here raises to the engine on a damaged or missing entry: that is a miss;
 - when the disk is full, puts still fill the memory tiers (counted as write failures), and
   every answer is still served (from memory or by recomputing);
+- an entry a load session streams from is pinned in its memory tier (`pin` ... `unpin`,
+  reference counted): never evicted while pinned; a put that only evicting pinned entries
+  could make room for is not admitted (counted in the tier's `refused_pinned`; tier.py);
 - a read-only store (`read_only=True`, or auto-detected by `open_store`) answers from what
   is stored and keeps what it computes in memory only; nothing on disk changes.
 GPU tier: only when CUDA is present; the host tier is pinned then, plain memory otherwise.
@@ -34,10 +37,10 @@ import torch
 from qcfuse_core.store.base import ChunkStore, ReadOnlyStoreError, StoreStats
 from qcfuse_core.store.codec import check_storage_name, decode_layer
 from qcfuse_core.store.disk import DiskTier, plain_alloc
-from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, encode_chunk
+from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, EntryLayout, encode_chunk
 from qcfuse_core.store.eviction import get_policy
 from qcfuse_core.store.sidecar import Sidecar
-from qcfuse_core.store.tier import MemoryTier, charge_bytes
+from qcfuse_core.store.tier import MemoryTier, TierPin, charge_bytes
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
 logger = logging.getLogger(__name__)
@@ -132,17 +135,29 @@ def _set_pinned_register() -> bool:
 
 
 class TieredStore(ChunkStore):
-    def __init__(self, root: Path | str, config: StoreConfig = StoreConfig(), *,
-                 use_cuda: bool | None = None, read_only: bool = False) -> None:
+    streams_layers = True  # probe sidecars and layer-wise reads (see ChunkStore)
+
+    def __init__(
+        self,
+        root: Path | str,
+        config: StoreConfig = StoreConfig(),
+        *,
+        use_cuda: bool | None = None,
+        read_only: bool = False,
+    ) -> None:
         self.config = config
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         policy = get_policy(config.policy)
-        self.gpu = (MemoryTier("gpu", "cuda", config.gpu_bytes, policy)
-                    if self.cuda and config.gpu_bytes > 0 else None)
+        self.gpu = MemoryTier("gpu", "cuda", config.gpu_bytes, policy) if self.cuda and config.gpu_bytes > 0 else None
         self.host = MemoryTier("host", "cpu", config.memory_bytes, policy, pin=self.cuda)
-        self.disk = DiskTier(root, config.storage_dtype, capacity_bytes=config.disk_bytes,
-                             alloc=_pinned_alloc if self.cuda else plain_alloc, durable=config.durable,
-                             read_only=read_only)
+        self.disk = DiskTier(
+            root,
+            config.storage_dtype,
+            capacity_bytes=config.disk_bytes,
+            alloc=_pinned_alloc if self.cuda else plain_alloc,
+            durable=config.durable,
+            read_only=read_only,
+        )
         self._stats = StoreStats()
         self._sidecars: OrderedDict[ChunkKey, Sidecar] = OrderedDict()
         self._sidecar_bytes = 0
@@ -170,6 +185,38 @@ class TieredStore(ChunkStore):
             tier.put(image)
             image = tier.get(key, count=False) or image
         return image
+
+    def in_memory(self, key: ChunkKey) -> bool:
+        return any(key in t for t in self.memory_tiers)
+
+    # -- pins -------------------------------------------------------------------------------
+    def pin(self, key: ChunkKey) -> TierPin | None:
+        """Pin `key` in the fastest memory tier holding it (no promotion, no hit counted) ->
+        the pin, or None when it is only on disk (or nowhere). While pinned it is never
+        evicted from that tier (see `tier.MemoryTier.put`)."""
+        for tier in self.memory_tiers:
+            image = tier.pin(key)
+            if image is not None:
+                return TierPin(tier.name, image)
+        return None
+
+    def unpin(self, pin: TierPin) -> None:
+        for tier in self.memory_tiers:
+            if tier.name == pin.tier:
+                tier.unpin(pin.key)
+
+    def promote(self, key: ChunkKey) -> bool:
+        """Copy a disk-tier entry into the slowest memory tier (host), where the next request's
+        layer loads find it -> True when it was read and admitted. Already in a memory tier,
+        not on disk, or larger than the tier: False."""
+        tiers = self.memory_tiers
+        if not tiers or self.in_memory(key):
+            return False
+        image = self.disk.read(key)
+        if image is None:
+            return False
+        tiers[-1].put(image)
+        return key in tiers[-1]
 
     def get(self, key: ChunkKey) -> KVChunk | None:
         image = self._image(key)
@@ -201,18 +248,23 @@ class TieredStore(ChunkStore):
         return None
 
     def read_layer_batch(
-        self, keys: Sequence[ChunkKey], layer: int, *, out_k: torch.Tensor | None = None,
-        out_v: torch.Tensor | None = None, device: torch.device | str | None = None,
+        self,
+        keys: Sequence[ChunkKey],
+        layer: int,
+        *,
+        out_k: torch.Tensor | None = None,
+        out_v: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
     ) -> LayerBatch:
         """Layer `layer` of many chunks into one (preallocated, possibly pinned) buffer pair.
 
         out_k/out_v, when given, must be (T_total, Hkv, D) with T_total the sum of the found
         chunks' lengths; otherwise they are allocated on `device` (host: pinned under CUDA).
         """
-        sources: list[tuple[str, EntryImage | None, object]] = []
+        sources: list[tuple[str, EntryImage | None, EntryLayout | None]] = []
         lengths = []
         for key in keys:
-            src = None
+            src: tuple[str, EntryImage | None, EntryLayout | None] | None = None
             for tier in self.memory_tiers:
                 image = tier.get(key)
                 if image is not None:
@@ -240,11 +292,11 @@ class TieredStore(ChunkStore):
         to_host, to_dev = [], []  # disk reads, run together on the disk tier's I/O threads
         for c, ((kind, image, lay), key, a, b) in enumerate(zip(sources, keys, offsets, offsets[1:])):
             if kind == "mem":
+                assert image is not None  # a memory tier's source carries its image
                 kv, sc = image.kv(layer), image.scale(layer)
                 nb = image.data.is_pinned() and out_k.device.type == "cuda"
                 if sc is not None:  # fp8: move the stored bytes (half of bf16), decode there
-                    kv = decode_layer(kv.to(out_k.device, non_blocking=nb), sc.to(out_k.device),
-                                      out_k.dtype)
+                    kv = decode_layer(kv.to(out_k.device, non_blocking=nb), sc.to(out_k.device), out_k.dtype)
                 out_k[a:b].copy_(kv[0], non_blocking=nb)
                 out_v[a:b].copy_(kv[1], non_blocking=nb)
             elif kind == "disk" and out_k.device.type == "cpu":
@@ -265,13 +317,19 @@ class TieredStore(ChunkStore):
                 out_k[a:b].copy_(kv[0])
                 out_v[a:b].copy_(kv[1])
         for ok, (_, _, lay) in zip(found, sources):
-            self._count(hits=int(ok), misses=int(not ok), bytes_read=lay.layer_bytes if ok else 0)
+            self._count(hits=int(ok), misses=int(not ok), bytes_read=lay.layer_bytes if ok and lay is not None else 0)
         return LayerBatch(out_k, out_v, offsets, found)
 
     # -- writes -----------------------------------------------------------------------------
-    def put(self, chunk: KVChunk, *, sidecar_layers: Iterable[int] | None = None,
-            anchors: dict[str, torch.Tensor] | None = None, layer_keys: dict[int, torch.Tensor] | None = None,
-            bulk: bool = False) -> None:
+    def put(
+        self,
+        chunk: KVChunk,
+        *,
+        sidecar_layers: Iterable[int] | None = None,
+        anchors: dict[str, torch.Tensor] | None = None,
+        layer_keys: dict[int, torch.Tensor] | None = None,
+        bulk: bool = False,
+    ) -> None:
         """Store a chunk (idempotent); its anchors and the K of `sidecar_layers` (default: the
         config's) go into the sidecar, with `anchors` / `layer_keys` merged in: one sidecar
         write per chunk.
@@ -288,13 +346,18 @@ class TieredStore(ChunkStore):
             stored = self.disk.write(image)  # the entry before its sidecar (see gc)
             if keep:
                 self.host.put(image)
-            self._count(puts=1, bytes_written=image.nbytes if stored else 0,
-                        write_failures=int(not stored and not self.disk.read_only))
+            self._count(
+                puts=1,
+                bytes_written=image.nbytes if stored else 0,
+                write_failures=int(not stored and not self.disk.read_only),
+            )
         layers = tuple(self.config.sidecar_layers if sidecar_layers is None else sidecar_layers)
         if chunk.anchors or layers or anchors or layer_keys:
-            self.put_sidecar(key, anchors={**chunk.anchors, **(anchors or {})},
-                             layer_keys={**{l: chunk.k[l] for l in layers if l < chunk.num_layers},
-                                         **(layer_keys or {})})
+            self.put_sidecar(
+                key,
+                anchors={**chunk.anchors, **(anchors or {})},
+                layer_keys={**{l: chunk.k[l] for l in layers if l < chunk.num_layers}, **(layer_keys or {})},
+            )
 
     def _entry_bytes(self, chunk: KVChunk) -> int:
         L, T, Hkv, D = chunk.k.shape
@@ -306,7 +369,7 @@ class TieredStore(ChunkStore):
 
         return plan_layout(key, self.config.storage_dtype, dtype, L, T, Hkv, D)[0].file_bytes
 
-    def prepare_bulk(self, sizes: Sequence[int], writers: int) -> int:
+    def prepare_bulk(self, sizes: list[int], writers: int) -> int:
         """Before a bulk load's compute starts: page-lock the host memory its writes will use
         (`writers` entries in flight plus what the host tier has room for, at most one per
         chunk), as blocks released into torch's pinned cache, where the writers' allocations
@@ -324,13 +387,20 @@ class TieredStore(ChunkStore):
         del held  # back into the cache, page-locked
         return count
 
-    def put_sidecar(self, key: ChunkKey, *, anchors: dict[str, torch.Tensor] | None = None,
-                    layer_keys: dict[int, torch.Tensor] | None = None) -> None:
+    def put_sidecar(
+        self,
+        key: ChunkKey,
+        *,
+        anchors: dict[str, torch.Tensor] | None = None,
+        layer_keys: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         """Merge anchors / critical-layer keys into the chunk's sidecar (written through)."""
         old = self.get_sidecar(key) or Sidecar()
         side = Sidecar({**old.anchors, **(anchors or {})}, {**old.layer_keys, **(layer_keys or {})})
-        side = Sidecar({m: t.detach().cpu().clone() for m, t in side.anchors.items()},
-                       {l: t.detach().cpu().clone() for l, t in side.layer_keys.items()})
+        side = Sidecar(
+            {m: t.detach().cpu().clone() for m, t in side.anchors.items()},
+            {l: t.detach().cpu().clone() for l, t in side.layer_keys.items()},
+        )
         self.disk.write_sidecar(key, side)
         self._cache_sidecar(key, side)
 
@@ -368,8 +438,12 @@ class TieredStore(ChunkStore):
 
     def link(self, node_id: NodeId, key: ChunkKey) -> None:
         self._nodes[(node_id, key.fingerprint)] = key
-        self.disk.guard(lambda: self.disk.manifest.link(node_id, key.fingerprint,
-                                                               key.to_string()) or True)
+
+        def write() -> bool:
+            self.disk.manifest.link(node_id, key.fingerprint, key.to_string())
+            return True
+
+        self.disk.guard(write)
 
     def resolve(self, node_id: NodeId, fingerprint: str | None = None) -> ChunkKey | None:
         """The key `node_id` was linked to (for `fingerprint`, else the latest link)."""
@@ -403,23 +477,42 @@ class TieredStore(ChunkStore):
         evictions = sum(t.stats.evictions for t in self.memory_tiers) + self.disk.stats.evictions
         with self._lock:
             counters = self._stats.as_dict()
-        return {"backend": "tiered", "degraded": self.disk.degraded, "read_only": self.disk.read_only, **counters,
-                "corrupt": self.disk.stats.corrupt, "evictions": evictions}
+        return {
+            "backend": "tiered",
+            "degraded": self.disk.degraded,
+            "read_only": self.disk.read_only,
+            **counters,
+            "corrupt": self.disk.stats.corrupt,
+            "evictions": evictions,
+        }
 
     def stats(self) -> dict:
         entries, nbytes = self.disk.manifest.count_and_bytes(FORMAT_VERSION, self.config.storage_dtype)
         evictions = sum(t.stats.evictions for t in self.memory_tiers) + self.disk.stats.evictions
         corrupt = self.disk.stats.corrupt
         tiers = {t.name: t.summary() for t in self.memory_tiers}
-        tiers["disk"] = {"path": str(self.disk.root), "entries": entries, "bytes_used": nbytes,
-                         "capacity_bytes": self.disk.capacity_bytes, "degraded": self.disk.degraded,
-                         **self.disk.stats.as_dict()}
+        tiers["disk"] = {
+            "path": str(self.disk.root),
+            "entries": entries,
+            "bytes_used": nbytes,
+            "capacity_bytes": self.disk.capacity_bytes,
+            "degraded": self.disk.degraded,
+            **self.disk.stats.as_dict(),
+        }
         with self._lock:
             counters = self._stats.as_dict()
         s = counters | {"corrupt": corrupt, "evictions": evictions}
-        return {"backend": "tiered", "format_version": FORMAT_VERSION, "read_only": self.disk.read_only,
-                "storage_dtype": self.config.storage_dtype, "policy": self.config.policy,
-                "entries": entries, "degraded": self.disk.degraded, **s, "tiers": tiers}
+        return {
+            "backend": "tiered",
+            "format_version": FORMAT_VERSION,
+            "read_only": self.disk.read_only,
+            "storage_dtype": self.config.storage_dtype,
+            "policy": self.config.policy,
+            "entries": entries,
+            "degraded": self.disk.degraded,
+            **s,
+            "tiers": tiers,
+        }
 
     def close(self) -> None:
         for t in self.memory_tiers:
@@ -428,23 +521,39 @@ class TieredStore(ChunkStore):
 
 
 def open_store(
-    path: Path | str, *, memory_bytes: int = 2 * GiB, gpu_bytes: int = 2 * GiB,
-    storage_dtype: str = "auto", policy: str = "lru", disk_bytes: int | None = None,
-    sidecar_layers: Sequence[int] = (), use_cuda: bool | None = None, durable: bool = False,
+    path: Path | str,
+    *,
+    memory_bytes: int = 2 * GiB,
+    gpu_bytes: int = 2 * GiB,
+    storage_dtype: str = "auto",
+    policy: str = "lru",
+    disk_bytes: int | None = None,
+    sidecar_layers: Sequence[int] = (),
+    use_cuda: bool | None = None,
+    durable: bool = False,
     read_only: bool | None = None,
 ) -> TieredStore:
     """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`).
 
     read_only: None (default) opens it read-only when it is not writable (one warning);
     True never writes; False expects to write (a refused write still turns it read-only)."""
-    config = StoreConfig(memory_bytes=memory_bytes, gpu_bytes=gpu_bytes, disk_bytes=disk_bytes,
-                         storage_dtype=storage_dtype, policy=policy,
-                         sidecar_layers=tuple(sidecar_layers), durable=durable)
+    config = StoreConfig(
+        memory_bytes=memory_bytes,
+        gpu_bytes=gpu_bytes,
+        disk_bytes=disk_bytes,
+        storage_dtype=storage_dtype,
+        policy=policy,
+        sidecar_layers=tuple(sidecar_layers),
+        durable=durable,
+    )
     if read_only is None:
         read_only = not writable(path)
         if read_only:
-            logger.warning("KV store %s is not writable: opened read-only (answers from what is stored; "
-                           "nothing computed is stored)", path)
+            logger.warning(
+                "KV store %s is not writable: opened read-only (answers from what is stored; "
+                "nothing computed is stored)",
+                path,
+            )
     try:
         return TieredStore(path, config, use_cuda=use_cuda, read_only=read_only)
     except ReadOnlyStoreError as e:

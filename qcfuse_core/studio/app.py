@@ -7,17 +7,23 @@
                                           only the first time for a packaged model; loading;
                                           warming up), followed like an ingestion job
     POST /api/search {question, top_k}    top-k chunks from Chroma, with scores and anchors
-    POST /api/run {question, chunk_ids, modes: [{method, ratio}], max_new_tokens, reference}
-                                          one result per mode (answer, TTFT, stages, recompute
-                                          counts, cache hits / misses, memory)
-    POST /api/run/stream                  the same as server-sent events: mode, delta, result,
-                                          reference, done (the run), error
+    POST /api/chunks {ids}                the chunk cards of these ids as they are now
+    POST /api/run {question, chunk_ids, modes: [{method, ratio}], max_new_tokens, reference,
+                   repeats}               the caches built first (timed), then one result per
+                                          mode: median TTFT of `repeats`, decode rate, end to
+                                          end, stages, recompute counts, cache hits / misses,
+                                          memory of the run, quality against full prefill
+    POST /api/run/stream                  the same as server-sent events: build, reference,
+                                          mode, delta, repeat, result, done (the run), error;
+                                          a client that goes away cancels the run at once
+    GET  /api/history, DELETE /api/history  the run history (one row per mode of a run)
     GET  /api/runs/{run}/details/{index}  the per-token view of one mode
     POST /api/ingest (multipart `files`)  202 + a job; GET /api/jobs/{id} and
                                           /api/jobs/{id}/events (SSE) report its progress
 
 Errors are JSON `{"error": {"message", "type"}}` with a 4xx status; a failing request never
-stops the server. Model work runs on one worker thread, one request at a time (TTFTs are not
+stops the server. A JSON body over `StudioConfig.max_json_bytes` is refused with a 413 before
+it is parsed. Model work runs on one worker thread, one request at a time (TTFTs are not
 measured while another run shares the cores); the event loop only waits on it.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -37,7 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, field_validator
 
-from qcfuse_core.studio.service import Mode, RunSpec, StudioError, StudioService, TooLarge
+from qcfuse_core.studio.service import Mode, RunCancelled, RunSpec, StudioError, StudioService, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ class ModeIn(BaseModel):
     @field_validator("method")
     @classmethod
     def _known(cls, v: str) -> str:
-        from qcfuse_core.selectors import SELECTORS
+        from qcfuse_core.selection.base import SELECTORS
 
         if v not in SELECTORS:
             raise ValueError(f"unknown method {v!r}; valid: {', '.join(sorted(SELECTORS))}")
@@ -77,12 +84,23 @@ class RunIn(BaseModel):
     modes: list[ModeIn] = Field(min_length=1, max_length=8)
     max_new_tokens: int = Field(48, ge=1, le=256)
     reference: bool = True
+    repeats: int = Field(1, ge=1, le=100)  # the service's max_repeats is the real limit
 
     _question = field_validator("question")(lambda v: _not_empty(v))
 
     def spec(self) -> RunSpec:
-        return RunSpec(self.question, tuple(self.chunk_ids), tuple(Mode(m.method, m.ratio) for m in self.modes),
-                       self.max_new_tokens, self.reference)
+        return RunSpec(
+            self.question,
+            tuple(self.chunk_ids),
+            tuple(Mode(m.method, m.ratio) for m in self.modes),
+            self.max_new_tokens,
+            self.reference,
+            self.repeats,
+        )
+
+
+class ChunksIn(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=50)
 
 
 class SearchIn(BaseModel):
@@ -107,6 +125,51 @@ def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
+class JsonBodyLimit:
+    """ASGI middleware: a request whose body is not multipart (the JSON API) and is larger
+    than `limit` bytes gets a 413 - from its Content-Length before anything is read, or
+    once the bytes read pass the limit (a chunked body); the body is replayed otherwise."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if headers.get(b"content-type", b"").startswith(b"multipart/"):  # uploads have their own limits
+            return await self.app(scope, receive, send)
+        try:
+            declared = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            declared = 0
+        if declared > self.limit:
+            return await self._too_large(declared, scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._too_large(len(body), scope, receive, send)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, n: int, scope, receive, send) -> None:
+        res = _error(413, f"request body of {n:,} bytes is over the limit of {self.limit:,} bytes", "too_large")
+        await res(scope, receive, send)
+
+
 def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI:
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-studio")
 
@@ -115,9 +178,11 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         yield
         worker.shutdown(wait=True, cancel_futures=True)
 
-    app = FastAPI(title="QCFuse Studio", lifespan=lifespan, docs_url="/api/docs", redoc_url=None,
-                  openapi_url="/api/openapi.json")
+    app = FastAPI(
+        title="QCFuse Studio", lifespan=lifespan, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
+    )
     app.state.service = service
+    app.add_middleware(JsonBodyLimit, limit=service.config.max_json_bytes)
 
     async def on_worker(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
@@ -155,6 +220,10 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
     async def search(body: SearchIn):
         return {"question": body.question, "chunks": await on_worker(service.search, body.question, body.top_k)}
 
+    @app.post("/api/chunks")
+    async def chunks(body: ChunksIn):
+        return {"chunks": await on_worker(service.chunks, body.ids)}
+
     # -- runs -----------------------------------------------------------------------------
     @app.post("/api/run")
     async def run(body: RunIn):
@@ -168,13 +237,16 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         service.check_run(spec)  # bad input: a 4xx before the stream starts
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()  # set when the client goes away: the run stops at its next token
 
         def emit(event: str | None, data: dict | None) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (event, data))
 
         def work() -> None:
             try:
-                emit("done", service.run(spec, emit))
+                emit("done", service.run(spec, emit, cancel))
+            except RunCancelled:
+                log.info("run cancelled: its client went away")
             except StudioError as e:
                 emit("error", {"message": str(e), "type": e.kind})
             except Exception as e:  # reported to the page; the server keeps running
@@ -186,14 +258,26 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         loop.run_in_executor(worker, work)
 
         async def events():
-            while True:
-                event, data = await queue.get()
-                if event is None:
-                    return
-                yield _sse(event, data)
+            try:
+                while True:
+                    event, data = await queue.get()
+                    if event is None:
+                        return
+                    yield _sse(event, data)
+            finally:  # finished, or the client disconnected (the generator is closed / cancelled)
+                cancel.set()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    @app.get("/api/history")
+    async def history():
+        return service.history()
+
+    @app.delete("/api/history")
+    async def clear_history():
+        return service.clear_history()
 
     @app.get("/api/runs/{run_id}/details/{index}")
     async def details(run_id: str, index: int):
@@ -205,8 +289,10 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         cfg = service.config
         declared = int(request.headers.get("content-length") or 0)
         if declared > cfg.max_files * cfg.max_upload_bytes + UPLOAD_OVERHEAD:
-            raise TooLarge(f"upload of {declared:,} bytes is over the limit "
-                           f"({cfg.max_files} files of {cfg.max_upload_bytes:,} bytes)")
+            raise TooLarge(
+                f"upload of {declared:,} bytes is over the limit "
+                f"({cfg.max_files} files of {cfg.max_upload_bytes:,} bytes)"
+            )
         raw = []
         for f in files:
             data = await f.read(cfg.max_upload_bytes + 1)  # one byte over the limit is enough to refuse
@@ -249,11 +335,15 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
     if (folder / "index.html").is_file():
         app.mount("/", StaticFiles(directory=folder, html=True), name="page")
     else:
+
         @app.get("/", response_class=HTMLResponse)
         async def not_built():
-            return ("<h1>QCFuse Studio</h1><p>The page is not built. Build it with "
-                    "<code>cd qcfuse_core/studio/web &amp;&amp; npm ci &amp;&amp; npm run build</code>; "
-                    "the API is under <a href='/api/docs'>/api</a>.</p>")
+            return (
+                "<h1>QCFuse Studio</h1><p>The page is not built. Build it with "
+                "<code>cd qcfuse_core/studio/web &amp;&amp; npm ci &amp;&amp; npm run build</code>; "
+                "the API is under <a href='/api/docs'>/api</a>.</p>"
+            )
+
     return app
 
 

@@ -17,19 +17,32 @@ BACKLOG = 2048  # uvicorn's default
 
 
 def add_commands(sub) -> None:
-    from qcfuse_core.model import cache_dir
+    from qcfuse_core.paths import cache_dir
 
     p = sub.add_parser("studio", help="a local web page that shows what fusion did (needs qcfuse[studio])")
-    p.add_argument("--store", type=Path, default=cache_dir() / "store",
-                   help="store folder (Chroma + chunk caches); an empty one gets the sample corpus (default: %(default)s)")
-    p.add_argument("--model", action="append", default=[], metavar="NAME|DIR",
-                   help="model to load first: a packaged model (smollm2-135m, gemma3-270m) or a local HF model "
-                        "folder, which is then offered too (repeatable; the first is loaded; default: the embedded "
-                        "SmolLM2-135M-Instruct). Every installed packaged model is in the page's model menu")
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=cache_dir() / "store",
+        help="store folder (Chroma + chunk caches); an empty one gets the sample corpus (default: %(default)s)",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME|DIR",
+        help="model to load first: a packaged model (smollm2-135m, gemma3-270m) or a local HF model "
+        "folder, which is then offered too (repeatable; the first is loaded; default: the embedded "
+        "SmolLM2-135M-Instruct). Every installed packaged model is in the page's model menu",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)")
-    p.add_argument("--max-upload-mb", type=float, default=1.0, help="largest file the page may upload (default: %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)"
+    )
+    p.add_argument(
+        "--max-upload-mb", type=float, default=1.0, help="largest file the page may upload (default: %(default)s)"
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up answers before serving")
     p.set_defaults(func=cmd_studio)
 
@@ -48,8 +61,13 @@ def cmd_studio(args) -> int:
     from qcfuse_core.studio.app import create_app
     from qcfuse_core.studio.service import StudioConfig, StudioService
 
-    cfg = StudioConfig(store=args.store, models=tuple(args.model), dtype=args.dtype, device=args.device,
-                       max_upload_bytes=int(args.max_upload_mb * (1 << 20)))
+    cfg = StudioConfig(
+        store=args.store,
+        models=tuple(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+    )
     from qcfuse_core.studio.models import conversion_state, initial_model, installed_models
 
     models = installed_models(cfg.models)
@@ -58,8 +76,11 @@ def cmd_studio(args) -> int:
     first = initial_model(models, cfg.models)
     state = conversion_state(first)
     if state is not None and not state[1]:
-        print(f"qcfuse studio: converting {first.name} from its GGUF into {state[0].parent} (first time only; "
-              "minutes on a small CPU)", flush=True)
+        print(
+            f"qcfuse studio: converting {first.name} from its GGUF into {state[0].parent} (first time only; "
+            "minutes on a small CPU)",
+            flush=True,
+        )
     print(f"qcfuse studio: loading {first.name} and opening {args.store}", flush=True)
     service = StudioService(cfg)
     bars: dict[str, tqdm] = {}
@@ -90,13 +111,10 @@ def cmd_studio(args) -> int:
     sock.listen(BACKLOG)  # from here on connections wait in the backlog until the server takes them
     port = sock.getsockname()[1]
     st = service.status()
-    print(f"QCFuse Studio on http://127.0.0.1:{port}  ({st['model']['name']}, {st['chunks']} chunks in "
-          f"{st['store']}; Ctrl-C stops it)", flush=True)
+    print(
+        f"QCFuse Studio on http://127.0.0.1:{port}  ({st['model']['name']}, {st['chunks']} chunks in "
+        f"{st['store']}; Ctrl-C stops it)",
+        flush=True,
+    )
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0
-
-
-if __name__ == "__main__":  # python -m qcfuse_core.studio.cli ...
-    from qcfuse_core.cli import main
-
-    sys.exit(main(["studio", *sys.argv[1:]]))

@@ -1,5 +1,5 @@
 """The models the studio can switch between: the packaged models that are installed
-(`qcfuse_core.model.MODELS`: smollm2-135m, the default, and gemma3-270m), folders named on
+(`qcfuse_core.model.adapter.MODELS`: smollm2-135m, the default, and gemma3-270m), folders named on
 the command line, and supported model folders under the cache dir (`<cache dir>/models`).
 
 An entry is listed, not loaded; `StudioService.select_model` loads one (once per process).
@@ -25,7 +25,7 @@ class ModelEntry:
     path: str | None  # None: a packaged model (`packaged` names it), loaded by name
     source: str  # packaged | option | cache
     architecture: str = ""
-    packaged: str | None = None  # key in qcfuse_core.model.MODELS
+    packaged: str | None = None  # key in qcfuse_core.model.adapter.MODELS
     default: bool = False  # the embedded default (loaded when no --model is given)
     instruct: bool | None = None  # has a chat template (None: unknown until loaded)
 
@@ -50,14 +50,14 @@ def conversion_state(entry: ModelEntry) -> tuple[Path, bool] | None:
     not converted yet is dequantised from its GGUF into the cache dir on its first load."""
     if entry.packaged is None:
         return None
-    from qcfuse_core.model import packaged_model_target
+    from qcfuse_core.model.adapter import packaged_model_target
 
     return packaged_model_target(entry.packaged)
 
 
 def _architecture(folder: Path) -> str | None:
     """The folder's model class when it is a local HF folder of a supported architecture."""
-    from qcfuse_core.model import SUPPORTED_ARCHITECTURES
+    from qcfuse_core.model.adapter import SUPPORTED_ARCHITECTURES
 
     cfg = folder / "config.json"
     if not cfg.is_file():
@@ -75,20 +75,20 @@ def _slug(name: str) -> str:
 
 def _is_packaged_copy(folder: Path) -> bool:
     """A packaged model's converted folder (<name>-<10 hex tag>): listed as that model."""
-    from qcfuse_core.model import MODELS
+    from qcfuse_core.model.adapter import MODELS
 
     return any(re.fullmatch(re.escape(spec.name) + r"-[0-9a-f]{10}", folder.name) for spec in MODELS.values())
 
 
 def _installed(key: str) -> bool:
-    from qcfuse_core.model import MODELS
+    from qcfuse_core.model.adapter import MODELS
 
     return importlib.util.find_spec(MODELS[key].package) is not None
 
 
 def initial_model(models: Sequence[ModelEntry], options: Sequence[str | Path] = ()) -> ModelEntry:
     """The model loaded at start: the first --model option's entry, else the first listed."""
-    from qcfuse_core.model import MODELS
+    from qcfuse_core.model.adapter import MODELS
 
     if not options:
         return models[0]
@@ -103,7 +103,8 @@ def installed_models(options: Sequence[str | Path] = ()) -> list[ModelEntry]:
     then `options` (the command line's --model: packaged names or supported model folders;
     ValueError otherwise), then supported folders under the cache dir that are not a
     packaged model's converted copy."""
-    from qcfuse_core.model import DEFAULT_MODEL, MODELS, cache_dir
+    from qcfuse_core.model.adapter import DEFAULT_MODEL, MODELS
+    from qcfuse_core.paths import cache_dir
 
     out: list[ModelEntry] = []
     seen_ids: set[str] = set()
@@ -118,8 +119,18 @@ def installed_models(options: Sequence[str | Path] = ()) -> list[ModelEntry]:
         if path is not None:
             seen_paths.add(path.resolve())
         spec = MODELS.get(key) if key is not None else None
-        out.append(ModelEntry(mid, name, None if path is None else str(path), source, arch, key,
-                              key == DEFAULT_MODEL, None if spec is None else spec.instruct))
+        out.append(
+            ModelEntry(
+                mid,
+                name,
+                None if path is None else str(path),
+                source,
+                arch,
+                key,
+                key == DEFAULT_MODEL,
+                None if spec is None else spec.instruct,
+            )
+        )
 
     keys = [DEFAULT_MODEL, *(k for k in MODELS if k != DEFAULT_MODEL)]
     for key in keys:
@@ -128,13 +139,17 @@ def installed_models(options: Sequence[str | Path] = ()) -> list[ModelEntry]:
     for opt in options:
         if str(opt) in MODELS and not Path(opt).exists():
             if str(opt) not in seen_ids:
-                raise ValueError(f"the packaged model {opt} is not installed; install it with:\n    {MODELS[str(opt)].pip}")
+                raise ValueError(
+                    f"the packaged model {opt} is not installed; install it with:\n    {MODELS[str(opt)].pip}"
+                )
             continue
         f = Path(opt)
         arch = _architecture(f)
         if arch is None:
-            raise ValueError(f"{f} is neither a packaged model ({', '.join(MODELS)}) nor a local model folder of a "
-                             "supported architecture (config.json with a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 model)")
+            raise ValueError(
+                f"{f} is neither a packaged model ({', '.join(MODELS)}) nor a local model folder of a "
+                "supported architecture (config.json with a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 model)"
+            )
         if f.resolve() not in seen_paths:
             add(f.name, f, "option", arch)
     root = cache_dir() / "models"

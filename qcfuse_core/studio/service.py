@@ -7,8 +7,12 @@ runs on the app's single worker thread, one at a time, so the TTFTs shown side b
 not measured while another run shared the cores.
 
     search(question, top_k)        top-k chunks from Chroma with scores, tokens, anchors
-    run(RunSpec, emit)             one FusionResult per mode -> summaries (+ a full-prefill
-                                   reference for the agreement badge when full is not a mode)
+    run(RunSpec, emit, cancel)     the chunk caches built first (a timed build step), then
+                                   each mode N times through `engine.stream` -> summaries with
+                                   the median TTFT, decode rate, end-to-end time, memory and
+                                   quality against full prefill (quality.py); a full-prefill
+                                   reference runs when full is not a mode; every mode becomes
+                                   a row of the run history (history())
     details(run_id, index)         the per-token view of one mode (details.py)
     ingest_files(files, progress)  chunk, embed into Chroma, build the chunk caches
     models() / select_model(id)    installed models; switching loads one (a packaged model
@@ -19,7 +23,7 @@ not measured while another run shared the cores.
 from __future__ import annotations
 
 import logging
-import resource
+import os
 import threading
 import time
 import uuid
@@ -31,15 +35,26 @@ from typing import Any
 
 import torch
 
-from qcfuse_core.cli import DEMO_QUESTIONS  # the sample corpus's questions
-from qcfuse_core.corpus import TEXT_SUFFIXES, Chunk, chunk_id, chunks_from_file, iter_text_files, sample_corpus_dir, split_text
+from qcfuse_core.ingest.corpus import (
+    DEMO_QUESTIONS,  # the sample corpus's questions
+    TEXT_SUFFIXES,
+    Chunk,
+    chunk_id,
+    chunks_from_file,
+    iter_text_files,
+    sample_corpus_dir,
+    split_text,
+)
 from qcfuse_core.studio.details import mode_details, token_pieces, waterfall
 from qcfuse_core.studio.models import ModelEntry, conversion_state, initial_model, installed_models
+from qcfuse_core.studio.quality import drop_logits, quality, speed
+from qcfuse_core.studio.quality import representative as _representative
 from qcfuse_core.types import FusionResult
 
 log = logging.getLogger(__name__)
 
-PAGE_METHODS = ("qcfuse", "full", "cacheblend", "epic", "naive")  # the page's mode chips
+PAGE_METHODS = ("qcfuse", "full", "cacheblend", "epic", "naive", "adaptive")  # the page's mode chips (adaptive:
+# only for a model with an adaptive-budget calibration)
 Emit = Callable[[str, dict], None]
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -69,6 +84,10 @@ class Unsupported(StudioError):
     kind = "unsupported_media_type"
 
 
+class RunCancelled(Exception):
+    """The run's client went away (its stream was closed): the run stopped at the next token."""
+
+
 # ---------------------------------------------------------------------------- config and specs
 
 
@@ -84,12 +103,25 @@ class StudioConfig:
     max_chunks: int = 8  # chunks per run
     max_modes: int = 6
     max_new_tokens: int = 48
+    max_repeats: int = 10  # timed repeats per mode (the page's N)
+    max_json_bytes: int = 64 * 1024  # a JSON request body larger than this gets a 413
     runs_kept: int = 16  # runs whose details stay available
+    history_kept: int = 500  # rows of the run history
     warmup: bool = True  # warm-up answers after a model switch (the CLI also warms up at start)
 
     def __post_init__(self) -> None:
-        for name in ("chunk_chars", "max_upload_bytes", "max_files", "max_chunks", "max_modes",
-                     "max_new_tokens", "runs_kept"):
+        for name in (
+            "chunk_chars",
+            "max_upload_bytes",
+            "max_files",
+            "max_chunks",
+            "max_modes",
+            "max_new_tokens",
+            "max_repeats",
+            "max_json_bytes",
+            "runs_kept",
+            "history_kept",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -100,7 +132,7 @@ class Mode:
     ratio: float = 0.15
 
     def __post_init__(self) -> None:
-        from qcfuse_core.selectors import SELECTORS
+        from qcfuse_core.selection.base import SELECTORS
 
         if self.method not in SELECTORS:
             raise StudioError(f"unknown method {self.method!r}; valid: {', '.join(sorted(SELECTORS))}")
@@ -109,7 +141,7 @@ class Mode:
 
     @property
     def label(self) -> str:
-        from qcfuse_core.selectors import get_selector
+        from qcfuse_core.selection.base import get_selector
 
         return f"{self.method} @ {self.ratio:.2f}" if get_selector(self.method).uses_ratio else self.method
 
@@ -120,7 +152,8 @@ class RunSpec:
     chunk_ids: tuple[str, ...]
     modes: tuple[Mode, ...]
     max_new_tokens: int = 48
-    reference: bool = True  # run full prefill too when it is not a mode (agreement, speedup)
+    reference: bool = True  # run full prefill too when it is not a mode (agreement, speedup, quality)
+    repeats: int = 1  # timed answers per mode: the TTFT shown is their median
 
 
 @dataclass
@@ -146,8 +179,17 @@ class Job:
 
     def to_dict(self) -> dict:
         with self._lock:
-            return {"id": self.id, "kind": self.kind, "state": self.state, "stage": self.stage, "done": self.done,
-                    "total": self.total, "result": self.result, "error": self.error, "version": self.version}
+            return {
+                "id": self.id,
+                "kind": self.kind,
+                "state": self.state,
+                "stage": self.stage,
+                "done": self.done,
+                "total": self.total,
+                "result": self.result,
+                "error": self.error,
+                "version": self.version,
+            }
 
 
 @dataclass
@@ -174,38 +216,53 @@ class StudioService:
         self._model_job: Job | None = None  # the model switch in progress (status shows it)
         self.engine = engine if engine is not None else self._open_engine(self.model)
         if collection is None:
-            from qcfuse_integrations.chroma import open_collection
+            from qcfuse_core.retrieval.chroma import open_collection
 
             collection = open_collection(Path(config.store) / "chroma")
         self.collection = collection
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._lock = threading.Lock()  # the two registries above
+        self._history: list[dict] = []  # the run history's rows, oldest first
+        self._lock = threading.Lock()  # the registries above
 
     def _open_engine(self, entry: ModelEntry):
-        from qcfuse_core.engine import open_engine
+        from qcfuse_core.engine.api import open_engine
 
         return open_engine(self.config.store, model=entry.load_arg, dtype=self.config.dtype, device=self.config.device)
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> dict:
-        from qcfuse_core.selectors import SELECTORS
+        from qcfuse_core.selection.base import SELECTORS
 
         a = self.engine.adapter
         job = self._model_job
         return {
-            "model": {**self.model.to_dict(), "layers": a.num_layers, "device": str(a.device),
-                      "dtype": str(a.dtype).replace("torch.", ""), "fingerprint": a.fingerprint(),
-                      "prompt_frame": prompt_frame(self.engine)},
+            "model": {
+                **self.model.to_dict(),
+                "layers": a.num_layers,
+                "device": str(a.device),
+                "dtype": str(a.dtype).replace("torch.", ""),
+                "fingerprint": a.fingerprint(),
+                "prompt_frame": prompt_frame(self.engine),
+            },
             "loading": job.to_dict() if job is not None and job.state in ("queued", "running") else None,
             "store": str(self.config.store),
             "chunks": self.collection.count(),
-            "methods": list(PAGE_METHODS), "all_methods": sorted(SELECTORS),
+            "methods": self._page_methods(),
+            "all_methods": sorted(SELECTORS),
+            "adaptive_shares": self._adaptive_shares(),
+            "memory_kind": RunMemory.kind(a.device),
             "default_ratio": self.engine.config.ratio,
             "examples": list(DEMO_QUESTIONS) if self._has_sample() else [],
-            "limits": {"max_upload_bytes": self.config.max_upload_bytes, "max_files": self.config.max_files,
-                       "max_chunks": self.config.max_chunks, "max_modes": self.config.max_modes,
-                       "suffixes": list(TEXT_SUFFIXES)},
+            "limits": {
+                "max_upload_bytes": self.config.max_upload_bytes,
+                "max_files": self.config.max_files,
+                "max_chunks": self.config.max_chunks,
+                "max_modes": self.config.max_modes,
+                "max_repeats": self.config.max_repeats,
+                "max_new_tokens": self.config.max_new_tokens,
+                "suffixes": list(TEXT_SUFFIXES),
+            },
         }
 
     def _has_sample(self) -> bool:
@@ -216,7 +273,7 @@ class StudioService:
     def search(self, question: str, top_k: int = 4) -> list[dict]:
         """Top-k chunks for `question` (cosine similarity), each with its token pieces and its
         layer-0 anchors when this model's cache of it exists."""
-        from qcfuse_integrations.embedder import get_embedder
+        from qcfuse_core.retrieval.embedder import get_embedder
 
         question = _question(question)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
@@ -224,16 +281,26 @@ class StudioService:
         n = self.collection.count()
         if n == 0:
             return []
-        res = self.collection.query(query_embeddings=[get_embedder().embed_one(question)], n_results=min(top_k, n),
-                                    include=["documents", "metadatas", "distances"])
+        res = self.collection.query(
+            query_embeddings=[get_embedder().embed_one(question)],
+            n_results=min(top_k, n),
+            include=["documents", "metadatas", "distances"],
+        )
         out = []
         for cid, text, meta, dist in zip(res["ids"][0], res["documents"][0], res["metadatas"][0], res["distances"][0]):
-            out.append({"id": cid, "source": (meta or {}).get("source", ""), "score": round(1.0 - float(dist), 4),
-                        "text": text, **self._chunk_view(text)})
+            out.append(
+                {
+                    "id": cid,
+                    "source": (meta or {}).get("source", ""),
+                    "score": round(1.0 - float(dist), 4),
+                    "text": text,
+                    **self._chunk_view(text),
+                }
+            )
         return out
 
     def _chunk_view(self, text: str) -> dict:
-        from qcfuse_core.selectors import QCFuseOptions
+        from qcfuse_core.selection.options import QCFuseOptions
 
         ids, key = self.engine.chunk_tokens(text)
         anchors: list[int] = []
@@ -246,6 +313,17 @@ class StudioService:
             if a is not None and a.dim() == 2 and a.shape[0]:
                 anchors = [int(i) for i in a[0].tolist()]
         return {"tokens": token_pieces(self.engine.tokenizer, ids.tolist()), "anchors": anchors, "cached": cached}
+
+    def chunks(self, chunk_ids: Sequence[str]) -> list[dict]:
+        """The chunk cards of `chunk_ids` as they are now (cached or not for the loaded model,
+        its anchors): the page refreshes its cards with it after a run built their caches."""
+        texts = self.chunk_texts(chunk_ids)
+        got = self.collection.get(ids=list(chunk_ids), include=["metadatas"])
+        meta = dict(zip(got["ids"], got["metadatas"]))
+        return [
+            {"id": cid, "source": (meta.get(cid) or {}).get("source", ""), "text": text, **self._chunk_view(text)}
+            for cid, text in zip(chunk_ids, texts)
+        ]
 
     def chunk_texts(self, chunk_ids: Sequence[str]) -> list[str]:
         """Texts of the chunks, in the order given; NotFound names the unknown ids."""
@@ -272,61 +350,222 @@ class StudioService:
             raise StudioError(f"at most {self.config.max_modes} modes per run, got {len(spec.modes)}")
         if not 1 <= spec.max_new_tokens <= 256:
             raise StudioError(f"max_new_tokens must be in [1, 256], got {spec.max_new_tokens}")
+        if (
+            isinstance(spec.repeats, bool)
+            or not isinstance(spec.repeats, int)
+            or not 1 <= spec.repeats <= self.config.max_repeats
+        ):
+            raise StudioError(f"repeats must be an integer in [1, {self.config.max_repeats}], got {spec.repeats!r}")
+        for m in spec.modes:
+            if m.method == "adaptive":
+                shares = self._adaptive_shares()
+                if not shares:
+                    raise StudioError(
+                        f"adaptive needs a calibration of {self.model.name}; none is shipped or "
+                        "calibrated (qcfuse calibrate-budget); valid methods here: "
+                        f"{', '.join(self._page_methods())}"
+                    )
+                if not shares[0] - 1e-9 <= m.ratio <= shares[-1] + 1e-9:
+                    raise StudioError(
+                        f"adaptive's ratio must be within its calibrated mean shares "
+                        f"[{shares[0]:g}, {shares[-1]:g}] for {self.model.name}, got {m.ratio:g}"
+                    )
         return self.chunk_texts(spec.chunk_ids)
 
-    def run(self, spec: RunSpec, emit: Emit | None = None) -> dict:
-        """Every mode through `engine.stream`, in order. Events (emit): mode {index, label},
-        delta {index, text}, result {index, ...summary}, reference {...}; returns the run."""
+    def _adaptive_shares(self) -> list[float]:
+        """The mean recompute shares this model's adaptive budget is calibrated at ([] : none)."""
+        from qcfuse_core.selection.adaptive import lookup_calibration
+
+        cal, _ = lookup_calibration(self.engine.adapter)
+        return sorted(float(x) for x in (cal or {}).get("targets", {}))
+
+    def _page_methods(self) -> list[str]:
+        """The page's mode chips: adaptive only where the model has a calibration."""
+        return [m for m in PAGE_METHODS if m != "adaptive" or self._adaptive_shares()]
+
+    def run(self, spec: RunSpec, emit: Emit | None = None, cancel: threading.Event | None = None) -> dict:
+        """The run, in numbered steps (events to `emit` as they happen):
+
+            1. build   every chunk's cache for this model, timed, before any mode is timed:
+                       build {state, ms, built, cached}
+            2. full    the reference (when full is not a mode), `repeats` times:
+                       reference {state, ...}
+            3. modes   each mode `repeats` times; the first repeat streams its text:
+                       mode {index, label}, delta {index, text}, repeat {index, k, ttft_ms},
+                       result {index, ...summary}
+            4. compare every mode against full prefill (quality.py) -> summaries, history rows
+
+        `cancel` set (the client went away) stops the run at the next token: RunCancelled."""
         emit = emit or (lambda event, data: None)
+        cancel = cancel or threading.Event()
         docs = self.check_run(spec)
         engine = self.engine
-        results: list[FusionResult] = []
-        peaks: list[dict] = []
-        for i, mode in enumerate(spec.modes):
-            emit("mode", {"index": i, "method": mode.method, "ratio": mode.ratio, "label": mode.label})
-            r, peak = self._answer(engine, spec, docs, mode, lambda d, i=i: emit("delta", {"index": i, "text": d}))
-            results.append(r)
-            peaks.append(peak)
-            emit("result", {"index": i, **_summary(r, mode, peak)})
-        full = next((r for r, m in zip(results, spec.modes) if m.method == "full"), None)
-        reference = None
-        if full is None and spec.reference:
+        model = self.model
+        _check_cancel(cancel)
+        # 1. build
+        emit("build", {"state": "running", "chunks": len(docs)})
+        build = self._build(engine, spec, docs)
+        emit("build", {"state": "done", **build})
+        # 2. the reference
+        full_i = next((i for i, m in enumerate(spec.modes) if m.method == "full"), None)
+        full_reps, full_mem = None, None
+        if full_i is None and spec.reference:
             emit("reference", {"state": "running"})
-            full, _ = self._answer(engine, spec, docs, Mode("full"), lambda d: None)
-            reference = {"answer": full.text, "ttft_ms": round(full.ttft_ms, 3)}
+            full_reps, full_mem = self._repeats(engine, spec, docs, Mode("full"), lambda d: None, cancel)
+        # 3. the modes
+        reps: list[list[FusionResult]] = []
+        mems: list[dict] = []
+        for i, mode in enumerate(spec.modes):
+            emit(
+                "mode",
+                {"index": i, "method": mode.method, "ratio": mode.ratio, "label": mode.label, "repeats": spec.repeats},
+            )
+            got, mem = self._repeats(
+                engine,
+                spec,
+                docs,
+                mode,
+                lambda d, i=i: emit("delta", {"index": i, "text": d}),
+                cancel,
+                lambda k, r, i=i: emit("repeat", {"index": i, "k": k, "ttft_ms": round(r.ttft_ms, 3)}),
+            )
+            reps.append(got)
+            mems.append(mem)
+            emit("result", {"index": i, **_summary(_representative(got), mode, mem, got)})
+        # 4. compare
+        if full_i is not None:
+            full_reps, full_mem = reps[full_i], mems[full_i]
+        full = _representative(full_reps) if full_reps is not None else None
+        full_speed = speed(full_reps) if full_reps is not None else None
+        reference = None
+        if full_i is None and full is not None:
+            assert full_speed is not None  # both come from full_reps
+            reference = {
+                "answer": full.text,
+                "ttft_ms": full_speed.ttft_ms,
+                "total_ms": full_speed.total_ms,
+                "decode_tok_s": full_speed.decode_tok_s,
+                "repeats": full_speed.repeats,
+                "memory": full_mem,
+                "new_tokens": len(full.token_ids),
+            }
             emit("reference", {"state": "done", **reference})
         summaries = []
-        for i, (r, mode, peak) in enumerate(zip(results, spec.modes, peaks)):
-            s = {"index": i, **_summary(r, mode, peak)}
+        for i, (got, mode, mem) in enumerate(zip(reps, spec.modes, mems)):
+            r = _representative(got)
+            s = {"index": i, **_summary(r, mode, mem, got)}
             if full is not None:
-                s["speedup_vs_full"] = round(full.ttft_ms / r.ttft_ms, 3) if r.ttft_ms > 0 else None
+                assert full_speed is not None  # both come from full_reps
+                s["speedup_vs_full"] = round(full_speed.ttft_ms / s["ttft_ms"], 3) if s["ttft_ms"] > 0 else None
                 s["agreement"] = agreement(r, full)
+                s["quality"] = quality([r, *(x for x in got if x is not r)], full).to_dict()
             summaries.append(s)
-        pieces = token_pieces(engine.tokenizer, results[0].prompt_ids.tolist())
+        results = [drop_logits(_representative(got)) for got in reps]
+        prompt_ids = results[0].prompt_ids
+        assert prompt_ids is not None  # the engine's results carry their prompt's tokens
+        pieces = token_pieces(engine.tokenizer, prompt_ids.tolist())
         run = _Run(uuid.uuid4().hex[:12], spec, results, summaries, pieces, engine.adapter.num_layers)
+        rows = [_history_row(run.id, model, spec, s) for s in summaries]
+        if full_i is None and full is not None:
+            assert full_speed is not None and full_reps is not None  # full comes from full_reps
+            rows.append(
+                _history_row(
+                    run.id,
+                    model,
+                    spec,
+                    {
+                        "index": None,
+                        "method": "full",
+                        "ratio": None,
+                        "label": "full (reference)",
+                        "ran_as": "full",
+                        "answer": full.text,
+                        "ttft_ms": full_speed.ttft_ms,
+                        "total_ms": full_speed.total_ms,
+                        "decode_tok_s": full_speed.decode_tok_s,
+                        "repeats": full_speed.repeats,
+                        "recompute_share": 1.0,
+                        "memory": full_mem,
+                        "quality": quality([full, *(x for x in full_reps if x is not full)], full).to_dict(),
+                        "speedup_vs_full": 1.0,
+                    },
+                )
+            )
         with self._lock:
             self._runs[run.id] = run
             while len(self._runs) > self.config.runs_kept:
                 self._runs.popitem(last=False)
-        return {"run_id": run.id, "question": spec.question, "chunk_ids": list(spec.chunk_ids),
-                "model": self.model.id, "results": summaries, "reference": reference}
+            self._history.extend(rows)
+            del self._history[: max(0, len(self._history) - self.config.history_kept)]
+        return {
+            "run_id": run.id,
+            "question": spec.question,
+            "chunk_ids": list(spec.chunk_ids),
+            "model": model.id,
+            "model_name": model.name,
+            "repeats": spec.repeats,
+            "build": build,
+            "results": summaries,
+            "reference": reference,
+            "history": rows,
+        }
 
-    def _answer(self, engine, spec: RunSpec, docs: list[str], mode: Mode, on_delta) -> tuple[FusionResult, dict]:
-        dev = engine.adapter.device
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        stream = engine.stream(spec.question, docs, node_ids=list(spec.chunk_ids), method=mode.method,
-                               ratio=mode.ratio, sync_stages=True, max_new_tokens=spec.max_new_tokens,
-                               stop=tuple(prompt_frame(engine)["stop"]))
+    def history(self) -> dict:
+        """Every run's rows, oldest first (model x mode x ratio, one row per mode of a run)."""
+        with self._lock:
+            return {"rows": list(self._history), "kept": self.config.history_kept}
+
+    def clear_history(self) -> dict:
+        with self._lock:
+            self._history.clear()
+        return self.history()
+
+    def _build(self, engine, spec: RunSpec, docs: list[str]) -> dict:
+        """Step 1: the caches of the run's chunks that this model lacks, built now (timed), so
+        that no mode pays for building them."""
+        keys = [engine.chunk_tokens(d)[1] for d in docs]
+        missing = [i for i, k in enumerate(keys) if k is not None and not engine.store.contains(k)]
+        t0 = time.perf_counter()
+        if missing:
+            engine.build_chunks([docs[i] for i in missing], [spec.chunk_ids[i] for i in missing])
+        ms = (time.perf_counter() - t0) * 1000.0
+        return {"ms": round(ms, 3), "built": len(missing), "cached": len(docs) - len(missing)}
+
+    def _repeats(
+        self, engine, spec: RunSpec, docs: list[str], mode: Mode, on_delta, cancel: threading.Event, on_repeat=None
+    ) -> tuple[list[FusionResult], dict]:
+        """`spec.repeats` answers of one mode (the first streams its text) -> (results, memory:
+        the largest of the repeats' own measures)."""
+        out, mems = [], []
+        for k in range(spec.repeats):
+            r, mem = self._answer(engine, spec, docs, mode, on_delta if k == 0 else (lambda d: None), cancel)
+            out.append(r)
+            mems.append(mem)
+            if on_repeat is not None:
+                on_repeat(k, r)
+        return out, max(mems, key=lambda m: m["peak_bytes"] if m["peak_bytes"] is not None else -1)
+
+    def _answer(
+        self, engine, spec: RunSpec, docs: list[str], mode: Mode, on_delta, cancel: threading.Event | None = None
+    ) -> tuple[FusionResult, dict]:
+        _check_cancel(cancel)
+        meter = RunMemory(engine.adapter.device)
+        stream = engine.stream(
+            spec.question,
+            docs,
+            node_ids=list(spec.chunk_ids),
+            method=mode.method,
+            ratio=mode.ratio,
+            sync_stages=True,
+            max_new_tokens=spec.max_new_tokens,
+            stop=tuple(prompt_frame(engine)["stop"]),
+        )
         for delta in stream:
+            if cancel is not None and cancel.is_set():
+                stream.close()  # the request ends here: its state is released
+                raise RunCancelled("the run was cancelled")
             on_delta(delta)
-        if dev.type == "cuda":
-            peak = {"peak_bytes": int(torch.cuda.max_memory_allocated(dev)), "peak_kind": "device (allocated)"}
-        else:  # a CPU has no per-request peak: the process's high-water mark (it never falls)
-            peak = {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
-                    "peak_kind": "process RSS (high-water mark)"}
-        return stream.result, peak
+        return stream.result, meter.stop()
 
     def details(self, run_id: str, index: int) -> dict:
         with self._lock:
@@ -338,8 +577,12 @@ class StudioService:
         got = run.details.get(index)
         if got is None:
             r = run.results[index]
-            pieces = run.pieces if torch.equal(r.prompt_ids, run.results[0].prompt_ids) else \
-                token_pieces(self.engine.tokenizer, r.prompt_ids.tolist())
+            assert r.prompt_ids is not None and run.results[0].prompt_ids is not None  # the engine sets them
+            pieces = (
+                run.pieces
+                if torch.equal(r.prompt_ids, run.results[0].prompt_ids)
+                else token_pieces(self.engine.tokenizer, r.prompt_ids.tolist())
+            )
             got = {"run_id": run_id, **run.summaries[index], **mode_details(r, pieces, run.num_layers)}
             run.details[index] = got
         return got
@@ -349,7 +592,9 @@ class StudioService:
         """An empty store gets the sample corpus; a store with chunks is left as it is."""
         if self.collection.count() > 0:
             return None
-        chunks = [c for f in iter_text_files([sample_corpus_dir()]) for c in chunks_from_file(f, self.config.chunk_chars)]
+        chunks = [
+            c for f in iter_text_files([sample_corpus_dir()]) for c in chunks_from_file(f, self.config.chunk_chars)
+        ]
         return self.ingest_chunks(chunks, progress)
 
     def prepare_files(self, files: Sequence[tuple[str, bytes]]) -> list[tuple[str, str]]:
@@ -366,7 +611,9 @@ class StudioService:
             if Path(name).suffix.lower() not in TEXT_SUFFIXES:
                 raise Unsupported(f"{name}: only text and markdown files ({', '.join(TEXT_SUFFIXES)}) can be ingested")
             if len(data) > self.config.max_upload_bytes:
-                raise TooLarge(f"{name} is {len(data):,} bytes; the limit is {self.config.max_upload_bytes:,} bytes per file")
+                raise TooLarge(
+                    f"{name} is {len(data):,} bytes; the limit is {self.config.max_upload_bytes:,} bytes per file"
+                )
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -378,12 +625,14 @@ class StudioService:
 
     def ingest_files(self, files: Sequence[tuple[str, str]], progress: Progress | None = None) -> dict:
         """Chunks as `qcfuse ingest` makes them (same ids for the same file name and text)."""
-        chunks = [Chunk(chunk_id(name, t), t, name) for name, text in files for t in split_text(text, self.config.chunk_chars)]
+        chunks = [
+            Chunk(chunk_id(name, t), t, name) for name, text in files for t in split_text(text, self.config.chunk_chars)
+        ]
         return self.ingest_chunks(chunks, progress)
 
     def ingest_chunks(self, chunks: list[Chunk], progress: Progress | None = None) -> dict:
         """Embed the new chunks into Chroma, then build every chunk's cache (idempotent)."""
-        from qcfuse_integrations.embedder import get_embedder
+        from qcfuse_core.retrieval.embedder import get_embedder
 
         progress = progress or (lambda stage, done, total: None)
         chunks = list({c.id: c for c in chunks}.values())  # a repeated paragraph or file: once
@@ -393,17 +642,24 @@ class StudioService:
         progress("embedding", 0, len(new))
         for i in range(0, len(new), EMBED_BATCH):
             batch = new[i : i + EMBED_BATCH]
-            self.collection.add(ids=[c.id for c in batch], documents=[c.text for c in batch],
-                                embeddings=embedder.embed([c.text for c in batch]),
-                                metadatas=[{"source": c.source} for c in batch])
+            self.collection.add(
+                ids=[c.id for c in batch],
+                documents=[c.text for c in batch],
+                embeddings=embedder.embed([c.text for c in batch]),
+                metadatas=[{"source": c.source} for c in batch],
+            )
             progress("embedding", i + len(batch), len(new))
         progress("caches", 0, len(chunks))
         for i in range(0, len(chunks), CACHE_BATCH):  # a few chunks per call: progress moves
             batch = chunks[i : i + CACHE_BATCH]
             self.engine.build_chunks([c.text for c in batch], [c.id for c in batch])
             progress("caches", i + len(batch), len(chunks))
-        return {"chunks": len(chunks), "new_in_chroma": len(new), "chunk_ids": [c.id for c in chunks],
-                "sources": sorted({c.source for c in chunks})}
+        return {
+            "chunks": len(chunks),
+            "new_in_chroma": len(new),
+            "chunk_ids": [c.id for c in chunks],
+            "sources": sorted({c.source for c in chunks}),
+        }
 
     def new_job(self, kind: str) -> Job:
         job = Job(uuid.uuid4().hex[:12], kind)
@@ -456,7 +712,7 @@ class StudioService:
         message)` hears each stage: converting, loading, warming up. Its chunk caches are
         built as the runs need them (the first run on a new model shows them as misses);
         each model's caches are its own (keys start with its fingerprint)."""
-        from qcfuse_core.model import packaged_model_dir
+        from qcfuse_core.model.adapter import packaged_model_dir
 
         entry = self._entry(model_id)
         progress = progress or (lambda stage, message: None)
@@ -464,8 +720,12 @@ class StudioService:
             t0 = time.perf_counter()
             state = conversion_state(entry)
             if state is not None and not state[1]:
-                progress("converting", f"Converting {entry.name} from its GGUF to safetensors: first time only, "
-                                       f"the result is kept in {state[0].parent} (minutes on a small CPU)")
+                progress(
+                    "converting",
+                    f"Converting {entry.name} from its GGUF to safetensors: first time only, "
+                    f"the result is kept in {state[0].parent} (minutes on a small CPU)",
+                )
+                assert entry.packaged is not None  # conversion_state is None for any other model
                 packaged_model_dir(entry.packaged)
             progress("loading", f"Loading {entry.name} ({self.config.dtype} on {self.config.device})")
             engine, old = self._open_engine(entry), self.engine
@@ -483,11 +743,16 @@ class StudioService:
         entry = self._entry(model_id)
         job = self.new_job("model")
         if entry.id == self.model.id and (self._model_job is None or self._model_job.state in ("done", "failed")):
-            job.update(state="done", stage="loaded", result={"model": self.status()["model"],
-                                                             "message": f"{entry.name} is loaded"})
+            job.update(
+                state="done",
+                stage="loaded",
+                result={"model": self.status()["model"], "message": f"{entry.name} is loaded"},
+            )
             return job
-        job.update(result={"model_id": entry.id, "name": entry.name,
-                           "message": f"Waiting to load {entry.name}"}, stage="queued")
+        job.update(
+            result={"model_id": entry.id, "name": entry.name, "message": f"Waiting to load {entry.name}"},
+            stage="queued",
+        )
         self._model_job = job
         return job
 
@@ -497,13 +762,26 @@ class StudioService:
 
         def progress(stage: str, message: str) -> None:  # every stage is kept: a poll may miss a short one
             res = job.result or {}
-            job.update(stage=stage, result={**res, "message": message,
-                                            "stages": [*res.get("stages", []), {"stage": stage, "message": message}]})
+            job.update(
+                stage=stage,
+                result={
+                    **res,
+                    "message": message,
+                    "stages": [*res.get("stages", []), {"stage": stage, "message": message}],
+                },
+            )
 
         try:
             model = self.select_model(model_id, progress)
-            job.update(state="done", stage="loaded", result={"model": model, "message": f"{model['name']} is loaded",
-                                                             "stages": (job.result or {}).get("stages", [])})
+            job.update(
+                state="done",
+                stage="loaded",
+                result={
+                    "model": model,
+                    "message": f"{model['name']} is loaded",
+                    "stages": (job.result or {}).get("stages", []),
+                },
+            )
         except Exception as e:  # recorded for the page; the server keeps running on the old model
             log.exception("model switch failed")
             job.update(state="failed", error=f"{type(e).__name__}: {e}")
@@ -541,26 +819,126 @@ def prompt_frame(engine) -> dict:
     pieces = engine.rag_pieces("{question}", ["{document 1}", "{document 2}"])
     text = "".join(p.text for p in pieces)
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    return {"kind": "chat" if chat else "plain", "label": "the model's chat template" if chat else
-            "plain frame (base model: no chat template)", "text": text, "stop": list(engine.frame_stops)}
-
-
-def _summary(r: FusionResult, mode: Mode, peak: dict) -> dict:
-    """What the page's answer card shows, straight from the FusionResult."""
-    load = r.load or {}
     return {
-        "method": mode.method, "ratio": mode.ratio, "label": mode.label,
-        "ran_as": r.method,  # `full` when the planner decided fusing could not win
-        "answer": r.text, "ttft_ms": round(r.ttft_ms, 3), "total_ms": round(r.total_ms, 3),
-        "stages": waterfall(r), "timings_ms": {k: round(v, 3) for k, v in r.timings_ms.items()},
-        "context_tokens": r.context_tokens, "prompt_tokens": r.prompt_tokens,
-        "recomputed_tokens": r.recomputed_tokens, "recompute_share": round(r.recompute_share, 4),
-        "cache_hits": r.cache_hits, "cache_misses": r.cache_misses, "chunks": r.chunks,
-        "new_tokens": len(r.token_ids), "finish_reason": r.finish_reason, "threads": r.threads,
-        "memory": {"kv_bytes_loaded": int(load.get("bytes_loaded", 0)),
-                   "kv_bytes_by_tier": {k: int(v) for k, v in load.get("bytes_by_source", {}).items()},
-                   "load_wait_ms": round(float(load.get("total_wait_ms", 0.0)), 3), **peak},
+        "kind": "chat" if chat else "plain",
+        "label": "the model's chat template" if chat else "plain frame (base model: no chat template)",
+        "text": text,
+        "stop": list(engine.frame_stops),
     }
+
+
+def _summary(r: FusionResult, mode: Mode, peak: dict, repeats: Sequence[FusionResult] = ()) -> dict:
+    """What the page's answer card shows, straight from the FusionResults: `r` is the
+    representative repeat (the median TTFT's), `repeats` all of them (medians)."""
+    load = r.load or {}
+    sp = speed(repeats or [r])
+    return {
+        "method": mode.method,
+        "ratio": mode.ratio,
+        "label": mode.label,
+        "ran_as": r.method,  # `full` when the planner decided fusing could not win
+        "answer": r.text,
+        "ttft_ms": sp.ttft_ms,
+        "total_ms": sp.total_ms,
+        "decode_tok_s": sp.decode_tok_s,
+        "repeats": sp.repeats,
+        "ttft_all_ms": list(sp.ttft_all_ms),
+        "stages": waterfall(r),
+        "timings_ms": {k: round(v, 3) for k, v in r.timings_ms.items()},
+        "context_tokens": r.context_tokens,
+        "prompt_tokens": r.prompt_tokens,
+        "recomputed_tokens": r.recomputed_tokens,
+        "recompute_share": round(r.recompute_share, 4),
+        "cache_hits": r.cache_hits,
+        "cache_misses": r.cache_misses,
+        "cache_built": r.cache_built,
+        "chunks": r.chunks,
+        "new_tokens": len(r.token_ids),
+        "finish_reason": r.finish_reason,
+        "threads": r.threads,
+        "memory": {
+            "kv_bytes_loaded": int(load.get("bytes_loaded", 0)),
+            "kv_bytes_by_tier": {k: int(v) for k, v in load.get("bytes_by_source", {}).items()},
+            "load_wait_ms": round(float(load.get("total_wait_ms", 0.0)), 3),
+            **peak,
+        },
+    }
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise RunCancelled("the run was cancelled")
+
+
+def _history_row(run_id: str, model: ModelEntry, spec: RunSpec, s: dict) -> dict:
+    """One row of the run history: a mode of a run, its medians and its quality (or None
+    where no full prefill ran to compare with)."""
+    return {
+        "run_id": run_id,
+        "index": s["index"],
+        "model": model.id,
+        "model_name": model.name,
+        "question": spec.question,
+        "chunks": len(spec.chunk_ids),
+        "max_new_tokens": spec.max_new_tokens,
+        "method": s["method"],
+        "ratio": s["ratio"],
+        "label": s["label"],
+        "ran_as": s["ran_as"],
+        "repeats": s["repeats"],
+        "ttft_ms": s["ttft_ms"],
+        "total_ms": s["total_ms"],
+        "decode_tok_s": s["decode_tok_s"],
+        "recompute_share": s["recompute_share"],
+        "speedup_vs_full": s.get("speedup_vs_full"),
+        "quality": s.get("quality"),
+        "memory": {"peak_bytes": s["memory"]["peak_bytes"], "peak_kind": s["memory"]["peak_kind"]},
+    }
+
+
+class RunMemory:
+    """Memory of one answer, measured around it (not the process's lifetime high-water mark):
+
+    cuda  the device's peak allocated bytes during the answer (peak stats reset at start)
+    cpu   the resident set's growth during the answer: RSS at the end - RSS at the start,
+          0 when it shrank (Linux /proc/self/statm; None where that is missing)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            self.start = _rss_bytes()
+
+    @staticmethod
+    def kind(device: torch.device) -> str:
+        return (
+            "device peak during the run (allocated)"
+            if device.type == "cuda"
+            else "resident growth during the run (RSS end - start)"
+        )
+
+    def stop(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {
+                "peak_bytes": int(torch.cuda.max_memory_allocated(self.device)),
+                "peak_kind": self.kind(self.device),
+            }
+        end = _rss_bytes()
+        grew = None if end is None or self.start is None else max(0, end - self.start)
+        return {"peak_bytes": grew, "peak_kind": self.kind(self.device)}
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident set size now (Linux), None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def agreement(r: FusionResult, full: FusionResult) -> dict:
@@ -571,5 +949,10 @@ def agreement(r: FusionResult, full: FusionResult) -> dict:
     while common < min(len(a), len(b)) and a[common] == b[common]:
         common += 1
     same = " ".join(r.text.split()) == " ".join(full.text.split())
-    return {"same_text": same, "first_token_same": bool(a and b and a[0] == b[0]), "common_prefix_tokens": common,
-            "full_tokens": len(b), "share": round(common / max(len(a), len(b)), 4) if max(len(a), len(b)) else 1.0}
+    return {
+        "same_text": same,
+        "first_token_same": bool(a and b and a[0] == b[0]),
+        "common_prefix_tokens": common,
+        "full_tokens": len(b),
+        "share": round(common / max(len(a), len(b)), 4) if max(len(a), len(b)) else 1.0,
+    }

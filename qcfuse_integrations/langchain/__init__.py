@@ -15,15 +15,23 @@ try:
 except ImportError as e:
     raise ImportError(f"the LangChain integration needs langchain-core; install it with:\n    {LANGCHAIN_PIP}") from e
 
+from qcfuse_integrations.engines import shared_engine  # noqa: E402
 from qcfuse_integrations.langchain import retrieval  # noqa: E402,F401  (registers the retrieval hook)
 from qcfuse_integrations.langchain.chat import ChatQCFuse  # noqa: E402
 from qcfuse_integrations.langchain.chunks import format_docs, locate_chunks, with_documents  # noqa: E402
 from qcfuse_integrations.langchain.embeddings import QCFuseEmbeddings  # noqa: E402
-from qcfuse_integrations.engines import shared_engine  # noqa: E402
 from qcfuse_integrations.langchain.llm import QCFuseLLM  # noqa: E402
 from qcfuse_integrations.langchain.transformer import QCFuseCacheBuilder, document_id  # noqa: E402
 
 __all__ = [
-    "ChatQCFuse", "LANGCHAIN_PIP", "QCFuseCacheBuilder", "QCFuseEmbeddings", "QCFuseLLM", "document_id",
-    "format_docs", "locate_chunks", "shared_engine", "with_documents",
+    "ChatQCFuse",
+    "LANGCHAIN_PIP",
+    "QCFuseCacheBuilder",
+    "QCFuseEmbeddings",
+    "QCFuseLLM",
+    "document_id",
+    "format_docs",
+    "locate_chunks",
+    "shared_engine",
+    "with_documents",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.types import ChunkKey, NodeId, Piece
 
 
@@ -45,7 +45,11 @@ class Span:
 
 
 def locate_chunks(
-    engine: QCFuseEngine, prompt: str, *, doc_ids: Sequence[str] = (), documents: Sequence = (),
+    engine: QCFuseEngine,
+    prompt: str,
+    *,
+    doc_ids: Sequence[str] = (),
+    documents: Sequence = (),
 ) -> list[Piece]:
     """The chunk pieces of `prompt`, left to right, non-overlapping (see the module doc).
 

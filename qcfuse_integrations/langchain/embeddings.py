@@ -10,7 +10,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.runnables.config import run_in_executor
 from pydantic import BaseModel, ConfigDict
 
-from qcfuse_integrations.embedder import DIMENSIONS, get_embedder
+from qcfuse_core.retrieval.embedder import DIMENSIONS, get_embedder
 
 
 class QCFuseEmbeddings(BaseModel, Embeddings):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_integrations.base import ENGINE_FIELDS, check_method
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_integrations.base import ENGINE_FIELDS, TOKEN_LIMIT_NAMES, check_method, constructor_keywords
 
 
 class EngineFields(BaseModel):
@@ -18,7 +18,9 @@ class EngineFields(BaseModel):
     model: str | None = Field(default=None, description=ENGINE_FIELDS["model"])
     dtype: str | None = Field(default=None, description=ENGINE_FIELDS["dtype"])
     device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
-    method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.selectors.SELECTORS")
+    method: str = Field(
+        default="qcfuse", description="Recompute method, a name in qcfuse_core.selection.base.SELECTORS"
+    )
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
@@ -27,6 +29,22 @@ class EngineFields(BaseModel):
     seed: int | None = Field(default=None, description="Sampling seed")
 
     _engine: QCFuseEngine | None = PrivateAttr(default=None)
+    _token_limit: ClassVar[str]  # the name of the component's token-limit field
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keywords(cls, data: Any) -> Any:
+        """max_tokens, max_new_tokens and num_predict (ChatOllama's name) all set the token
+        limit; model_kwargs (ChatOpenAI's name) holds generation options; an unknown keyword
+        raises TypeError listing the valid ones."""
+        limit = cls._token_limit
+        return constructor_keywords(
+            cls,
+            data,
+            limit=limit,
+            synonyms=[n for n in TOKEN_LIMIT_NAMES if n != limit],
+            options_dicts=("model_kwargs",),
+        )
 
     @classmethod
     def from_engine(cls, engine: QCFuseEngine, **fields: Any):
@@ -41,7 +59,17 @@ class EngineFields(BaseModel):
 
     def _engine_params(self, **limit: Any) -> dict[str, Any]:
         """`_identifying_params`: these fields, with the component's token limit after the ratio."""
-        return {"model": self.model or "embedded", "dtype": self.dtype, "device": self.device,
-                "store_dir": self.store_dir, "method": self.method, "ratio": self.ratio, **limit,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "repetition_penalty": self.repetition_penalty, "seed": self.seed}
+        return {
+            "model": self.model or "embedded",
+            "dtype": self.dtype,
+            "device": self.device,
+            "store_dir": self.store_dir,
+            "method": self.method,
+            "ratio": self.ratio,
+            **limit,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+        }

@@ -22,7 +22,7 @@ from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 
-from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,19 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
     """
 
     def __init__(
-        self, engine: QCFuseEngine | None = None, *, store_dir: str | None = None, model: str | None = None,
-        dtype: str | None = None, device: str = "cpu", render: Callable[[Document], str] | None = None,
-        source_key: str = "source", overwrite_ids: bool = False,
+        self,
+        engine: QCFuseEngine | None = None,
+        *,
+        store_dir: str | None = None,
+        model: str | None = None,
+        dtype: str | None = None,
+        device: str = "cpu",
+        render: Callable[[Document], str] | None = None,
+        source_key: str = "source",
+        overwrite_ids: bool = False,
     ) -> None:
         self._engine = engine
-        self._engine_args = dict(store_dir=store_dir, model=model, dtype=dtype, device=device)
+        self._engine_args: dict[str, Any] = dict(store_dir=store_dir, model=model, dtype=dtype, device=device)
         self.render = render or (lambda doc: doc.page_content)
         self.source_key = source_key
         self.overwrite_ids = overwrite_ids
@@ -70,8 +77,9 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
     def engine(self) -> QCFuseEngine:
         if self._engine is None:
             args = self._engine_args
-            self._engine = shared_engine(args["store_dir"], model=args["model"], dtype=args["dtype"],
-                                         device=args["device"])
+            self._engine = shared_engine(
+                args["store_dir"], model=args["model"], dtype=args["dtype"], device=args["device"]
+            )
         return self._engine
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
@@ -90,12 +98,15 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
                 raise ValueError(f"render() gave no text for document {doc_id!r}")
             ids.append(doc_id)
             texts.append(text)
-        new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
+        new = {t for t in texts if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)}
         keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
         built, reused = len(new), len(texts) - len(new)  # a repeated text is built once
-        out = [Document(page_content=doc.page_content, id=doc_id,
-                        metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()})
-               for doc, doc_id, key in zip(documents, ids, keys)]
+        out = [
+            Document(
+                page_content=doc.page_content, id=doc_id, metadata={**doc.metadata, CHUNK_KEY_FIELD: key.to_string()}
+            )
+            for doc, doc_id, key in zip(documents, ids, keys)
+        ]
         self.last_build = BuildReport(len(out), built, reused)
         log.info("chunk caches: %d documents, %d built, %d already stored", len(out), built, reused)
         return out

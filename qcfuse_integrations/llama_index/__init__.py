@@ -1,13 +1,13 @@
 """QCFuse for LlamaIndex (optional extra: pip install 'qcfuse[llama-index]').
 
-    Settings.llm = QCFuseLLM(store_dir=store)             # answers from fused chunk caches; the
-                                                          # retrieved nodes' caches are built and
-                                                          # found by content, nothing else needed
-    stats = FusionStats.attach()                          # per-call statistics (stats.last)
-    # optional, for speed at the first query: build caches at ingestion, prefetch them
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(), QCFuseCacheBuilder(store_dir=store),
-                                                  QCFuseEmbedding()], vector_store=chroma_vector_store(...))
-    engine = index.as_query_engine(llm=llm, node_postprocessors=[QCFuseNodePostprocessor(store_dir=store)])
+Settings.llm = QCFuseLLM(store_dir=store)             # answers from fused chunk caches; the
+                                                      # retrieved nodes' caches are built and
+                                                      # found by content, nothing else needed
+stats = FusionStats.attach()                          # per-call statistics (stats.last)
+# optional, for speed at the first query: build caches at ingestion, prefetch them
+pipeline = IngestionPipeline(transformations=[SentenceSplitter(), QCFuseCacheBuilder(store_dir=store),
+                                              QCFuseEmbedding()], vector_store=chroma_vector_store(...))
+engine = index.as_query_engine(llm=llm, node_postprocessors=[QCFuseNodePostprocessor(store_dir=store)])
 """
 
 try:

@@ -34,8 +34,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
-from qcfuse_core.engine import QCFuseEngine
-from qcfuse_core.segment import ANCHOR
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.retrieval.texts import ANCHOR
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,10 @@ class QCFuseCacheBuilder(TransformComponent):
     """Compute and store the chunk cache of every node, as it will be rendered into prompts."""
 
     store_dir: Optional[str] = Field(default=None, description="Store folder shared with QCFuseLLM (None: default).")
-    model: Optional[str] = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).")
+    model: Optional[str] = Field(
+        default=None,
+        description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).",
+    )
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
 
@@ -70,8 +73,9 @@ class QCFuseCacheBuilder(TransformComponent):
     @classmethod
     def from_llm(cls, llm: Any, **data: Any) -> "QCFuseCacheBuilder":
         """A builder over the same engine (store, model) as `llm` (a QCFuseLLM)."""
-        return cls(engine=llm.engine, store_dir=llm.store_dir, model=llm.model, dtype=llm.dtype,
-                   device=llm.device, **data)
+        return cls(
+            engine=llm.engine, store_dir=llm.store_dir, model=llm.model, dtype=llm.dtype, device=llm.device, **data
+        )
 
     @property
     def engine(self) -> QCFuseEngine:
@@ -88,7 +92,7 @@ class QCFuseCacheBuilder(TransformComponent):
         batches = [todo[i : i + BUILD_BATCH] for i in range(0, len(todo), BUILD_BATCH)]
         for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
             texts, ids = [t for t, _ in batch], [i for _, i in batch]
-            new = {t for t in texts if not engine.store.contains(engine.chunk_tokens(t)[1])}
+            new = {t for t in texts if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)}
             engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
             built, reused = built + len(new), reused + len(texts) - len(new)  # a repeated text is built once
         log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)

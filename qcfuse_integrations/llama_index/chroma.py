@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qcfuse_integrations.chroma import open_collection
+from qcfuse_core.retrieval.chroma import open_collection
 
 CHROMA_VS_PIP = "pip install 'qcfuse[llama-index]'  (llama-index-vector-stores-chroma)"
 

@@ -12,7 +12,7 @@ from typing import List
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field
 
-from qcfuse_integrations.embedder import DIMENSIONS, get_embedder
+from qcfuse_core.retrieval.embedder import DIMENSIONS, get_embedder
 
 
 class QCFuseEmbedding(BaseEmbedding):

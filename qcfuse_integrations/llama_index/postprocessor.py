@@ -30,11 +30,11 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from qcfuse_core.engine import QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.types import NodeId
-from qcfuse_integrations.llama_index.builder import render_for_prompt
 from qcfuse_integrations.engines import shared_engine
+from qcfuse_integrations.llama_index.builder import render_for_prompt
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,10 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
     """Pass retrieved node ids to QCFuseLLM and start loading their caches. Nodes pass unchanged."""
 
     store_dir: Optional[str] = Field(default=None, description="Store folder shared with QCFuseLLM (None: default).")
-    model: Optional[str] = Field(default=None, description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).")
+    model: Optional[str] = Field(
+        default=None,
+        description="Packaged model name (smollm2-135m, gemma3-270m) or a local model folder (None: the embedded default).",
+    )
     dtype: Optional[str] = Field(default=None, description="Model dtype, e.g. 'bfloat16' (None: default).")
     device: str = Field(default="cpu", description="Device the model runs on.")
     prefetch: bool = Field(default=True, description="Start loading the nodes' caches in the background.")
@@ -73,8 +76,9 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
     @classmethod
     def from_llm(cls, llm: Any, **data: Any) -> "QCFuseNodePostprocessor":
         """A postprocessor over the same engine (store, model) as `llm` (a QCFuseLLM)."""
-        return cls(engine=llm.engine, store_dir=llm.store_dir, model=llm.model, dtype=llm.dtype,
-                   device=llm.device, **data)
+        return cls(
+            engine=llm.engine, store_dir=llm.store_dir, model=llm.model, dtype=llm.dtype, device=llm.device, **data
+        )
 
     @property
     def engine(self) -> QCFuseEngine:
@@ -97,7 +101,7 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
 
     # ------------------------------------------------------------------ internals
     def _record(self, nodes: List[NodeWithScore]) -> None:
-        mapping = {}
+        mapping: dict[str, str] = {}
         for n in nodes:
             text = render_for_prompt(n.node)
             if text:

@@ -2,7 +2,7 @@
 // slider, the heat strip of the method's scores, the timing waterfall and memory per tier.
 import { useMemo, useState } from "react";
 
-import type { ChunkHit, Details as DetailsData, TokenInfo } from "./api";
+import type { ChunkHit, ChunkStat, Details as DetailsData, TokenInfo } from "./api";
 import { bytes, depthColour, ms, TIER_NAMES } from "./format";
 
 interface Props {
@@ -25,6 +25,7 @@ export function Details({ details, chunks, onClose }: Props) {
   );
   const rowsHere = details.tokens.filter((t) => t.depth > layer).length;
   const names = new Map(chunks.map((c, i) => [c.id, `#${i + 1} ${c.source}`]));
+  const stats = new Map(details.explanation.chunks.map((c) => [c.segment, c]));
   return (
     <section className="details" data-testid="details-panel" data-index={details.index}>
       <header className="details-head">
@@ -32,6 +33,10 @@ export function Details({ details, chunks, onClose }: Props) {
         <button className="link" onClick={onClose}>close</button>
       </header>
       <p className="muted">{selectionNote(details)}</p>
+      <div className="why" data-testid="why">
+        <h3>Why these tokens</h3>
+        {details.explanation.text.map((t, i) => <p key={i}>{t}</p>)}
+      </div>
 
       <div className="layer-control">
         <label htmlFor="layer">
@@ -53,8 +58,11 @@ export function Details({ details, chunks, onClose }: Props) {
                 <span>{(s.node_id && names.get(s.node_id)) || `chunk ${si + 1}`}</span>
                 <span className="muted">positions {s.start}–{s.end - 1} · cache {s.cache_hit ? "hit" : "miss (built now)"}</span>
               </div>
+              {stats.get(si) && <ChunkNumbers stat={stats.get(si)!} kind={details.score_kind}
+                                              window={details.explanation.start_window} />}
               <Tokens tokens={bySeg[si]} layer={layer} layers={L} />
-              {details.score_kind && <HeatStrip tokens={bySeg[si]} max={maxScore} kind={details.score_kind} />}
+              {details.score_kind && <HeatStrip tokens={bySeg[si]} max={maxScore} kind={details.score_kind}
+                                                start={s.start} />}
             </div>
           ) : (
             <div key={si} className="seg-glue" title="glue between chunks: no cache, always recomputed">
@@ -112,13 +120,40 @@ function visible(text: string): string {
   return text;
 }
 
-function HeatStrip({ tokens, max, kind }: { tokens: TokenInfo[]; max: number; kind: string }) {
+function ChunkNumbers({ stat, kind, window }: { stat: ChunkStat; kind: string | null; window: number }) {
   return (
-    <div className="heat" data-testid="heat-strip" title={`${kind} per token (darker: more)`} aria-label={`${kind} per token`}>
-      {tokens.map((t) => (
-        // square root: the scores are heavy-tailed, a linear scale shows one spike per chunk
-        <span key={t.pos} style={{ opacity: max > 0 && t.score !== null && t.score > 0 ? Math.max(0.04, Math.sqrt(t.score / max)) : 0.04 }} />
-      ))}
+    <p className="chunk-numbers" data-testid="chunk-numbers">
+      {kind && stat.score_share !== null && <span>{kind}: <strong>{(100 * stat.score_share).toFixed(1)}%</strong> of the prompt's</span>}
+      <span>recomputed <strong>{stat.recomputed}</strong> of {stat.tokens}</span>
+      <span>{stat.recomputed_at_start} in its first {window} positions</span>
+      <span>{stat.recomputed_filler} punctuation / filler</span>
+      {stat.anchors > 0 && <span>{stat.anchors} anchors</span>}
+    </p>
+  );
+}
+
+/** The method's score per token of one chunk; hovering or touching a cell shows its numbers. */
+function HeatStrip({ tokens, max, kind, start }: { tokens: TokenInfo[]; max: number; kind: string; start: number }) {
+  const [at, setAt] = useState<TokenInfo | null>(null);
+  const total = tokens.reduce((a, t) => a + (t.score !== null && t.score > 0 ? t.score : 0), 0);
+  const tip = (t: TokenInfo) =>
+    `${JSON.stringify(t.text)} at chunk position ${t.pos - start}: ${kind} ${t.score === null ? "–" : t.score.toPrecision(3)}` +
+    (t.score !== null && total > 0 ? ` (${((100 * Math.max(0, t.score)) / total).toFixed(1)}% of this chunk's)` : "") +
+    (t.depth ? " · recomputed" : "");
+  return (
+    <div className="heat-wrap">
+      <div className="heat" data-testid="heat-strip" aria-label={`${kind} per token`}
+           onPointerLeave={(e) => { if (e.pointerType === "mouse") setAt(null); }}>
+        {tokens.map((t) => (
+          // square root: the scores are heavy-tailed, a linear scale shows one spike per chunk
+          <span key={t.pos} title={tip(t)} className={t.depth ? "rec" : undefined} data-testid="heat-cell"
+                onPointerEnter={() => setAt(t)} onPointerDown={() => setAt(t)}
+                style={{ opacity: max > 0 && t.score !== null && t.score > 0 ? Math.max(0.1, Math.sqrt(t.score / max)) : 0.1 }} />
+        ))}
+      </div>
+      <p className="heat-readout muted" data-testid="heat-readout">
+        {at ? tip(at) : `${kind} per token: hover or touch the strip for its numbers (darker: more)`}
+      </p>
     </div>
   );
 }
@@ -195,7 +230,8 @@ function MemoryView({ details }: { details: DetailsData }) {
           <span className="wf-ms">{bytes(n)}</span>
         </div>
       )) : <p className="muted">nothing loaded from chunk caches (full prefill computes every token)</p>}
-      <p>Peak: <strong>{bytes(m.peak_bytes)}</strong> <span className="muted">({m.peak_kind})</span></p>
+      <p>This run: <strong data-testid="run-memory">{m.peak_bytes === null ? "not measured" : bytes(m.peak_bytes)}</strong>{" "}
+        <span className="muted">({m.peak_kind}; the largest of its {details.repeats} repeats)</span></p>
     </div>
   );
 }

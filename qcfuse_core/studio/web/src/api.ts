@@ -32,9 +32,14 @@ export interface Status {
   chunks: number;
   methods: string[];
   all_methods: string[];
+  adaptive_shares: number[]; // the calibrated mean shares of the adaptive mode ([]: not offered)
+  memory_kind: string; // what a run's memory number is on this device
   default_ratio: number;
   examples: string[];
-  limits: { max_upload_bytes: number; max_files: number; max_chunks: number; max_modes: number; suffixes: string[] };
+  limits: {
+    max_upload_bytes: number; max_files: number; max_chunks: number; max_modes: number; suffixes: string[];
+    max_repeats: number; max_new_tokens: number;
+  };
 }
 
 export interface ChunkHit {
@@ -57,8 +62,43 @@ export interface Memory {
   kv_bytes_loaded: number;
   kv_bytes_by_tier: Record<string, number>;
   load_wait_ms: number;
-  peak_bytes: number;
+  peak_bytes: number | null; // of this run: device peak (GPU) or resident growth (CPU); null: not measured
   peak_kind: string;
+}
+
+export interface Quality {
+  kl_first_token: number; // KL(full || mode) of the first token's distribution, nats
+  token_match: number; // LCS share of full's greedy answer tokens
+  answer_matches: boolean;
+  repeats_agree: boolean;
+}
+
+export interface Build {
+  ms: number;
+  built: number;
+  cached: number;
+}
+
+export interface HistoryRow {
+  run_id: string;
+  index: number | null; // null: the full-prefill reference of the run
+  model: string;
+  model_name: string;
+  question: string;
+  chunks: number;
+  max_new_tokens: number;
+  method: string;
+  ratio: number | null;
+  label: string;
+  ran_as: string;
+  repeats: number;
+  ttft_ms: number;
+  total_ms: number;
+  decode_tok_s: number | null;
+  recompute_share: number;
+  speedup_vs_full: number | null;
+  quality: Quality | null;
+  memory: { peak_bytes: number | null; peak_kind: string };
 }
 
 export interface Agreement {
@@ -76,8 +116,12 @@ export interface ModeResult {
   label: string;
   ran_as: string;
   answer: string;
-  ttft_ms: number;
-  total_ms: number;
+  ttft_ms: number; // median of the repeats
+  total_ms: number; // median end to end
+  decode_tok_s: number | null;
+  repeats: number;
+  ttft_all_ms: number[];
+  quality?: Quality;
   stages: Stage[];
   context_tokens: number;
   prompt_tokens: number;
@@ -97,8 +141,41 @@ export interface RunResponse {
   question: string;
   chunk_ids: string[];
   model: string;
+  model_name: string;
+  repeats: number;
+  build: Build;
   results: ModeResult[];
-  reference: { answer: string; ttft_ms: number } | null;
+  reference: Reference | null;
+  history: HistoryRow[];
+}
+
+export interface Reference {
+  answer: string;
+  ttft_ms: number;
+  total_ms?: number;
+  decode_tok_s?: number | null;
+  repeats?: number;
+}
+
+export interface ChunkStat {
+  segment: number;
+  node_id: string | null;
+  tokens: number;
+  score_share: number | null;
+  recomputed: number;
+  recomputed_at_start: number;
+  recomputed_filler: number;
+  anchors: number;
+}
+
+export interface Explanation {
+  text: string[];
+  start_window: number;
+  chunks: ChunkStat[];
+  recomputed_chunk_tokens: number;
+  recomputed_at_start: number;
+  recomputed_filler: number;
+  glue_tokens: number;
 }
 
 export interface TokenInfo {
@@ -129,6 +206,7 @@ export interface Details extends ModeResult {
   tokens: TokenInfo[];
   recomputed_positions: number[];
   anchor_positions: number[];
+  explanation: Explanation;
 }
 
 export interface Job {
@@ -179,6 +257,9 @@ export const api = {
   search: (question: string, top_k: number) =>
     call<{ question: string; chunks: ChunkHit[] }>("/api/search", json({ question, top_k })),
   details: (runId: string, index: number) => call<Details>(`/api/runs/${runId}/details/${index}`),
+  chunks: (ids: string[]) => call<{ chunks: Omit<ChunkHit, "score">[] }>("/api/chunks", json({ ids })), // no score: no query
+  history: () => call<{ rows: HistoryRow[]; kept: number }>("/api/history"),
+  clearHistory: () => call<{ rows: HistoryRow[]; kept: number }>("/api/history", { method: "DELETE" }),
   ingest: (files: File[]) => {
     const form = new FormData();
     for (const f of files) form.append("files", f, f.name);
@@ -187,16 +268,18 @@ export const api = {
 };
 
 export type RunEvent =
-  | { event: "mode"; data: { index: number; method: string; ratio: number; label: string } }
+  | { event: "build"; data: { state: string; chunks?: number } & Partial<Build> }
+  | { event: "repeat"; data: { index: number; k: number; ttft_ms: number } }
+  | { event: "mode"; data: { index: number; method: string; ratio: number; label: string; repeats: number } }
   | { event: "delta"; data: { index: number; text: string } }
   | { event: "result"; data: ModeResult }
-  | { event: "reference"; data: { state: string; answer?: string; ttft_ms?: number } }
+  | { event: "reference"; data: { state: string } & Partial<Reference> }
   | { event: "done"; data: RunResponse }
   | { event: "error"; data: { message: string; type: string } };
 
 /** POST /api/run/stream and hand each server-sent event to `onEvent` as it arrives. */
 export async function streamRun(
-  body: { question: string; chunk_ids: string[]; modes: Mode[]; max_new_tokens?: number },
+  body: { question: string; chunk_ids: string[]; modes: Mode[]; max_new_tokens?: number; repeats?: number },
   onEvent: (ev: RunEvent) => void,
 ): Promise<void> {
   const res = await fetch("/api/run/stream", json(body));

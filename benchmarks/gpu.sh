@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md (measured on one H200): the GPU tests, TTFT through
+# engine.answer on the Llama-3.1-8B shape (random weights, nothing downloaded), batched
+# ingestion, fp8 storage, decode and end-to-end time, throughput and latency under load
+# (`bench load`), the kernel and store benchmarks. Run from the repository root on a
+# machine with CUDA, torch, triton and transformers installed:
+#
+#     bash benchmarks/gpu.sh                      # every step (about 35 minutes)
+#     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
+#     STEPS="tests kernels store" bash benchmarks/gpu.sh
+#
+# Steps: install tests determinism ttft tiers fp8 e2e load batch kernels store. Results go under $OUT
+# (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
+# the load step also draws load.png.
+# The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
+# TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
+set -uo pipefail
+export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load batch kernels store}
+QUICK=${QUICK:-}
+PY=${PYTHON:-python3}
+SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
+export QCFUSE_CACHE_DIR=${QCFUSE_CACHE_DIR:-$SCRATCH/cache}
+mkdir -p "$OUT" "$SCRATCH"
+STORE=$SCRATCH/store
+
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+step() { echo; echo "== $*"; }
+
+if has install; then
+  # the project itself, on the packages the machine already has (no registry needed)
+  # a regular install: an editable one does not map kernels/ to qcfuse_kernels on the H200
+  # image's setuptools (80.10), so `import qcfuse_kernels` would fail there
+  step "install: pip install --no-deps --no-build-isolation ."
+  timeout 300 $PY -m pip install -q --no-deps --no-build-isolation . 2>&1 | tail -3
+fi
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  $PY -c 'import qcfuse_kernels; print("kernel backend", qcfuse_kernels.backend())'
+} 2>&1 | tee "$OUT/env.txt"
+
+BENCH="$PY -m qcfuse_core.cli bench ttft --shape llama-3.1-8b --device cuda --dtype bf16 --query-tokens 32"
+METHODS="--methods full naive qcfuse cacheblend epic --ratios 0.15 0.3"
+if [ -n "$QUICK" ]; then RUNS="--runs 3 --warmup 1 --breakdown-runs 1" SIZES="10x1024" FP8_SIZES="10x1024"
+else RUNS="--runs 10 --warmup 2" SIZES="4x1024 10x1024 20x1024 32x1024" FP8_SIZES="10x1024 32x1024"; fi
+
+if has tests; then
+  # the compiled kernels against their references, fused prefill on CUDA against HF's
+  # forward, probe graphs, the GPU store, the engine and the request pipeline on the
+  # device, ingestion, layer-wise loading (pinned and fp8 host images streamed to the GPU)
+  step "tests: GPU files, then every test marked gpu"
+  timeout 600 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_pointwise.py \
+      tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py tests/test_fusion_exact.py tests/test_store_gpu.py \
+      tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
+      tests/test_kernels_varlen.py tests/test_prefetch_shared.py tests/test_fuse_batch.py \
+      -k "not embedded" > "$OUT/tests.log" 2>&1
+  echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
+  # (the LangChain test files import langchain at module level, and hold no GPU test)
+  timeout 600 $PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore-glob="tests/test_langchain*" \
+      > "$OUT/tests_gpu_marked.log" 2>&1
+  echo "rc=$?" >> "$OUT/tests_gpu_marked.log"; tail -3 "$OUT/tests_gpu_marked.log"
+fi
+
+if has determinism; then
+  # same input, same answer (docs/determinism.md): the GPU tests, then the figures on 24
+  # requests of 10 x 1024 tokens (repeats, ingestion invariance, the deterministic mode's cost)
+  step "determinism: tests/test_gpu_determinism.py, then python -m qcfuse_core.eval.determinism"
+  timeout 600 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu_determinism.py > "$OUT/determinism_tests.log" 2>&1
+  echo "rc=$?" >> "$OUT/determinism_tests.log"; tail -3 "$OUT/determinism_tests.log"
+  timeout 600 $PY -m qcfuse_core.eval.determinism --shape llama-3.1-8b --device cuda --dtype bf16 \
+      --out "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
+  echo "rc=$?" >> "$OUT/determinism.log"; tail -3 "$OUT/determinism.log"
+fi
+
+if has ttft; then
+  step "ttft: host tier, $SIZES, and batched ingestion of 64 fresh 1024-token chunks"
+  rm -rf "$STORE"
+  timeout 600 $BENCH --context-sizes $SIZES --tier host $METHODS $RUNS --ingest-chunks 64 --store "$STORE" \
+      --json "$OUT/ttft_host.json" --markdown "$OUT/ttft_host.md" > "$OUT/ttft_host.log" 2>&1
+  tail -20 "$OUT/ttft_host.log"; rm -rf "$STORE"
+fi
+
+if has tiers; then
+  step "ttft: GPU and disk tiers, 10 x 1024"
+  timeout 600 $BENCH --context-sizes 10x1024 --tier gpu disk $METHODS $RUNS --store "$STORE" \
+      --json "$OUT/ttft_tiers.json" --markdown "$OUT/ttft_tiers.md" > "$OUT/ttft_tiers.log" 2>&1
+  tail -18 "$OUT/ttft_tiers.log"; rm -rf "$STORE"
+  if [ -d /dev/shm ]; then
+    step "ingestion into a store in memory (/dev/shm): what the disk costs"
+    SHM=/dev/shm/qcfuse-ingest-$$
+    timeout 300 $BENCH --context-sizes 10x1024 --tier host --methods full --runs 3 --warmup 1 --ingest-chunks 64 \
+        --store "$SHM" --json "$OUT/ingest_shm.json" > "$OUT/ingest_shm.log" 2>&1
+    tail -3 "$OUT/ingest_shm.log"; rm -rf "$SHM"
+  fi
+fi
+
+if has fp8; then
+  for storage in bf16 fp8; do
+    step "ttft: chunk caches stored as $storage, host and disk tiers"
+    timeout 600 $BENCH --context-sizes $FP8_SIZES --tier host disk \
+        --methods full naive qcfuse --ratios 0.15 0.3 --storage-dtype $storage $RUNS --store "$STORE" \
+        --json "$OUT/ttft_storage_$storage.json" --markdown "$OUT/ttft_storage_$storage.md" \
+        > "$OUT/ttft_storage_$storage.log" 2>&1
+    tail -12 "$OUT/ttft_storage_$storage.log"; rm -rf "$STORE"
+  done
+fi
+
+if has e2e; then
+  # 128 tokens per answer, streamed: TTFT, decode ms/token and end-to-end time of one request
+  step "e2e: 10 x 1024, 128 new tokens per answer, full and qcfuse 0.15"
+  timeout 600 $BENCH --context-sizes 10x1024 --tier host --methods full qcfuse --ratios 0.15 \
+      --runs 5 --warmup 1 --breakdown-runs 1 --max-new-tokens 128 --store "$STORE" \
+      --json "$OUT/e2e_host.json" --markdown "$OUT/e2e_host.md" > "$OUT/e2e_host.log" 2>&1
+  tail -5 "$OUT/e2e_host.log"; rm -rf "$STORE"
+fi
+
+if has load; then
+  # concurrent clients against one engine (closed loop): each request 10 of a pool of 50
+  # chunks of 1024 tokens, its own 32-token question, 128 new tokens; a point stops
+  # submitting after --duration-s and reports what finished (about 6 minutes in all)
+  if [ -n "$QUICK" ]; then CLIENTS="1 4" CAP=30; else CLIENTS="1 2 4 8 16 32" CAP=60; fi
+  step "load: clients $CLIENTS, full and qcfuse 0.15, host tier"
+  timeout 600 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier host \
+      --pool-chunks 50 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --max-new-tokens 128 \
+      --clients $CLIENTS --requests-per-client 2 --duration-s $CAP --methods full qcfuse --ratios 0.15 \
+      --store "$STORE" --json "$OUT/load.json" --markdown "$OUT/load.md" --plot "$OUT/load.png" \
+      > "$OUT/load.log" 2>&1
+  tail -16 "$OUT/load.log"; rm -rf "$STORE"
+fi
+
+if has batch; then
+  # requests fused together (EngineConfig.batched_prefill) against one at a time, same
+  # requests, one process: a burst of 8 (first token only) from a pool of 50 chunks, then
+  # the same burst sharing 7 of its 10 chunks, then 8 and 16 closed-loop clients with 128
+  # new tokens; full prefill batched likewise (about 8 minutes)
+  COMMON="--shape llama-3.1-8b --device cuda --dtype bf16 --tier host --pool-chunks 50 --chunk-tokens 1024
+      --chunks-per-request 10 --query-tokens 32 --methods full qcfuse --ratios 0.15 --batched-prefill both
+      --store $STORE"
+  step "batch: bursts of 8, alone and together"
+  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --burst 1 8 --max-new-tokens 1 --duration-s 120 \
+      --json "$OUT/batch_burst.json" --markdown "$OUT/batch_burst.md" > "$OUT/batch_burst.log" 2>&1
+  tail -8 "$OUT/batch_burst.log"
+  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --burst 8 --shared-chunks 7 --max-new-tokens 1 \
+      --duration-s 120 --json "$OUT/batch_shared.json" --markdown "$OUT/batch_shared.md" \
+      > "$OUT/batch_shared.log" 2>&1
+  tail -6 "$OUT/batch_shared.log"
+  if [ -n "$QUICK" ]; then CLIENTS="8"; else CLIENTS="8 16"; fi
+  step "batch: closed loop, clients $CLIENTS, 128 new tokens"
+  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --clients $CLIENTS --requests-per-client 2 \
+      --max-new-tokens 128 --duration-s 60 --json "$OUT/batch_load.json" --markdown "$OUT/batch_load.md" \
+      > "$OUT/batch_load.log" 2>&1
+  tail -10 "$OUT/batch_load.log"; rm -rf "$STORE"
+fi
+
+if has kernels; then
+  step "kernels: Triton against torch (bf16, fp16)"
+  timeout 300 $PY -m qcfuse_core.eval.kernels --json "$OUT/kernels_bf16.json" > "$OUT/kernels_bf16.log" 2>&1
+  tail -14 "$OUT/kernels_bf16.log"
+  timeout 300 $PY -m qcfuse_core.eval.kernels --dtype float16 --json "$OUT/kernels_fp16.json" \
+      > "$OUT/kernels_fp16.log" 2>&1
+  tail -3 "$OUT/kernels_fp16.log"
+fi
+
+if has store; then
+  step "store: one layer of 10 chunks x 1024 tokens from each tier, to the GPU"
+  mkdir -p "$SCRATCH/store-bench"
+  timeout 300 $PY -m qcfuse_core.eval.store_bench --dir "$SCRATCH/store-bench" --json "$OUT/store_gpu.json" \
+      > "$OUT/store_gpu.log" 2>&1
+  tail -12 "$OUT/store_gpu.log"; rm -rf "$SCRATCH/store-bench"
+fi
+echo; echo "results under $OUT"

@@ -1,0 +1,288 @@
+"""The chunk-cache manager: what every request of one engine shares about chunk caches.
+
+    token cache   chunk text -> (token ids, ChunkKey), tokenised and hashed once (LRU)
+    links         node id -> key, written to the store once per process
+    prefixes      prompt-template caches kept on the compute device (exact for every request)
+    KV pool       fused-prompt caches of finished requests, reused on CUDA
+    building      caches of chunks not stored yet: prefilled many per forward pass
+                  (`ingest.prefill_alone_batch`), anchors and probe sidecars added, written
+                  to the store off the compute thread
+    views         a stored chunk's probe sidecar + its layers streamed by the prefetcher
+
+It holds no state of any one request; its dictionaries are guarded by one lock (dict
+updates only, never held across model or store work).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from qcfuse_core.cache import subspans
+from qcfuse_core.cache.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar, probe_sidecar
+from qcfuse_core.engine.request import Part
+from qcfuse_core.ingest import prefill as ingest
+from qcfuse_core.model.adapter import ModelAdapter
+from qcfuse_core.model.fusion import KVCache
+from qcfuse_core.selection import profiles
+from qcfuse_core.selection.anchors import ensure_anchors
+from qcfuse_core.selection.options import QCFuseOptions
+from qcfuse_core.store import ChunkStore
+from qcfuse_core.types import ChunkKey, KVChunk, NodeId
+
+log = logging.getLogger(__name__)
+
+TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB each at 1K tokens)
+PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
+KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)
+WRITERS = 8  # store-writer threads of ingestion on CUDA (a write is mostly waiting: pinning, copies, file)
+
+
+class ChunkCaches:
+    """Token ids, keys, prefix caches, the KV pool and cache building of one engine.
+
+    `options` returns the engine's current selection options (anchors and critical layers
+    of the probe sidecars follow them); `sink`: token ids chunks are cached after
+    (`EngineConfig.chunk_sink`), or None.
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        store: ChunkStore,
+        options: Callable[[], QCFuseOptions],
+        sink: torch.Tensor | None = None,
+        prefetch: PrefetchConfig | None = None,
+    ) -> None:
+        self.adapter, self.store, self._options, self.sink = adapter, store, options, sink
+        # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
+        self.prefetcher = Prefetcher(adapter, store, prefetch or PrefetchConfig()) if store.streams_layers else None
+        # the namespace of the chunk keys: the model's, or its own for sink caches
+        self.fingerprint = (
+            adapter.fingerprint()
+            if sink is None
+            else hashlib.sha256(f"{adapter.fingerprint()}|sink={sink.tolist()}".encode()).hexdigest()[:16]
+        )
+        self._profile: profiles.Profile | None = None  # resolved on first use
+        self._lock = threading.Lock()
+        self._tokens: OrderedDict[str, tuple[torch.Tensor, ChunkKey | None]] = OrderedDict()
+        self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
+        self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
+        self._pool: list[KVCache] = []
+
+    # ------------------------------------------------------------------ tokens and keys
+    def tokenize(self, text: str) -> torch.Tensor:
+        if self.adapter.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids to the low-level fusion API")
+        return torch.tensor(self.adapter.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int64)
+
+    def chunk_tokens(self, text: str) -> tuple[torch.Tensor, ChunkKey | None]:
+        """Token ids and cache key of a chunk (or prefix) text, tokenised and hashed once
+        (the key is None for a text of no tokens)."""
+        with self._lock:
+            got = self._tokens.get(text)
+            if got is not None:
+                self._tokens.move_to_end(text)
+                return got
+        ids = self.tokenize(text)
+        got = (ids, ChunkKey.for_tokens(self.fingerprint, ids)) if ids.numel() else (ids, None)
+        with self._lock:
+            self._tokens[text] = got
+            while len(self._tokens) > TOKEN_CACHE:
+                self._tokens.popitem(last=False)
+        return got
+
+    def link(self, node_id: str | None, key: ChunkKey) -> None:
+        """Link a node id to a key once per process (a manifest write, not per request)."""
+        if node_id is None:
+            return
+        with self._lock:
+            if (node_id, key) in self._linked:
+                return
+        self.store.link(NodeId(node_id), key)
+        with self._lock:
+            self._linked[(node_id, key)] = None
+            while len(self._linked) > TOKEN_CACHE:
+                self._linked.popitem(last=False)
+
+    # ------------------------------------------------------------------ the probe's needs
+    @property
+    def critical_layers(self) -> list[int]:
+        """The layers the probe reads: the selection options', else the model profile's
+        (looked up once: the lookup reads files)."""
+        opts = self._options()
+        if opts.critical_layers:
+            return list(opts.critical_layers)
+        return self.profile().layers
+
+    def profile(self) -> profiles.Profile:
+        if self._profile is None:
+            self._profile = profiles.resolve(self.adapter)
+        return self._profile
+
+    def add_anchors(self, chunk: KVChunk) -> None:
+        """Ingestion-time anchors for qcfuse (chunk.anchors[method], layers 0..max critical)."""
+        opts = self._options()
+        if opts.anchor_method == "repeat" and self.adapter.tokenizer is None:
+            return  # repeat anchors need a tokenizer; the selector reports it if asked for
+        ensure_anchors(self.adapter, chunk, max(self.critical_layers) + 1, opts.anchors)
+
+    def view(self, key: ChunkKey, ids: torch.Tensor, depth: int) -> ChunkView:
+        """A stored chunk as the prefetcher streams it (its probe sidecar read now)."""
+        assert self.prefetcher is not None
+        crit, anchors = self.critical_layers, self._options().anchors
+        try:
+            return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
+        except KeyError:  # stored before sidecars existed (or the sidecar was damaged): make it once
+            ensure_sidecar(self.store, self.adapter, key, max(crit) + 1, crit, anchors)
+            return self.prefetcher.view(key, ids, depth=depth, critical=crit, anchors=anchors)
+
+    # ------------------------------------------------------------------ building caches
+    def prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment alone at positions 0..n-1 -> pre-RoPE k, v (L, n, Hkv, D): the one
+        definition of a cache (`ingest.prefill_alone`), used by ingestion too."""
+        return ingest.prefill_alone(self.adapter, ids)
+
+    def build(self, todo: dict[ChunkKey, torch.Tensor], *, keep: bool = False) -> dict[ChunkKey, KVChunk]:
+        """Prefill and store the chunks in `todo` (key -> ids); keep: return them (with their
+        anchors) for this request, else only store them (ingestion holds no batch longer
+        than the writer's queue)."""
+        if not todo:
+            return {}
+        keys, ids = list(todo), list(todo.values())
+        dev = self.adapter.device
+        self.critical_layers  # resolve the profile here, not on the writer thread
+        built: dict[ChunkKey, KVChunk] = {}
+        cuda = dev.type == "cuda"
+        if cuda and not keep:
+            sh = self.adapter.shape
+            self.store.prepare_bulk(
+                [
+                    self.store.entry_bytes(
+                        k, self.adapter.dtype, sh.num_layers, int(i.numel()), sh.num_kv_heads, sh.head_dim
+                    )
+                    for k, i in zip(keys, ids)
+                ],
+                WRITERS,
+            )
+        with ingest.StoreWriter(device=dev, synchronous=not cuda, workers=WRITERS, max_pending=2 * WRITERS) as writer:
+            for batch in ingest.plan_batches([len(i) for i in ids], ingest.default_batch_tokens(dev)):
+                kvs = ingest.prefill_alone_batch(self.adapter, [ids[j] for j in batch], sink=self.sink)
+                chunks = [KVChunk(keys[j], ids[j].clone(), k, v) for j, (k, v) in zip(batch, kvs)]
+                if keep:
+                    for c in chunks:
+                        self.add_anchors(c)
+                        built[c.key] = c
+                for c in chunks:  # one job per chunk: the writers share a batch
+                    writer.submit(self._store_chunk, c, not keep)
+        return built
+
+    def _store_chunk(self, chunk: KVChunk, bulk: bool = False) -> None:
+        """Anchors, cache and probe sidecar of a freshly built chunk (on a writer): the
+        sidecar is written once, with the entry. bulk: ingestion (`TieredStore.put`)."""
+        self.add_anchors(chunk)
+        if self.prefetcher is None:
+            self.store.put(chunk)
+            return
+        crit = self.critical_layers
+        anchors, layer_keys = probe_sidecar(self.adapter, chunk, max(crit) + 1, crit, self._options().anchors)
+        self.store.put(chunk, anchors=anchors, layer_keys=layer_keys, bulk=bulk)
+
+    def build_texts(self, texts: Sequence[str], node_ids: Sequence[str | None]) -> list[ChunkKey]:
+        """Ingestion of many chunk texts: the caches of those not stored yet are built; every
+        text is linked to its node id."""
+        toks = [self.chunk_tokens(t) for t in texts]
+        keys: list[ChunkKey] = []
+        todo: dict[ChunkKey, torch.Tensor] = {}
+        for t, (ids, key) in zip(texts, toks):
+            if key is None:
+                raise ValueError(f"cannot cache an empty chunk (text {t[:40]!r})")
+            keys.append(key)
+            if key not in todo and not self.store.contains(key):
+                todo[key] = ids
+        self.build(todo)
+        for nid, key in zip(node_ids, keys):
+            self.link(nid, key)
+        return keys
+
+    def chunk_cache(self, ids: torch.Tensor, node_id: str | None = None) -> tuple[KVChunk, bool]:
+        """The in-memory cache of a chunk's exact tokens: (chunk, hit). A miss computes and stores it."""
+        if ids.numel() == 0:
+            raise ValueError("cannot cache an empty chunk")
+        key = ChunkKey.for_tokens(self.fingerprint, ids)
+        self.link(node_id, key)
+        chunk = self.store.get(key)
+        if chunk is not None:
+            return chunk, True
+        return self.build({key: ids}, keep=True)[key], False
+
+    def prefix(self, key: ChunkKey, ids: torch.Tensor) -> tuple[KVChunk, bool]:
+        """The prefix's cache, kept on the compute device between requests (it is exact and
+        the same for every request of a prompt template)."""
+        with self._lock:
+            chunk = self._prefixes.get(key)
+            if chunk is not None:
+                self._prefixes.move_to_end(key)
+                return chunk, True
+        chunk = self.store.get(key)
+        hit = chunk is not None
+        if chunk is None:
+            k, v = self.prefill_alone(ids)
+            chunk = KVChunk(key, ids.clone(), k, v)
+            self.store.put(chunk)
+        dev, dt = self.adapter.device, self.adapter.dtype
+        chunk = KVChunk(key, chunk.token_ids, chunk.k.to(dev, dt), chunk.v.to(dev, dt))
+        with self._lock:
+            self._prefixes[key] = chunk
+            while len(self._prefixes) > PREFIX_CACHE:
+                self._prefixes.popitem(last=False)
+        return chunk, hit
+
+    def subspans(self, part: Part, source: str) -> list[Part] | None:
+        """The parts serving a chunk's token runs from the stored cache of the text it
+        re-renders (subspans.py); None when that is not stored or shares no run."""
+        _, src_key = self.chunk_tokens(source)
+        stored = self.store.get(src_key) if src_key is not None else None
+        served = subspans.serve(part.ids, part.node_id, stored, self.fingerprint) if stored is not None else None
+        for p in served or ():
+            if p.chunk is not None:
+                self.add_anchors(p.chunk)
+        return served
+
+    # ------------------------------------------------------------------ the KV pool
+    def take_kv(self, n: int) -> KVCache:
+        """A fused-prompt cache with room for `n` tokens: the one a finished request gave back
+        when it fits (allocating gigabytes per request costs the allocator's time)."""
+        with self._lock:
+            for i, c in enumerate(self._pool):
+                if n <= c.capacity <= 2 * n:
+                    c.length = 0
+                    return self._pool.pop(i)
+        return KVCache(self.adapter, n)
+
+    def pooled_kv_bytes(self) -> int:
+        """Bytes held by the idle caches of the pool."""
+        with self._lock:
+            return sum(c.k.nbytes + c.v.nbytes for c in self._pool)
+
+    def drop_pooled_kv(self) -> None:
+        """Free the pool's idle caches (the scheduler needs their memory for a new request)."""
+        with self._lock:
+            self._pool = []
+
+    def give_kv(self, cache: KVCache | None) -> None:
+        if cache is None or self.adapter.device.type != "cuda":  # on a CPU the allocator is cheap
+            return
+        with self._lock:
+            self._pool = [cache] + self._pool[: KV_POOL - 1]
+
+    def forget_unreadable(self, key: ChunkKey) -> None:
+        """A stored cache could not be read: delete it (the next lookup builds it again)."""
+        self.store.delete(key)
+        if self.prefetcher is not None:
+            self.prefetcher.forget_sidecars()

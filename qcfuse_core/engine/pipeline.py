@@ -1,0 +1,689 @@
+"""The six steps of one request and the driver that chains them.
+
+    step            method               result       what it does
+    1 lookup        Steps.lookup         LookedUp     tokens per piece (cached per chunk text),
+                                                      chunk keys, the tier holding each chunk;
+                                                      misses built and stored
+    2 plan          Steps.plan           Planned      load or recompute each chunk (the planner,
+                                                      from measured rates) before any loading
+    3 start loading Steps.start_loading  Loading      sidecars of the loaded chunks, the fused
+                                                      prompt, a LoadSession streaming layers
+    4 select        Steps.select         Selected     the method's rows (probe on a GPU)
+    5 fuse          Steps.fuse           Prefilled    layer-wise fused prefill (HF's own forward
+                                                      for a selector that does not fuse)
+    6 decode        Steps.decode         text deltas  first token (TTFT), then the rest
+
+Steps 1-5 run together as `Steps.prefill`, step 6 as a `Decoding` per request; two drivers
+chain them: the engine's scheduler (engine/scheduler.py: many requests, one batched decode
+step for all) and `Steps.run` (one request alone, in the calling thread). Both own the
+request's `Request` and close it however it ends, and both build the FusionResult with
+`fusion_result`. A chunk whose layers cannot be read during step 5 raises `Unreadable`;
+`prefill` deletes it and runs steps 1-5 again (the chunk is then a miss, computed afresh) -
+never answered from a hole. The steps keep no request state: everything of one request is
+in its objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from qcfuse_core.cache.chunks import ChunkCaches
+from qcfuse_core.cache.planner import Rates
+from qcfuse_core.cache.planner import plan as plan_chunks
+from qcfuse_core.cache.prefetch import ChunkView
+from qcfuse_core.cache.subspans import count_chunks, served_tokens
+from qcfuse_core.engine.config import EngineConfig
+from qcfuse_core.engine.context import check_context
+from qcfuse_core.engine.frame import eos_ids
+from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
+from qcfuse_core.engine.request import (
+    Loading,
+    LookedUp,
+    Part,
+    Planned,
+    Prefilled,
+    Request,
+    Selected,
+    StageClock,
+    Status,
+)
+from qcfuse_core.engine.threads import configure_cpu_threads
+from qcfuse_core.model.adapter import ModelAdapter
+from qcfuse_core.model.batched import decode_batch, deterministic_tile
+from qcfuse_core.model.fusion import (
+    FusedPrompt,
+    FuseItem,
+    KVCache,
+    Segment,
+    decode_step,
+    fill_from_hf,
+    fused_prefill_batch,
+)
+from qcfuse_core.selection import SelectionContext, get_selector
+from qcfuse_core.selection.options import FIXED_BUDGET_OPTIONS
+from qcfuse_core.selection.selectors import select_batch
+from qcfuse_core.types import FusionResult, Piece, PromptSpan, SelectionResult
+
+log = logging.getLogger(__name__)
+
+GLUE_CHARS = 256  # text pieces up to this long (separators, headers) are tokenised once, like chunks
+
+
+class Unreadable(Exception):
+    """Chunk caches could not be read mid-request (their segment indices in `report['failed']`,
+    their keys in `keys`)."""
+
+    def __init__(self, report: dict[str, Any], keys: Sequence[Any] = ()) -> None:
+        super().__init__(f"{len(report['failed'])} chunk cache(s) unreadable")
+        self.report = report
+        self.keys = list(keys)
+
+
+@dataclass(frozen=True)
+class FuseJob:
+    """One request's input to step 5 (`Steps.fuse_many`)."""
+
+    loading: Loading
+    selected: Selected
+    method: str
+    capacity: int = 0  # tokens its cache must hold beyond the prompt (max_new_tokens)
+    request: Request | None = None
+
+
+class Engine(Protocol):
+    """What the steps read of the engine that runs them (its current values, at each call)."""
+
+    adapter: ModelAdapter
+    config: EngineConfig
+    rates: Rates | None
+    caches: ChunkCaches
+    request_threads: int | None
+
+    @property
+    def store(self) -> Any: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+
+class Steps:
+    """The request's steps over one engine's model, caches and config."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # ------------------------------------------------------------------ 1. lookup
+    def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
+        """Tokens per piece, chunk keys and tiers; misses are built and stored now.
+
+        streaming (default: a store that streams layers and a selector that fuses): chunks
+        stay in the store and are streamed by the prefetcher; otherwise they come back in memory."""
+        caches = self.engine.caches
+        fuses = get_selector(method).fused
+        streaming = (caches.prefetcher is not None and fuses) if streaming is None else streaming
+        parts: list[Part] = []
+        for p in pieces:
+            cached = fuses and p.kind in ("prefix", "chunk")
+            if p.kind in ("prefix", "chunk"):
+                ids, key = caches.chunk_tokens(p.text)
+            elif p.kind == "text" and len(p.text) <= GLUE_CHARS:  # glue between chunks repeats request to request
+                ids, key = caches.chunk_tokens(p.text)[0], None
+            else:
+                ids, key = caches.tokenize(p.text), None
+            if ids.numel() == 0:
+                continue
+            if not cached or key is None:
+                parts.append(Part(p.kind, ids, p.node_id))
+                continue
+            if p.kind != "chunk" or p.source is None:
+                caches.link(p.node_id, key)
+            if p.kind == "prefix":
+                chunk, hit = caches.prefix(key, ids)
+                parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
+            elif streaming:
+                assert caches.prefetcher is not None
+                tier = caches.prefetcher.tier_of(key)
+                parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
+            else:
+                got = caches.store.get(key)
+                parts.append(
+                    Part("chunk", ids, p.node_id, key, "host" if got is not None else None, got, got is not None)
+                )
+            if p.kind == "chunk" and p.source is not None:  # a re-rendered text: its runs from the source
+                served = None if parts[-1].hit else caches.subspans(parts[-1], p.source)
+                if served:
+                    parts[-1:] = served
+                else:
+                    caches.link(p.node_id, key)
+        check_context(self.engine.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
+        missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
+        built = caches.build(missing, keep=True)
+        parts = [
+            replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p for p in parts
+        ]
+        hits, n = count_chunks([p for p in parts if p.kind != "chunk" or p.key is not None], lambda p: p.hit)
+        return LookedUp(tuple(parts), hits, n - hits)
+
+    # ------------------------------------------------------------------ 2. plan
+    def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
+        """Load or recompute each chunk, from measured rates, before any loading. Without
+        rates every cached chunk is loaded. A prompt without a chunk cache to reuse (a plain
+        chat turn) is answered by full prefill: there is nothing to fuse."""
+        selector = get_selector(method)
+        if selector.fused and not any(p.key is not None for p in looked.chunks):
+            return Planned("full", frozenset())
+        rates = self.engine.rates
+        if rates is None or not selector.fused or not looked.chunks:
+            return Planned(method, frozenset())
+        chunks = looked.chunks
+        tiers = [p.tier if p.chunk is None else "host" for p in chunks]  # in memory: as fast as host
+        fresh = sum(int(p.ids.numel()) for p in looked.parts if p.kind in ("text", "suffix"))
+        overhead = rates.select_ms.get(method, rates.overhead_ms)
+        p = plan_chunks(
+            rates,
+            [(int(c.ids.numel()), t) for c, t in zip(chunks, tiers)],
+            ratio=ratio if selector.uses_ratio else 0.0,
+            total_tokens=looked.num_tokens,
+            fresh_rows=fresh,
+            full_layers=selector.planner_full_layers,
+            num_layers=self.engine.adapter.num_layers,
+            overhead_ms=overhead,
+        )
+        return Planned("full" if p.all_recompute else method, frozenset(p.recomputed), p.to_dict())
+
+    # ------------------------------------------------------------------ 3. start loading
+    def start_loading(self, looked: LookedUp, planned: Planned, *, stream: bool = True) -> Loading:
+        """The fused prompt (sidecars of the loaded chunks for the probe) and, on a store that
+        streams layers, the load session (stream=False: the prompt only; `start_sessions`
+        starts the sessions of a batch together)."""
+        caches = self.engine.caches
+        depth = max(caches.critical_layers) + 1 if get_selector(planned.method).probes else 0
+        segments, n = [], 0
+        for p in looked.parts:
+            chunk: Any = p.chunk  # a KVChunk, or a ChunkView standing in for one
+            if p.kind == "chunk" and p.key is not None:
+                if n in planned.recompute:
+                    chunk = None
+                elif chunk is None:
+                    try:
+                        chunk = caches.view(p.key, p.ids, depth)
+                    except KeyError:  # stored, but unreadable now: a miss, computed again
+                        log.warning("chunk %s is unreadable; recomputing its cache", p.key)
+                        caches.store.delete(p.key)
+                        chunk, p = caches.build({p.key: p.ids}, keep=True)[p.key], replace(p, hit=False)
+                n += 1
+            segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
+        prompt = FusedPrompt(segments)
+        return Loading(prompt, self.start_sessions([prompt])[0] if stream else None)
+
+    def start_sessions(self, prompts: Sequence[FusedPrompt]) -> list[Any]:
+        """The load sessions of prompts fused together (None for a prompt whose caches are all
+        in memory): one chunk used by several of them is loaded once per layer
+        (`Prefetcher.start_batch`)."""
+        pf = self.engine.caches.prefetcher
+        out: list[Any] = [None] * len(prompts)
+        lazy = [i for i, p in enumerate(prompts) if any(isinstance(s.chunk, ChunkView) for s in p.segments)]
+        if pf is None or not lazy:
+            return out
+        if len(lazy) == 1:
+            out[lazy[0]] = pf.start(prompts[lazy[0]])
+        else:
+            for i, session in zip(lazy, pf.start_batch([prompts[i] for i in lazy])):
+                out[i] = session
+        return out
+
+    # ------------------------------------------------------------------ 4. select
+    def select(self, prompt: FusedPrompt, method: str, ratio: float, options: dict | None = None) -> Selected:
+        """The method's rows. Selection options default to the engine's config; the critical
+        layers resolved once per engine are passed on."""
+        opts, source = self._options(method, options)
+        sel = get_selector(method).select(
+            SelectionContext(self.engine.adapter, prompt, ratio, seed=self.engine.config.seed, options=opts)
+        )
+        if source is not None:
+            sel.details["layers_source"] = source
+        return Selected(sel)
+
+    def select_many(
+        self, jobs: Sequence[tuple[FusedPrompt, str, float]], *, exact: bool = False
+    ) -> list[Selected | Exception]:
+        """`select` of several requests (prompt, method, ratio) with the engine's options: the
+        probes of all of them in one pass (`selectors.select_batch`; exact: one by one). A
+        request whose selection raises gets its exception in its place."""
+        ctxs: list[tuple[Any, SelectionContext]] = []
+        sources: list[str | None] = []
+        out: list[Selected | Exception | None] = [None] * len(jobs)
+        index = []
+        for i, (prompt, method, ratio) in enumerate(jobs):
+            try:
+                opts, source = self._options(method, None)
+                ctx = SelectionContext(self.engine.adapter, prompt, ratio, seed=self.engine.config.seed, options=opts)
+                ctxs.append((get_selector(method), ctx))
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                out[i] = e
+                continue
+            sources.append(source)
+            index.append(i)
+        for i, got, source in zip(index, select_batch(ctxs, exact=exact), sources):
+            if isinstance(got, Exception):
+                out[i] = got
+                continue
+            if source is not None:
+                got.details["layers_source"] = source
+            out[i] = Selected(got)
+        return out  # type: ignore[return-value]
+
+    def selection_options(self, method: str, options: dict | None = None) -> dict:
+        """The options `select` hands the selector: the caller's (else the engine's config),
+        the critical layers filled in, and the profile's ranking options where those layers
+        come from the profile."""
+        return self._options(method, options)[0]
+
+    def _options(self, method: str, options: dict | None) -> tuple[dict, str | None]:
+        engine, selector = self.engine, get_selector(method)
+        opts = dict(engine.config.selection_options if options is None else options)
+        source = None  # the model profile's source, where the layers filled in come from it
+        if selector.probes and opts.get("critical_layers") is None:
+            opts["critical_layers"] = engine.caches.critical_layers
+            if not engine.config.options.critical_layers:
+                profile = engine.caches.profile()
+                source = profile.source
+                if selector.profiled:
+                    # what the profile calibrated with its layers; an adaptive budget takes
+                    # them less the options only a fixed budget takes
+                    prof = profile.options
+                    if selector.adaptive_budget or opts.get("budget") == "adaptive":
+                        prof = {k: v for k, v in prof.items() if k not in FIXED_BUDGET_OPTIONS}
+                    opts = {**prof, **opts}
+        return opts, source
+
+    # ------------------------------------------------------------------ 5. fuse
+    def fuse(
+        self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0, request: Request | None = None
+    ) -> Prefilled:
+        """Fused prefill of the prompt (HF's own forward for a selector that does not fuse)
+        into a cache with room for `capacity` more tokens. Closes the load session; raises
+        `Unreadable` when a chunk's layers could not be read."""
+        got = self.fuse_many([FuseJob(loading, selected, method, capacity, request)])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def fuse_many(self, jobs: Sequence[FuseJob], *, exact: bool = False) -> list[Prefilled | Exception]:
+        """Step 5 of several requests in one ragged fused prefill (`fusion.fused_prefill_batch`):
+        every layer's row-wise work runs once over all their recomputed rows. A request
+        without chunk caches to fuse (`full`) joins the batch with every row recomputed (our
+        own forward, equal to HF's to float tolerance); alone, or with `exact`, it runs HF's
+        own forward. Each request's load session is finished and closed. -> per request its
+        Prefilled, or the exception that ended it (`Unreadable`: a chunk's layers could not
+        be read). If the batched prefill itself raises, every request in it gets that error."""
+        engine = self.engine
+        out: list[Prefilled | Exception | None] = [None] * len(jobs)
+        items: list[FuseItem] = []
+        batched: list[int] = []
+        for i, job in enumerate(jobs):
+            prompt, sel = job.loading.prompt, job.selected.selection
+            try:
+                cache = engine.caches.take_kv(prompt.num_tokens + job.capacity)
+                if job.request is not None:
+                    job.request.cache = cache
+                if get_selector(job.method).fused:
+                    items.append(
+                        FuseItem(prompt, sel.rows, sel.full_layers, sel.on_layer_end, cache, source=job.loading.session)
+                    )
+                elif len(jobs) > 1 and not exact:
+                    items.append(FuseItem(prompt, torch.arange(prompt.num_tokens), kv_out=cache))
+                else:
+                    logits, kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
+                    fill_from_hf(cache, kv)
+                    out[i] = self._prefilled(job, cache, logits, prompt.context_tokens, {})
+                    continue
+                batched.append(i)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                out[i] = e
+                self._close(job)
+        if items:
+            try:
+                results: list[Any] = fused_prefill_batch(engine.adapter, items, exact=exact)
+            except Exception as e:  # noqa: BLE001 - every request of the batch gets it
+                results = [e] * len(items)
+            for i, item, res in zip(batched, items, results):
+                out[i] = self._fused(jobs[i], item, res)
+        return out  # type: ignore[return-value]
+
+    def _fused(self, job: FuseJob, item: FuseItem, res: Any) -> Prefilled | Exception:
+        """One request's Prefilled from its fused prefill's output (or its error): its load
+        session finished and closed."""
+        report: dict[str, Any] = {}
+        session = job.loading.session
+        try:
+            if isinstance(res, Exception):
+                return res
+            if session is not None:
+                rep = session.finish()
+                report = rep.to_dict()
+                if job.request is not None:
+                    job.request.extra["load_wait_ms"] = rep.total_wait_ms
+        except Exception as e:  # noqa: BLE001
+            return e
+        finally:
+            self._close(job)
+        if report.get("failed"):
+            segs = job.loading.prompt.segments
+            return Unreadable(report, [segs[i].chunk.key for i in report["failed"]])
+        prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
+        assert item.kv_out is not None
+        if not get_selector(job.method).fused:
+            return self._prefilled(job, item.kv_out, res.logits, prompt.context_tokens, report)
+        rows = res.rows
+        sel = job.selected.selection
+        details = {
+            **sel.details,
+            "layer_ms": sel.details.get("layer_ms", res.layer_ms),
+            "row_sets": sel.details.get("row_sets", res.row_sets),
+        }
+        recomputed = int(prompt.mask("chunk", "text")[rows[rows < T]].sum())
+        return self._prefilled(job, item.kv_out, res.logits, recomputed, report, replace(sel, details=details))
+
+    @staticmethod
+    def _close(job: FuseJob) -> None:
+        if job.loading.session is not None:
+            job.loading.session.close()
+
+    @staticmethod
+    def _prefilled(
+        job: FuseJob,
+        cache: KVCache,
+        logits: torch.Tensor,
+        recomputed: int,
+        report: dict[str, Any],
+        sel: SelectionResult | None = None,
+    ) -> Prefilled:
+        prompt = job.loading.prompt
+        cache.length = prompt.num_tokens
+        hits, n_chunks = count_chunks(
+            [s for s in prompt.segments if s.kind != "chunk" or s.chunk is not None or s.cache_hit],
+            lambda s: s.cache_hit,
+        )
+        return Prefilled(
+            logits, cache, prompt, sel or job.selected.selection, recomputed, hits, n_chunks - hits, report
+        )
+
+    # ------------------------------------------------------------------ 6. decode
+    def decode(self, pre: Prefilled, request: Request) -> Generator[str, None, FusionResult]:
+        """The first token (TTFT is taken here), then decoding from the fused cache, this one
+        sequence alone; returns the FusionResult. The scheduler decodes many requests in one
+        step with the same `Decoding` state and `fusion_result`."""
+        engine = self.engine
+        tile = deterministic_tile(engine.adapter.device) if engine.config.deterministic else None
+        dec = Decoding(engine, pre, request)
+        delta = dec.first()
+        while True:
+            if delta:
+                yield delta
+            if dec.finish is not None:
+                break
+            if tile is None:
+                delta = dec.take(decode_step(engine.adapter, pre.cache, dec.token))
+            else:  # the rows of a batched step, so alone and batched give the same bits
+                delta = dec.take(decode_batch(engine.adapter, [pre.cache], [dec.token], tile=tile)[0])
+        return fusion_result(engine, pre, request, dec)
+
+    # ------------------------------------------------------------------ steps 1-5 together
+    def prefill(
+        self,
+        make_pieces: Callable[[], Sequence[Piece]],
+        req: Request,
+        admit: Callable[[int], None] | None = None,
+    ) -> Prefilled:
+        """Steps 1-5 of `req` (its method, ratio and generation config): the prompt's fused
+        cache (also in `req.cache`; a load session in flight is in `req.session`), the clock
+        marked through `prefill`. `make_pieces` is called first, inside the `lookup` stage.
+
+        A chunk whose layers cannot be read in step 5 (`Unreadable`) is deleted and steps 1-5
+        run again with it as a miss; a second failure raises RuntimeError. The caller gives
+        `req.cache` back and closes `req` however this ends. `admit(tokens)`, if given, is
+        called once the prompt's length is known, before anything is loaded or allocated,
+        with the tokens its KV cache will hold (the scheduler's KV budget; it may raise)."""
+        pieces = make_pieces()
+        got = self.prefill_batch([(pieces, req, self.prepare(pieces, req, admit))])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def prepare(
+        self, pieces: Sequence[Piece], req: Request, admit: Callable[[int], None] | None = None, *, again: bool = False
+    ) -> Loading:
+        """Steps 1-3 of `req` without its load session: lookup (then `admit`, see `prefill`),
+        plan, the fused prompt. again: its chunks could not be read the first time - the
+        deleted ones are misses now, rebuilt in memory, and the planner is not asked again."""
+        engine, gen = self.engine, req.generation
+        looked = self.lookup(pieces, req.method, streaming=False if again else None)
+        check_context(engine.adapter.max_positions, looked.num_tokens, gen.max_new_tokens)
+        if admit is not None and not again:
+            admit(looked.num_tokens + gen.max_new_tokens)
+        req.clock.mark("lookup")
+        planned = Planned(req.method, frozenset()) if again else self.plan(looked, req.method, req.ratio)
+        req.method, req.plan = planned.method, planned.plan if not again else req.plan
+        req.clock.mark("plan")
+        return self.start_loading(looked, planned, stream=False)
+
+    def prefill_batch(
+        self, batch: Sequence[tuple[Sequence[Piece], Request, Loading]], *, exact: bool = False
+    ) -> list[Prefilled | Exception]:
+        """Steps 3-5 of prepared requests (`prepare`) together: their load sessions started at
+        once (shared chunks loaded once), one batched probe (`select_many`), one ragged fused
+        prefill (`fuse_many`; `exact`: row-wise work request by request, bit for bit as
+        alone). -> per request its Prefilled or the exception that ended it; each request's
+        clock is marked through `prefill`. A request whose chunks could not be read runs
+        again alone (see `prefill`); when the batched prefill itself fails, every request of
+        the batch runs again alone, so an error stays with the request it came from."""
+        prompts = [loading.prompt for _, _, loading in batch]
+        try:
+            sessions = self.start_sessions(prompts)
+        except Exception:  # noqa: BLE001 - find the request it came from
+            if len(batch) == 1:
+                raise
+            sessions = []
+            for p in prompts:
+                try:
+                    sessions.append(self.start_sessions([p])[0])
+                except Exception as e:  # noqa: BLE001
+                    sessions.append(e)
+        out: list[Prefilled | Exception | None] = [None] * len(batch)
+        live: list[int] = []
+        for i, ((_, req, _), session) in enumerate(zip(batch, sessions)):
+            if isinstance(session, Exception):
+                out[i] = session
+                continue
+            req.session = session
+            req.clock.mark("load_start")
+            live.append(i)
+        selected = self.select_many([(prompts[i], batch[i][1].method, batch[i][1].ratio) for i in live], exact=exact)
+        jobs: list[FuseJob] = []
+        fusing: list[int] = []
+        for i, sel in zip(live, selected):
+            req = batch[i][1]
+            req.clock.mark("select")
+            if isinstance(sel, Exception):
+                out[i] = sel
+                continue
+            jobs.append(FuseJob(Loading(prompts[i], req.session), sel, req.method, req.generation.max_new_tokens, req))
+            fusing.append(i)
+        fused = self.fuse_many(jobs, exact=exact)
+        for i, got in zip(fusing, fused):
+            pieces, req, _ = batch[i]
+            req.session = None  # fuse_many closed it
+            if isinstance(got, Unreadable):
+                got = self._again(pieces, req, got)
+            elif isinstance(got, Exception) and len(batch) > 1:
+                got = self._alone(pieces, req)
+            if not isinstance(got, Exception):
+                req.clock.mark("prefill")
+            out[i] = got
+        return out  # type: ignore[return-value]
+
+    def _again(self, pieces: Sequence[Piece], req: Request, e: Unreadable) -> Prefilled | Exception:
+        """Steps 1-5 of a request whose chunks could not be read, with them rebuilt."""
+        engine = self.engine
+        failed = e.report
+        log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(failed["failed"]))
+        assert req.session is None
+        engine.caches.give_kv(req.cache)
+        req.cache = None
+        for key in e.keys:
+            engine.caches.forget_unreadable(key)
+        try:
+            loading = self.prepare(pieces, req, again=True)
+            req.clock.mark("load_start")
+            selected = self.select(loading.prompt, req.method, req.ratio)
+            req.clock.mark("select")
+            pre = self.fuse(loading, selected, req.method, capacity=req.generation.max_new_tokens, request=req)
+        except Unreadable as e2:
+            err = RuntimeError("chunk caches could not be read twice in one request")
+            err.__cause__ = e2
+            return err
+        except Exception as e2:  # noqa: BLE001
+            return e2
+        return replace(pre, load_report=failed)
+
+    def _alone(self, pieces: Sequence[Piece], req: Request) -> Prefilled | Exception:
+        """Steps 1-5 of one request of a failed batch, again alone."""
+        self.engine.caches.give_kv(req.cache)
+        req.cache = None
+        try:
+            return self.prefill(lambda: pieces, req)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    # ------------------------------------------------------------------ one request alone
+    def run(
+        self,
+        make_pieces: Callable[[], Sequence[Piece]],
+        method: str,
+        ratio: float,
+        gen: GenerationConfig,
+        sync_stages: bool,
+    ) -> Generator[str, None, FusionResult]:
+        """One request alone in the calling thread: steps 1-6, its state in a `Request` closed
+        in `finally`. The engine's API runs requests through its scheduler instead
+        (engine/scheduler.py), which calls the same `prefill`, `Decoding` and `fusion_result`."""
+        engine = self.engine
+        # CPU threads are chosen per request, in the request's thread (a machine's load changes)
+        threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
+        req = Request(method, ratio, gen, StageClock(engine.adapter.device, sync_stages))
+        req.threads = threads
+        try:
+            req.clock.mark("queue")  # nothing to wait for: the stages are the scheduler's all the same
+            req.status = Status.PREFILLING
+            pre = self.prefill(make_pieces, req)
+            req.status = Status.DECODING
+            result = yield from self.decode(pre, req)
+            req.status = Status.FINISHED
+            return result
+        finally:
+            req.close()
+            engine.caches.give_kv(req.cache)
+            req.cache = None
+
+    def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True) -> tuple[FusedPrompt, int, int]:
+        """The fused prompt of `pieces` with every cache in memory -> (prompt, chunk hits,
+        misses): steps 1 and 3 without streaming. caches=False only tokenizes."""
+        looked = self.lookup(pieces, "naive" if caches else "full", streaming=False)
+        return self.start_loading(looked, Planned("naive", frozenset())).prompt, looked.hits, looked.misses
+
+
+class Decoding:
+    """One request's decoding state (its own, mutable): sampler, text assembler, the tokens
+    taken so far and the next input token.
+
+    `first()` samples the prefill's last row (the TTFT is taken there), `take(logits)` each
+    decode step's row; both return the text now safe to emit. Once the request is done
+    `finish` is set - "stop" (end of sequence, a stop string) or "length" (max_new_tokens) -
+    and the held-back text is in the last delta; until then `token` is the input of its
+    next decode step."""
+
+    def __init__(self, engine: Engine, pre: Prefilled, request: Request) -> None:
+        gen = request.generation
+        self.pre, self.request, self.max_new = pre, request, gen.max_new_tokens
+        self.eos = set() if gen.ignore_eos else eos_ids(engine.adapter)
+        self.sampler = Sampler(gen, prompt=pre.prompt.token_ids, eos=sorted(self.eos))
+        self.assembler = TextAssembler(engine.tokenizer, gen.stop)
+        self.ids: list[int] = []
+        self.token = -1
+        self.finish: str | None = None
+        self.ttft_ms = 0.0
+
+    def first(self) -> str:
+        token = self.sampler(self.pre.logits[-1])
+        self.request.clock.mark("first_token")
+        self.ttft_ms = self.request.clock.since_start_ms()
+        return self._accept(token)
+
+    def take(self, logits: torch.Tensor) -> str:
+        """logits (vocab,) fp32 of the last step -> the text delta."""
+        return self._accept(self.sampler(logits))
+
+    def take_token(self, token: int) -> str:
+        """The last step's token, chosen by the caller (a plain greedy sampler's argmax, taken
+        for a whole batch at once) -> the text delta."""
+        assert self.sampler.plain_greedy, "only a plain greedy choice can be made outside the sampler"
+        return self._accept(token)
+
+    def _accept(self, token: int) -> str:
+        if token in self.eos:
+            self.finish = "stop"
+            return self.assembler.finish()
+        self.ids.append(token)
+        delta = self.assembler.push(token)
+        if self.assembler.stopped:  # the text is cut before the stop string; nothing is held back
+            self.finish = "stop"
+        elif len(self.ids) >= self.max_new:
+            self.finish = "length"
+            delta += self.assembler.finish()
+        else:
+            self.token = token
+        return delta
+
+
+def fusion_result(engine: Engine, pre: Prefilled, request: Request, dec: Decoding) -> FusionResult:
+    """The FusionResult of a finished request (one construction for every decode path)."""
+    prompt, clock = pre.prompt, request.clock
+    return FusionResult(
+        text=dec.assembler.text,
+        token_ids=list(dec.ids),
+        method=request.method,
+        ratio=request.ratio if get_selector(pre.selection.method).uses_ratio else None,
+        ttft_ms=dec.ttft_ms,
+        total_ms=clock.since_start_ms(),
+        context_tokens=prompt.context_tokens,
+        prompt_tokens=prompt.num_tokens,
+        recomputed_tokens=pre.recomputed_tokens,
+        cache_hits=pre.hits,
+        cache_misses=pre.misses,
+        cache_built=pre.misses,  # every miss is computed during the request (step 1, or 3 if unreadable)
+        chunks=count_chunks(prompt.segments, lambda s: s.cache_hit)[1],
+        finish_reason=dec.finish or "length",
+        timings_ms={**clock.stages, **request.extra},
+        selection=pre.selection,
+        store_stats=engine.store.counters(),
+        plan=request.plan,
+        load=pre.load_report,
+        threads=request.threads,
+        prompt_ids=prompt.token_ids,
+        spans=tuple(
+            PromptSpan(s.kind, st, st + len(s), s.node_id, s.cache_hit) for s, st in zip(prompt.segments, prompt.starts)
+        ),
+        subspan_tokens=served_tokens(prompt.segments),
+        first_logits=pre.logits[-1].detach().float().cpu(),
+    )
+
+
+def context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
+    """Context tokens (chunks and glue) among `rows`."""
+    return int(prompt.mask("chunk", "text")[rows].sum())

@@ -1,0 +1,166 @@
+"""One request, as explicit steps with named, immutable results.
+
+There is exactly one implementation of a request: the engine's steps below. `engine.answer`
+and `engine.stream` (and so both integrations and the CLI) chain them; `bench ttft` times
+`engine.answer` itself; `bench quality` and `profile-layers` call the same steps, with the
+teacher-forcing hook of `fuse` where a benchmark needs it.
+
+    step            engine method          result       what it does
+    1 lookup        engine.lookup          LookedUp     tokens per piece (cached per chunk
+                                                        text), chunk keys, the tier holding
+                                                        each chunk; misses built and stored
+    2 plan          engine.plan            Planned      load or recompute each chunk (the
+                                                        planner, from measured rates) before
+                                                        anything is loaded
+    3 start loading engine.start_loading   Loading      sidecars of the loaded chunks, the
+                                                        fused prompt, a LoadSession streaming
+                                                        layer 0, 1, 2, ... (tiered stores)
+    4 select        engine.select          Selected     the method's rows (probe on a GPU)
+    5 fuse          engine.fuse            Prefilled    layer-wise fused prefill (or HF's own
+                                                        forward for `full`); closes the session
+    6 decode        engine.decode          text deltas  first token (TTFT), then the rest
+
+A `Request` carries what belongs to one request only: its status, method, ratio, generation
+config, stage clock and the load session to close in a `finally` - never the engine. A
+request that fails leaves nothing behind, so the next one is unaffected.
+
+    WAITING -> PREFILLING -> DECODING -> FINISHED        (the scheduler, engine/scheduler.py)
+       |            |            |
+       +------------+------------+-----> ABORTED | FAILED
+
+Stage timings are consecutive intervals from the request's submission to its first token
+(the first, `queue`, is the wait for the scheduler to admit it), so they always add up to
+the TTFT. On a GPU the work of a stage may still be running when the
+next one starts (that overlap is the point of layer-wise loading); `sync_stages=True` waits
+for the compute stream at every stage boundary, so each stage shows its own device time
+(at the price of that overlap).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qcfuse_core.engine.generation import GenerationConfig
+from qcfuse_core.model.fusion import FusedPrompt, KVCache
+from qcfuse_core.types import ChunkKey, KVChunk, SelectionResult
+
+STAGES = ("queue", "lookup", "plan", "load_start", "select", "prefill", "first_token")
+
+
+class Status(enum.Enum):
+    """Where a request is in its life; FINISHED, ABORTED and FAILED are final."""
+
+    WAITING = "waiting"  # queued, nothing computed
+    PREFILLING = "prefilling"  # steps 1-5 and the first token
+    DECODING = "decoding"  # one token per scheduler step
+    FINISHED = "finished"  # eos, a stop string or max_new_tokens
+    ABORTED = "aborted"  # its caller closed the stream
+    FAILED = "failed"  # a step raised; the error went to its caller
+
+    @property
+    def final(self) -> bool:
+        return self in (Status.FINISHED, Status.ABORTED, Status.FAILED)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One non-empty piece of the prompt after lookup."""
+
+    kind: str  # prefix | chunk | text | suffix
+    ids: torch.Tensor  # (n,) int64 on the host
+    node_id: str | None = None
+    key: ChunkKey | None = None  # prefix and chunks (not for `full`)
+    tier: str | None = None  # gpu | host | disk where a tiered store holds it
+    chunk: KVChunk | None = None  # an in-memory cache (the prefix; MemoryStore chunks; misses just built)
+    hit: bool = False  # the chunk's cache existed before this request
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    parts: tuple[Part, ...]
+    hits: int
+    misses: int
+
+    @property
+    def chunks(self) -> list[Part]:
+        return [p for p in self.parts if p.kind == "chunk"]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(p.ids.numel()) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class Planned:
+    method: str  # `full` when the planner decided nothing fused can win
+    recompute: frozenset[int]  # chunk numbers (prompt order) recomputed whole instead of loaded
+    plan: dict[str, Any] = field(default_factory=dict)  # planner.Plan.to_dict(); {} without rates
+
+
+@dataclass(frozen=True)
+class Loading:
+    prompt: FusedPrompt
+    session: Any = None  # prefetch.LoadSession streaming the chunks' layers, or None (in memory)
+
+
+@dataclass(frozen=True)
+class Selected:
+    selection: SelectionResult
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    logits: torch.Tensor  # (logits_last, vocab) fp32: the last rows of the prefill
+    cache: KVCache  # the prompt's fused cache, ready to decode from
+    prompt: FusedPrompt  # the prompt actually fused (a recovered request's differs)
+    selection: SelectionResult
+    recomputed_tokens: int
+    hits: int
+    misses: int
+    load_report: dict[str, Any] = field(default_factory=dict)
+
+
+class StageClock:
+    """Consecutive stage intervals of one request, from `t0` (host time, ms)."""
+
+    def __init__(self, device: torch.device, sync: bool = False) -> None:
+        self.device, self.sync = device, sync and device.type == "cuda"
+        self.t0 = self._last = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        """Close `stage` now (after the compute stream drains, when syncing)."""
+        if self.sync:
+            torch.cuda.current_stream(self.device).synchronize()
+        now = time.perf_counter()
+        self.stages[f"{stage}_ms"] = self.stages.get(f"{stage}_ms", 0.0) + (now - self._last) * 1e3
+        self._last = now
+
+    def since_start_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+@dataclass
+class Request:
+    """What one request owns (mutable, never shared): see the module docstring."""
+
+    method: str
+    ratio: float
+    generation: GenerationConfig
+    clock: StageClock
+    status: Status = Status.WAITING
+    session: Any = None  # the open LoadSession, closed in the engine's `finally`
+    plan: dict[str, Any] = field(default_factory=dict)  # the planner's decision (Planned.plan)
+    cache: KVCache | None = None  # the request's fused cache (given back to the engine's pool at its end)
+    threads: int = 0  # CPU intra-op threads it ran with (threads.configure_cpu_threads)
+    extra: dict[str, float] = field(default_factory=dict)  # sub-measures (load_wait_ms, ...)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None

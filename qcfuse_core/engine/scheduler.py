@@ -1,0 +1,536 @@
+"""The scheduler: one worker thread owns the device and runs every request of an engine.
+
+Why. Each caller used to run its own batch-1 prefill and decode loop on the one device:
+eight users got their first token nine times later than one, and together were served at
+half the rate of a queue (docs/benchmarks.md). A decode step is bound by reading the weights once,
+whatever the number of sequences in it, so decoding every running request in one step is
+nearly free throughput; and with one thread on the device no two requests fight over it.
+
+    callers (threads, asyncio tasks)              the worker thread, one `step` after another
+    submit -> Job -> waiting (<= max_queue)       1. drop aborted jobs: KV cache back to the
+              EngineBusy when it is full             pool, load session closed
+    stream <- the job's outbox: text deltas,      2. admit waiting jobs (running <= max_running,
+              then the FusionResult or the           their prompts <= step_prefill_tokens, at
+              error of that request alone            least one): steps 1-5 of each and its
+    close / cancel -> the job's abort flag           first token (Steps.prepare, then
+                                                     Steps.prefill_batch of it alone); with
+                                                     batched_prefill, steps 1-3 of each, then
+                                                     3-5 of all together, then first tokens
+                                                  3. one decode step for every decoding job
+                                                     (CUDA graphs on a GPU); each samples its
+                                                     own row
+
+With `EngineConfig.batched_prefill`, requests admitted in one step are prefilled together: the
+chunks they share are loaded once per layer, their probes run as one pass over the critical
+layers, and their recomputed rows go through each layer together - one product per weight
+over all rows, one ragged sparse-attention launch (model/fusion.py `fused_prefill_batch`).
+A burst of requests then costs one pass over the weights per layer instead of one each.
+
+Requests join the batch when their prefill ends and leave it when they finish, between
+steps (continuous batching). A request whose step raises fails alone: its caller gets the
+error, the others go on (a batched decode step that raises is run again one sequence at a
+time, to find the one it came from). All of a request's state is in its `Job` and `Request`;
+the scheduler holds its queues and counters only. The worker thread exits after
+IDLE_EXIT_S without work and starts again at the next submit.
+
+A request's answer does not depend on its batch: in fp32 on a CPU the rounding differences
+of a batched product are too small to flip a token (docs/determinism.md), and with
+`EngineConfig.deterministic` decode_batch runs its row-wise work on blocks of
+`deterministic_tile` rows, bit for bit as alone.
+
+KV budget: a request is admitted only once its KV cache (prompt + max_new_tokens) fits
+beside the running requests' within `EngineConfig.kv_cache_bytes` (on a GPU by default
+`kv_memory_share` of the memory free at the first admission); until then it waits at the
+head of the queue, so nothing runs out of memory under load. One larger than the whole
+budget fails alone with KVBudgetError.
+
+On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.GraphDecoder`,
+`EngineConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
+rows, so a sequence's bits do not depend on its batch there either.
+
+Not yet: chunked prefill of long prompts (one admitted prompt is prefilled in one step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from qcfuse_core.engine.generation import GenerationConfig
+from qcfuse_core.engine.pipeline import Decoding, Engine, Steps, fusion_result
+from qcfuse_core.engine.request import Loading, Prefilled, Request, StageClock, Status
+from qcfuse_core.engine.threads import configure_cpu_threads
+from qcfuse_core.model.batched import decode_batch, deterministic_tile
+from qcfuse_core.model.fusion import KVCache
+from qcfuse_core.model.graphs import CaptureError, GraphDecoder
+from qcfuse_core.types import FusionResult, Piece
+
+
+class ScheduledEngine(Engine, Protocol):
+    """What the scheduler reads of its engine: the steps' view of it, and the steps."""
+
+    steps: Steps
+
+
+log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # stopped at interpreter exit
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for scheduler in list(_LIVE):
+        scheduler.shutdown()
+
+
+IDLE_EXIT_S = 5.0  # the worker thread exits after this long without a request
+ABORT_WAIT_S = 1.0  # how often a caller waiting for an abort checks that the worker lives
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue is full: `EngineConfig.max_queue` requests already wait to be
+    admitted. Raised when a request is submitted; nothing of it ran. Retry later, or raise
+    `max_queue` (a deeper queue only makes each request wait longer)."""
+
+
+class KVBudgetError(ValueError):
+    """A request's KV cache (its prompt plus max_new_tokens) is larger than the engine's whole
+    KV budget (`EngineConfig.kv_cache_bytes` / `kv_memory_share`): it could never be admitted.
+    Shorten the prompt or max_new_tokens, or raise the budget."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+class _Deferred(Exception):
+    """Admission waits: the request's KV cache does not fit beside the running requests'."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last item of a request that failed: its caller raises `error`."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler started (`running` and `waiting`: now)."""
+
+    submitted: int
+    finished: int
+    aborted: int
+    failed: int
+    running: int  # admitted: prefilling or decoding
+    waiting: int
+    steps: int
+    max_batch_seen: int  # the most sequences one decode step has run
+    deferred: int  # admissions put off because a KV cache did not fit yet
+    batched_prefills: int  # steps whose admitted requests were prefilled together (2 or more)
+    max_prefill_batch: int  # the most requests one such prefill has run
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted request as the scheduler sees it. `emit` hands the caller a text delta,
+    then the FusionResult or a `Failed` (from the worker thread); `abort` is set by the
+    caller (closed stream, cancelled task), `released` by the worker once the request's
+    resources are given back."""
+
+    request: Request
+    make_pieces: Callable[[], Sequence[Piece]]
+    emit: Callable[[object], object]
+    abort: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    decoding: Decoding | None = None  # from the first token on
+    kv_bytes: int = 0  # KV cache bytes reserved for it while it runs
+
+
+class Scheduler:
+    """Continuous batching of one engine's requests on one worker thread (module docstring)."""
+
+    def __init__(self, engine: ScheduledEngine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._waiting: deque[Job] = deque()  # guarded by _cv
+        self._running: list[Job] = []  # the worker's own; admitted jobs, prefilling or decoding
+        self._thread: threading.Thread | None = None
+        self._stopping = False  # set by shutdown(); submit refuses from then on
+        _LIVE.add(self)
+        self._counts = dict.fromkeys(
+            (
+                "submitted",
+                "finished",
+                "aborted",
+                "failed",
+                "steps",
+                "max_batch_seen",
+                "deferred",
+                "batched_prefills",
+                "max_prefill_batch",
+            ),
+            0,
+        )
+        self._kv_budget: int | None = None  # bytes; set at the first admission
+        self._graphs: GraphDecoder | None = None  # the worker's; made at its first decode step
+        self._graphs_checked = False
+
+    # ------------------------------------------------------------------ callers' side
+    def submit(
+        self,
+        make_pieces: Callable[[], Sequence[Piece]],
+        method: str,
+        ratio: float,
+        gen: GenerationConfig,
+        emit: Callable[[object], object],
+        *,
+        sync_stages: bool = False,
+    ) -> Job:
+        """Queue a request; its clock (and so its TTFT) starts now. Raises EngineBusy when
+        `max_queue` requests already wait."""
+        engine = self.engine
+        job = Job(Request(method, ratio, gen, StageClock(engine.adapter.device, sync_stages)), make_pieces, emit)
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine's scheduler has shut down (the interpreter is exiting)")
+            if len(self._waiting) >= engine.config.max_queue:
+                raise EngineBusy(
+                    f"{len(self._waiting)} requests already wait (EngineConfig.max_queue="
+                    f"{engine.config.max_queue}); retry later"
+                )
+            self._waiting.append(job)
+            self._counts["submitted"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="qcfuse-scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return job
+
+    def abort(self, job: Job, *, wait: bool = False) -> None:
+        """End `job` early: at the next step it leaves the batch (or the queue), its KV cache
+        goes back to the pool and its load session is closed. wait: return only once that
+        is done (never from the worker thread, nor from an event loop)."""
+        job.abort.set()
+        with self._cv:
+            self._cv.notify()
+            worker = self._thread
+        if not wait or worker is threading.current_thread():
+            return
+        while not job.released.wait(ABORT_WAIT_S):
+            with self._cv:
+                if self._thread is None:  # no worker: nothing holds the job's resources
+                    return
+
+    def deltas(self, job: Job, get: Callable[[], object]) -> Generator[str, None, FusionResult]:
+        """The text deltas of `job` from its outbox (`get` blocks for the next item); returns
+        its FusionResult, raises its error. Closed early, it aborts the job and waits for
+        its resources to be given back."""
+        done = False
+        try:
+            while True:
+                item = get()
+                if isinstance(item, str):
+                    yield item
+                    continue
+                done = True
+                if isinstance(item, Failed):
+                    raise item.error
+                assert isinstance(item, FusionResult)
+                return item
+        finally:
+            if not done:
+                self.abort(job, wait=True)
+
+    def stats(self) -> SchedulerStats:
+        with self._cv:
+            return SchedulerStats(**self._counts, running=len(self._running), waiting=len(self._waiting))
+
+    # ------------------------------------------------------------------ the worker
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the worker thread: requests still waiting or running are aborted. Called for
+        every live scheduler when the interpreter exits (a daemon thread still inside a
+        torch call while the interpreter finalises can abort the process)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            worker = self._thread
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cv:
+                while not self._waiting and not self._running and not self._stopping:
+                    if not self._cv.wait(IDLE_EXIT_S) and not self._waiting:
+                        if self._thread is me:
+                            self._thread = None
+                        return
+                stopping = self._stopping
+            if stopping:
+                with self._cv:
+                    jobs = list(self._waiting) + list(self._running)
+                    self._waiting.clear()
+                for job in jobs:
+                    job.abort.set()
+                    self._release(job, Status.ABORTED)
+                with self._cv:
+                    if self._thread is me:
+                        self._thread = None
+                return
+            try:
+                self.step()
+            except Exception as e:  # the scheduler's own bug: every admitted request gets it
+                log.exception("scheduler step failed")
+                for job in list(self._running):
+                    self._release(job, Status.FAILED, e)
+
+    def step(self) -> None:
+        """One scheduler step (the worker thread's; see the module docstring)."""
+        cfg = self.engine.config
+        with self._cv:  # 1. aborted: those still waiting leave the queue now, whatever its length
+            gone = [j for j in self._waiting if j.abort.is_set()]
+            for j in gone:
+                self._waiting.remove(j)
+        gone += [j for j in self._running if j.abort.is_set()]
+        for j in gone:
+            self._release(j, Status.ABORTED)
+        budget = cfg.step_prefill_tokens  # 2. admission
+        admitted: list[tuple[Job, Sequence[Piece], Loading]] = []
+        while budget > 0 and len(self._running) < cfg.max_running:
+            job = self._next_waiting()
+            if job is None:
+                break
+            got = self._prepare(job)
+            if got is None:  # its KV cache does not fit yet: it waits at the queue's head
+                break
+            if isinstance(got, tuple):  # else it failed alone
+                budget -= got[1].prompt.num_tokens
+                if cfg.batched_prefill:
+                    admitted.append((job, got[0], got[1]))
+                else:  # prefilled now: its first token comes before the next one's lookup
+                    self._prefill([(job, got[0], got[1])])
+        if admitted:
+            self._prefill(admitted)
+        batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
+        if batch:  # 3. one decode step for all
+            self._decode(batch)
+        with self._cv:
+            self._counts["steps"] += 1
+            self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
+
+    def _next_waiting(self) -> Job | None:
+        """The oldest waiting job not aborted (aborted ones leave the queue now), or None."""
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return None
+                job = self._waiting.popleft()
+                self._running.append(job)  # counted as running from here (under the lock)
+            if not job.abort.is_set():
+                return job
+            self._release(job, Status.ABORTED)
+
+    def _prepare(self, job: Job) -> tuple[Sequence[Piece], Loading] | bool | None:
+        """Steps 1-3 of `job` (`Steps.prepare`) -> its pieces and fused prompt; False if it
+        failed (released); None if its KV cache does not fit beside the running requests'
+        yet: it is queued again."""
+        req, engine = job.request, self.engine
+        req.clock.mark("queue")
+        req.status = Status.PREFILLING
+        try:
+            # CPU threads chosen per request, in the thread that runs it (engine/threads.py)
+            req.threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
+            pieces = job.make_pieces()
+            loading = engine.steps.prepare(pieces, req, admit=lambda tokens: self._admit_kv(job, tokens))
+        except _Deferred:
+            req.close()
+            req.status = Status.WAITING
+            req.clock.mark("queue")  # the lookup done so far counts as waiting: it runs again
+            with self._cv:
+                self._running.remove(job)
+                self._waiting.appendleft(job)
+                self._counts["deferred"] += 1
+            return None
+        except Exception as e:
+            self._release(job, Status.FAILED, e)
+            return False
+        return pieces, loading
+
+    def _prefill(self, admitted: list[tuple[Job, Sequence[Piece], Loading]]) -> None:
+        """Steps 3-5 of requests admitted in this step, together (`Steps.prefill_batch`: shared
+        chunk loads, one batched probe, one ragged fused prefill), then their first tokens.
+        With `EngineConfig.batched_prefill` off the scheduler calls it for each request as
+        soon as it is prepared."""
+        engine, cfg = self.engine, self.engine.config
+        if len(admitted) == 1:
+            job, pieces, loading = admitted[0]
+            self._first(job, engine.steps.prefill_batch([(pieces, job.request, loading)])[0])
+            return
+        batch = [(pieces, job.request, loading) for job, pieces, loading in admitted]
+        results = engine.steps.prefill_batch(batch, exact=cfg.deterministic)
+        with self._cv:
+            self._counts["batched_prefills"] += 1
+            self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(batch))
+        for (job, _, _), pre in zip(admitted, results):
+            self._first(job, pre)
+
+    def _first(self, job: Job, pre: Prefilled | Exception) -> None:
+        """`job`'s first token from its prefill (or its failure)."""
+        engine = self.engine
+        req = job.request
+        if isinstance(pre, Exception):
+            self._release(job, Status.FAILED, pre)
+            return
+        try:
+            if req.cache is not None:  # what it holds (a pooled cache may be larger than asked)
+                job.kv_bytes = req.cache.k.nbytes + req.cache.v.nbytes
+            job.decoding = Decoding(engine, pre, req)
+            delta = job.decoding.first()
+        except Exception as e:
+            self._release(job, Status.FAILED, e)
+            return
+        req.status = Status.DECODING
+        self._advance(job, delta)
+
+    def _admit_kv(self, job: Job, tokens: int) -> None:
+        """Reserve `job`'s KV cache of `tokens` tokens within the budget, or raise: _Deferred
+        while other requests hold the room, KVBudgetError if it could never fit."""
+        engine = self.engine
+        adapter, cfg, caches = engine.adapter, engine.config, engine.caches
+        shape = adapter.shape
+        need = 2 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim * adapter.dtype.itemsize
+        if self._kv_budget is None:
+            if cfg.kv_cache_bytes is not None:
+                self._kv_budget = cfg.kv_cache_bytes
+            elif adapter.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(adapter.device)
+                self._kv_budget = int(cfg.kv_memory_share * (free + caches.pooled_kv_bytes()))
+            else:
+                self._kv_budget = 0  # no limit
+        budget = self._kv_budget
+        if not budget:
+            return
+        if need > budget:
+            raise KVBudgetError(
+                f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
+                f"({_size(budget)}: EngineConfig.kv_cache_bytes / kv_memory_share)"
+            )
+        held = sum(j.kv_bytes for j in self._running if j is not job)
+        if held + caches.pooled_kv_bytes() + need > budget:
+            caches.drop_pooled_kv()  # idle buffers give way first
+        if held + need > budget:
+            raise _Deferred
+        job.kv_bytes = need
+
+    def _decode(self, batch: list[Job]) -> None:
+        adapter, cfg = self.engine.adapter, self.engine.config
+        tile = deterministic_tile(adapter.device) if cfg.deterministic else None
+        caches = [j.request.cache for j in batch]
+        tokens = [j.decoding.token for j in batch if j.decoding is not None]
+        assert len(tokens) == len(batch) and all(c is not None for c in caches)  # decoding jobs
+        done: list[tuple[Job, torch.Tensor]]
+        try:
+            rows = self._step_rows(caches, tokens, tile)  # type: ignore[arg-type]
+            done = [(job, rows[b]) for b, job in enumerate(batch)]
+        except Exception as e:
+            if len(batch) == 1:
+                self._release(batch[0], Status.FAILED, e)
+                return
+            # one sequence at a time finds the one that raised; the failed step wrote the
+            # others' caches at their next position only, which writing again replaces
+            log.warning("a batched decode step failed (%s); running its %d sequences one by one", e, len(batch))
+            done = []
+            for job, cache, token in zip(batch, caches, tokens):
+                try:
+                    done.append((job, self._step_rows([cache], [token], tile)[0]))  # type: ignore[list-item]
+                except Exception as e1:
+                    self._release(job, Status.FAILED, e1)
+        # plain greedy rows: their argmax taken together on the device, one read-back per step
+        greedy = [
+            i for i, (job, _) in enumerate(done) if job.decoding is not None and job.decoding.sampler.plain_greedy
+        ]
+        picks: dict[int, int] = {}
+        if len(greedy) > 1:
+            picks = dict(zip(greedy, torch.stack([done[i][1] for i in greedy]).argmax(-1).tolist()))
+        for i, (job, row) in enumerate(done):
+            try:
+                assert job.decoding is not None
+                delta = job.decoding.take_token(picks[i]) if i in picks else job.decoding.take(row)
+            except Exception as e:
+                self._release(job, Status.FAILED, e)
+                continue
+            self._advance(job, delta)
+
+    def _step_rows(self, caches: list[KVCache], tokens: list[int], tile: int | None) -> torch.Tensor:
+        """One decode step of `caches` -> logits (B, vocab): replayed from CUDA graphs on a CUDA
+        device (config.cuda_graphs), else `decode_batch` (blocks of `tile` rows, if given)."""
+        adapter, cfg = self.engine.adapter, self.engine.config
+        if not self._graphs_checked:
+            self._graphs_checked = True
+            if cfg.cuda_graphs and adapter.device.type == "cuda":
+                try:
+                    self._graphs = GraphDecoder(adapter, deterministic=cfg.deterministic)
+                except ValueError as e:
+                    log.warning("decoding without CUDA graphs: %s", e)
+        if self._graphs is not None:
+            try:
+                return self._graphs.step(caches, tokens)
+            except CaptureError as e:  # nothing was written to the requests' caches
+                log.warning("decoding without CUDA graphs from now on: %s", e)
+                self._graphs = None
+        return decode_batch(adapter, caches, tokens, tile=tile)
+
+    def _advance(self, job: Job, delta: str) -> None:
+        if delta:
+            self._emit(job, delta)
+        if job.decoding is not None and job.decoding.finish is not None:
+            self._release(job, Status.FINISHED)
+
+    def _emit(self, job: Job, item: object) -> None:
+        try:
+            job.emit(item)
+        except Exception:  # the caller's event loop is gone: nobody reads this request
+            log.debug("request output could not be delivered; aborting it", exc_info=True)
+            job.abort.set()
+
+    def _release(self, job: Job, status: Status, error: BaseException | None = None) -> None:
+        """End `job` with `status`: its resources given back, its counters, then its caller
+        told (the result or the error; nothing when aborted, the caller has gone)."""
+        req, engine = job.request, self.engine
+        out: object = None
+        if status is Status.FINISHED:
+            assert job.decoding is not None
+            try:
+                out = fusion_result(engine, job.decoding.pre, req, job.decoding)
+            except Exception as e:
+                status, error = Status.FAILED, e
+        try:
+            req.close()
+        except Exception as e:  # a load session that fails to close fails its request only
+            if status is not Status.ABORTED:
+                status, error = Status.FAILED, e
+        finally:
+            engine.caches.give_kv(req.cache)
+            req.cache = None
+            job.kv_bytes = 0
+        req.status = status
+        with self._cv:
+            if job in self._running:
+                self._running.remove(job)
+            self._counts[status.value] += 1
+        if status is Status.FAILED:
+            assert error is not None
+            self._emit(job, Failed(error))
+        elif status is Status.FINISHED:
+            self._emit(job, out)
+        job.released.set()

