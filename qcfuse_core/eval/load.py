@@ -490,6 +490,8 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     nbytes = kv_bytes_per_token(adapter) * args.pool_chunks * args.chunk_tokens
     store = open_tier_store(kv_root, args.tier, nbytes, adapter.device.type == "cuda", args.storage_dtype)
     cfg_kw = {"max_running": args.max_running} if args.max_running else {}
+    if args.step_prefill_tokens:
+        cfg_kw["step_prefill_tokens"] = args.step_prefill_tokens
     cfg = EngineConfig(system_prompt=pool.system, threads=args.threads or None, **cfg_kw)
     rates = load_rates(Path(args.rates)) if args.rates else None
     if args.rates and rates is None:

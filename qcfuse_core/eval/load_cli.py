@@ -92,6 +92,12 @@ def add_load_parser(bench_sub) -> None:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15], help="recompute ratios")
     p.add_argument("--max-running", type=int, default=0, help="EngineConfig.max_running (0: its default)")
     p.add_argument(
+        "--step-prefill-tokens",
+        type=int,
+        default=0,
+        help="EngineConfig.step_prefill_tokens: prompt tokens one scheduler step admits (0: its default)",
+    )
+    p.add_argument(
         "--rates", default=None, help="planner rates JSON (from `bench ttft`); None: every stored chunk is loaded"
     )
     p.add_argument("--store", default=None, help="store folder (None: a new temp folder)")
