@@ -8,7 +8,7 @@ import torch
 from store_fixtures import entry_bytes, entry_file, make_chunk
 from test_prefetch import _assert_layers_match, _store, adapter, parts  # noqa: F401  (fixtures)
 
-from qcfuse_core.cache.batch import BatchSession
+from qcfuse_core.cache.batch import BatchSession, start_batch
 from qcfuse_core.cache.prefetch import LoadSession, PrefetchConfig, Prefetcher
 from qcfuse_core.model.fusion import FusedPrompt, Segment
 from qcfuse_core.model.testing import cache_alone, tiny_model
@@ -95,7 +95,7 @@ def test_members_read_their_layers_and_shared_chunks_load_once(adapter, batch_pa
         _fill(store, batch_parts)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=threaded))
     pairs = _batch(pf, batch_parts, views=tier != "tensor")
-    members = pf.start_batch([lazy for _, lazy in pairs])
+    members = start_batch(pf, [lazy for _, lazy in pairs])
     assert all(isinstance(s, BatchSession) for s in members)
     _lockstep(members, [ref for ref, _ in pairs], adapter, _like(adapter))
     reps = [s.finish() for s in members]
@@ -133,7 +133,7 @@ def test_a_batch_of_one_is_start(adapter, batch_parts, tmp_path):  # noqa: F811
     _fill(store, batch_parts)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
     (ref, lazy), = _batch(pf, batch_parts, LAYOUTS[:1])
-    (one,) = pf.start_batch([lazy])
+    (one,) = start_batch(pf, [lazy])
     assert isinstance(one, LoadSession)
     _assert_layers_match(one, ref, adapter.num_layers, _like(adapter), "one")
     got = one.finish()
@@ -143,7 +143,7 @@ def test_a_batch_of_one_is_start(adapter, batch_parts, tmp_path):  # noqa: F811
     keys = ("sources", "bytes_loaded", "bytes_by_source", "bytes_shared", "batch_size", "failed")
     assert {k: getattr(got, k) for k in keys} == {k: getattr(want, k) for k in keys}
     assert got.batch_bytes_loaded == got.batch_bytes_separate == got.bytes_loaded > 0
-    assert pf.start_batch([]) == []
+    assert start_batch(pf, []) == []
 
 
 def test_member_closed_early_the_others_go_on(adapter, batch_parts, tmp_path):  # noqa: F811
@@ -152,7 +152,7 @@ def test_member_closed_early_the_others_go_on(adapter, batch_parts, tmp_path):  
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
     pairs = _batch(pf, batch_parts)
     refs = [ref for ref, _ in pairs]
-    members = pf.start_batch([lazy for _, lazy in pairs])
+    members = start_batch(pf, [lazy for _, lazy in pairs])
     like = _like(adapter)
     shared_key = batch_parts["shared"][1].key
     assert store.host.pins(shared_key) == 1  # the shared load pins each unique entry once
@@ -174,7 +174,7 @@ def test_member_closed_early_the_others_go_on(adapter, batch_parts, tmp_path):  
     members[2].close()
     assert store.host.pins(shared_key) == 0 and len(pf._free) == 1
     assert all(store.host.pins(k) == 0 for k in store.host.keys())
-    again = pf.start_batch([lazy for _, lazy in pairs])
+    again = start_batch(pf, [lazy for _, lazy in pairs])
     with pytest.raises(ValueError, match="in order"):
         again[1].layer(2, like)
     for s in again:
@@ -198,7 +198,7 @@ def test_pinned_entries_are_never_evicted(adapter, batch_parts, tmp_path):  # no
     assert store.host.bytes_used == cap
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
     pairs = _batch(pf, batch_parts, (("S", "O"), ("O", "G", "S")))
-    members = pf.start_batch([lazy for _, lazy in pairs])
+    members = start_batch(pf, [lazy for _, lazy in pairs])
     assert all(store.host.pins(c.key) == 1 for c in used)
     store.put(fillers[1])  # needs room: only the unpinned filler can give it
     assert fillers[0].key not in store.host and fillers[1].key in store.host
@@ -255,7 +255,7 @@ def test_a_load_error_reaches_every_member(adapter, batch_parts, tmp_path, monke
     store = _store(tmp_path, "host")
     _fill(store, batch_parts)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
-    members = pf.start_batch([lazy for _, lazy in _batch(pf, batch_parts)])
+    members = start_batch(pf, [lazy for _, lazy in _batch(pf, batch_parts)])
 
     def broken(self, layer):
         raise OSError("copy failed")
@@ -286,7 +286,7 @@ def test_unreadable_disk_layer_fails_on_every_member_using_it(adapter, batch_par
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=threaded))
     layouts = (("P", "S", "G", "O"), ("O", "G", "S"), ("P", "O"))  # member 2 does not use S
     pairs = _batch(pf, batch_parts, layouts)
-    members = pf.start_batch([lazy for _, lazy in pairs])
+    members = start_batch(pf, [lazy for _, lazy in pairs])
     like = _like(adapter)
     for l in range(adapter.num_layers):
         for m, (s, (ref, _)) in enumerate(zip(members, pairs)):
@@ -348,7 +348,7 @@ def test_batch_on_the_gpu_from_pinned_host_images(tmp_path, eager):
     _fill(store, bp)
     pf = Prefetcher(adapter, store, PrefetchConfig(threaded=True, eager_memory=eager))
     pairs = _batch(pf, bp)
-    members = pf.start_batch([lazy for _, lazy in pairs])
+    members = start_batch(pf, [lazy for _, lazy in pairs])
     like = _like(adapter, "cuda")
     _lockstep(members, [ref for ref, _ in pairs], adapter, like)
     reps = [m.finish() for m in members]

@@ -50,13 +50,15 @@ from qcfuse_core.cache.prefetch import ChunkView, LoadSession, Prefetcher, Prefe
 from qcfuse_core.model.fusion import FusedPrompt, Segment
 
 
-def start_batch(pf: Prefetcher, prompts: Sequence[FusedPrompt]) -> list[BatchSession]:
-    """One `BatchSession` per prompt over one shared load of their unique chunks (see the
-    module docstring). Each must be finished or closed (in a `finally`)."""
-    if not prompts:
-        return []
+def start_batch(pf: Prefetcher, prompts: Sequence[FusedPrompt]) -> list[LoadSession | BatchSession]:
+    """One layer source per prompt, for requests whose fused prefills run together layer by
+    layer: a `BatchSession` per prompt over one shared load of their unique chunks (see the
+    module docstring); a batch of one is `pf.start`. Each must be finished or closed (in a
+    `finally`)."""
+    if len(prompts) <= 1:
+        return [pf.start(p) for p in prompts]
     shared = SharedLoad(pf, prompts)
-    members: list[BatchSession] = []
+    members: list[LoadSession | BatchSession] = []
     try:
         for m, p in enumerate(prompts):
             members.append(BatchSession(shared, m, p))

@@ -17,7 +17,7 @@ only copied RAM to RAM beside the compute threads and slowed their team).
 The shared `Prefetcher` keeps what outlives a request (the side stream, reusable buffers,
 probe sidecars on the compute device); each request's loads, events and report live in its
 `LoadSession`, closed in the engine's `finally`. Requests prefilled together share their
-loads: `start_batch` gives each one a `batch.BatchSession` reading one `LoadSession` over
+loads: `batch.start_batch` gives each one a `batch.BatchSession` reading one `LoadSession` over
 the batch's unique chunks (cache/batch.py).
 
 Pins: a session pins every memory-tier entry it streams from (`store.pin`, when it starts)
@@ -75,7 +75,6 @@ from qcfuse_core.selection.anchors import AnchorConfig, ensure_anchors
 from qcfuse_core.types import ChunkKey, KVChunk
 
 if TYPE_CHECKING:
-    from qcfuse_core.cache.batch import BatchSession
     from qcfuse_core.store.tier import TierPin
 
 log = logging.getLogger(__name__)
@@ -272,7 +271,7 @@ class PrefetchReport:
     order: list[str] = field(default_factory=list)  # "sidecar:<segment>", "layer:<l>"
     failed: list[int] = field(default_factory=list)  # segments whose layer read failed
     sync_layer_loads: int = 0
-    # Batched requests (`Prefetcher.start_batch`; a lone request is a batch of one):
+    # Batched requests (`batch.start_batch`; a lone request is a batch of one):
     # bytes_loaded is the request's share of the batch's shared load (a chunk's bytes go to
     # the first request that reads them), bytes_shared what it read that another request's
     # share brought; the batch figures are the same on every member: what crossed to the
@@ -436,16 +435,6 @@ class Prefetcher:
         """Resolve every segment's source and begin loading layer 0, 1, 2, ... of them.
         The caller must `finish()` or `close()` the session (in a `finally`)."""
         return LoadSession(self, prompt)
-
-    def start_batch(self, prompts: Sequence[FusedPrompt]) -> "list[LoadSession | BatchSession]":
-        """One layer source per prompt, for requests whose fused prefills run together layer
-        by layer: a chunk several prompts use is loaded once per layer and read by all of
-        them (cache/batch.py). A batch of one is `start`. Each must be finished or closed."""
-        if len(prompts) == 1:
-            return [self.start(prompts[0])]
-        from qcfuse_core.cache.batch import start_batch
-
-        return list(start_batch(self, prompts))
 
     def _take_buffers(self, T: int, disk_T: int) -> "_Buffers":
         L = self.adapter.num_layers

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from qcfuse_core.cache.batch import start_batch
 from qcfuse_core.cache.chunks import ChunkCaches
 from qcfuse_core.cache.planner import Rates
 from qcfuse_core.cache.planner import plan as plan_chunks
@@ -224,17 +225,14 @@ class Steps:
     def start_sessions(self, prompts: Sequence[FusedPrompt]) -> list[Any]:
         """The load sessions of prompts fused together (None for a prompt whose caches are all
         in memory): one chunk used by several of them is loaded once per layer
-        (`Prefetcher.start_batch`)."""
+        (`cache.batch.start_batch`)."""
         pf = self.engine.caches.prefetcher
         out: list[Any] = [None] * len(prompts)
         lazy = [i for i, p in enumerate(prompts) if any(isinstance(s.chunk, ChunkView) for s in p.segments)]
         if pf is None or not lazy:
             return out
-        if len(lazy) == 1:
-            out[lazy[0]] = pf.start(prompts[lazy[0]])
-        else:
-            for i, session in zip(lazy, pf.start_batch([prompts[i] for i in lazy])):
-                out[i] = session
+        for i, session in zip(lazy, start_batch(pf, [prompts[i] for i in lazy])):
+            out[i] = session
         return out
 
     # ------------------------------------------------------------------ 4. select

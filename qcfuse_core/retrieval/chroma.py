@@ -73,8 +73,7 @@ def open_collection(path: str | Path, name: str = "qcfuse"):
     damaged HNSW files, which Chroma's native code would crash on, or a graph that lacks
     rows raise StoreError naming `qcfuse store verify --repair` instead of being opened."""
     from qcfuse_core.store import StoreError
-    from qcfuse_core.store.indexes import CHROMA, mark_vector_index
-    from qcfuse_core.store.vector_index import CHROMA_DB, quick_problem
+    from qcfuse_core.store.vector_index import CHROMA, CHROMA_DB, mark_vector_index, quick_problem
 
     if (Path(path) / CHROMA_DB).is_file():
         why = quick_problem(Path(path))

@@ -33,21 +33,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qcfuse_core.store.vector_index import CHROMA, VECTOR_MARKER, mark_vector_index
+
 CHUNK_TEXTS = "chunk_texts.sqlite"
-CHROMA = "chroma"
-VECTOR_MARKER = ".vector-index"
-
-
-def mark_vector_index(root: Path) -> None:
-    """Record that `root` has a vector index (see the module docstring); a read-only root
-    is left as it is."""
-    marker = Path(root) / VECTOR_MARKER
-    if marker.exists():
-        return
-    try:
-        marker.write_text("a vector index was opened under this folder; `qcfuse store verify` expects it\n")
-    except OSError:
-        pass
 
 
 @dataclass

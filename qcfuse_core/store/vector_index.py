@@ -22,7 +22,8 @@ yet folded into it) does not hold: a deleted or stale HNSW folder makes Chroma a
 whatever is left, silently. `probe` opens a private copy in a child process and checks
 that a sample of stored vectors finds itself; a crash there is reported, never suffered.
 
-Every stored document is checked by its content hash (`document_ok`); nothing here writes.
+Every stored document is checked by its content hash (`document_ok`). The checks write
+nothing; `mark_vector_index` writes the store root's marker file when an index is opened.
 """
 
 from __future__ import annotations
@@ -47,10 +48,24 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+CHROMA = "chroma"  # a store root's vector index folder
 CHROMA_DB = "chroma.sqlite3"
+VECTOR_MARKER = ".vector-index"  # <store>/.vector-index: a vector index was opened there (store/indexes.py)
 SHA_KEY = "sha256"  # metadata key: sha256 of the document's UTF-8 bytes
 _HEADER = struct.Struct("<i6QiI3QdQ")  # 100 bytes (chroma-hnswlib's persisted header)
 _UNIT_TOL = 1e-3  # |norm - 1| of a stored (normalised) vector
+
+
+def mark_vector_index(root: Path) -> None:
+    """Record that the store root `root` has a vector index (`VECTOR_MARKER`: from then on
+    `store verify` expects one there); a read-only root is left as it is."""
+    marker = Path(root) / VECTOR_MARKER
+    if marker.exists():
+        return
+    try:
+        marker.write_text("a vector index was opened under this folder; `qcfuse store verify` expects it\n")
+    except OSError:
+        pass
 
 
 def text_sha256(text: str) -> str:
