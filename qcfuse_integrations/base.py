@@ -86,6 +86,12 @@ class EngineBacked:
     def model_name(self) -> str:
         return self.engine.adapter.name
 
+    def _generation_defaults(self, max_new_tokens: int | None, **more: Any) -> dict[str, Any]:
+        """The component's own settings (its fields), for `GenerationOptions.resolve`; the
+        token limit is passed in, as each framework names its field its own way."""
+        fields = ("method", "ratio", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+        return {**{name: getattr(self, name) for name in fields}, "max_new_tokens": max_new_tokens, **more}
+
 
 def check_method(method: str) -> str:
     if method not in SELECTORS:  # read at call time: other modules register selectors

@@ -337,6 +337,18 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
 
+def point_fields(point: LoadPoint, method: Method) -> dict:
+    """The columns that name a row's point and method (in process and over HTTP alike)."""
+    return {
+        "mode": point.mode,
+        "clients": point.clients or None,
+        "rate": point.rate or None,
+        "load": point.load,
+        "method": method.label,
+        "ratio": method.reported_ratio,
+    }
+
+
 def summarize(traces: list[Trace], wall_s: float) -> dict:
     """The row's counts, rates and latency percentiles from the client-side traces."""
     done = [t for t in traces if t.finished]
@@ -529,17 +541,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
                     how = "" if len(settings) == 1 else f" (batched prefill {'on' if batched else 'off'})"
                     progress(f"[{len(rows) + 1}/{total}] {method.label}{ratio}{how}: {point.describe()}")
                     got = run_point(engine, pool, reqs, point, method, args, batched)
-                    row = {
-                        **base,
-                        "mode": point.mode,
-                        "clients": point.clients or None,
-                        "rate": point.rate or None,
-                        "load": point.load,
-                        "method": method.label,
-                        "ratio": method.reported_ratio,
-                        "batched_prefill": batched,
-                        **got,
-                    }
+                    row = {**base, **point_fields(point, method), "batched_prefill": batched, **got}
                     rows.append(row)
                     write_json(args, rows, TIMED_CALL, partial=True)  # a point's row survives a later timeout
                     progress("    " + one_line(row))

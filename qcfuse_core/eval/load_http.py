@@ -38,6 +38,7 @@ from qcfuse_core.eval.load import (
     load_points,
     methods_of,
     one_line,
+    point_fields,
     pool_and_requests,
     run_loop,
     summarize,
@@ -178,12 +179,7 @@ def run_http(args, progress: Callable[[str], None] = lambda line: None) -> list[
                 _wait_idle(sync)
                 row = {
                     **base,
-                    "mode": point.mode,
-                    "clients": point.clients or None,
-                    "rate": point.rate or None,
-                    "load": point.load,
-                    "method": method.label,
-                    "ratio": method.reported_ratio,
+                    **point_fields(point, method),
                     **summarize(traces, wall),
                     "capped": capped,
                     "max_batch_seen": _gauge(sync.get("/metrics").text, "qcfuse_max_batch_seen"),

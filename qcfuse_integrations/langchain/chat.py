@@ -193,7 +193,7 @@ class ChatQCFuse(EngineFields, EngineBacked, BaseChatModel):
         call_kw = {k: kwargs.get(k) for k in (*GENERATION_OPTIONS, *FUSION_OPTIONS)}
         if stop is not None:
             call_kw["stop"] = stop
-        options = GenerationOptions.resolve(self._defaults(), call_kw)
+        options = GenerationOptions.resolve(self._generation_defaults(self.max_tokens, stop=self.stop), call_kw)
         prompt = turns.render(self.engine.tokenizer, _to_dicts(messages), tools, forced=bool(forced))
         call = Call(prompt, True, options)
         fmt = kwargs.get("response_format")
@@ -206,19 +206,6 @@ class ChatQCFuse(EngineFields, EngineBacked, BaseChatModel):
         elif forced:
             call.constrained, call.schema = True, turns.tool_call_schema(forced)
         return call, tools
-
-    def _defaults(self) -> dict[str, Any]:
-        return dict(
-            method=self.method,
-            ratio=self.ratio,
-            max_new_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-        )
 
     def _message(self, call: Call, tools) -> AIMessage:
         text = call.result.text

@@ -170,17 +170,7 @@ class QCFuseLLM(EngineFields, EngineBacked, BaseLLM):
                 raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__}")
         call_kw = {k: kwargs.get(k) for k in (*GENERATION_OPTIONS, *FUSION_OPTIONS)}
         call_kw["stop"] = stop
-        defaults = dict(
-            method=self.method,
-            ratio=self.ratio,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-        )
-        options = GenerationOptions.resolve(defaults, call_kw)
+        options = GenerationOptions.resolve(self._generation_defaults(self.max_new_tokens), call_kw)
         documents, doc_ids = tuple(kwargs.get("documents") or ()), tuple(kwargs.get("doc_ids") or ())
         engine = self.engine
 

@@ -338,17 +338,7 @@ class QCFuseLLM(EngineBacked, FunctionCallingLLM):
     # ------------------------------------------------------------------ the calls
     def _options(self, kwargs: dict[str, Any]) -> GenerationOptions:
         check_options(kwargs, CALL_OPTIONS, "QCFuseLLM")
-        defaults = dict(
-            method=self.method,
-            ratio=self.ratio,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-        )
+        defaults = self._generation_defaults(self.max_new_tokens, stop=self.stop)
         return GenerationOptions.resolve(defaults, {k: kwargs.get(k) for k in (*GENERATION_OPTIONS, *FUSION_OPTIONS)})
 
     def _explicit(self, kwargs: dict[str, Any]) -> dict[str, str]:
