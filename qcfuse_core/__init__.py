@@ -15,14 +15,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from qcfuse_core.engine.api import AsyncTokenStream as AsyncTokenStream
     from qcfuse_core.engine.api import QCFuseEngine as QCFuseEngine
-    from qcfuse_core.engine.api import TokenStream as TokenStream
     from qcfuse_core.engine.api import open_engine as open_engine
     from qcfuse_core.engine.config import EngineConfig as EngineConfig
     from qcfuse_core.engine.generation import GenerationConfig as GenerationConfig
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
     from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
+    from qcfuse_core.engine.streams import AsyncTokenStream as AsyncTokenStream
+    from qcfuse_core.engine.streams import TokenStream as TokenStream
     from qcfuse_core.selection.options import QCFuseOptions as QCFuseOptions
     from qcfuse_core.types import ChunkKey as ChunkKey
     from qcfuse_core.types import FusionResult as FusionResult
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "open_engine": "qcfuse_core.engine.api",
     "QCFuseEngine": "qcfuse_core.engine.api",
-    "TokenStream": "qcfuse_core.engine.api",
-    "AsyncTokenStream": "qcfuse_core.engine.api",
+    "TokenStream": "qcfuse_core.engine.streams",
+    "AsyncTokenStream": "qcfuse_core.engine.streams",
     "EngineBusy": "qcfuse_core.engine.scheduler",
     "KVBudgetError": "qcfuse_core.engine.scheduler",
     "EngineConfig": "qcfuse_core.engine.config",

@@ -26,8 +26,9 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mappi
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from qcfuse_core.engine.api import AsyncTokenStream, QCFuseEngine, TokenStream
+from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.generation import GenerationConfig
+from qcfuse_core.engine.streams import AsyncTokenStream, TokenStream
 from qcfuse_core.selection.base import SELECTORS
 
 if TYPE_CHECKING:

@@ -54,9 +54,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qcfuse_core.engine.api import AsyncTokenStream, EngineBusy, KVBudgetError, QCFuseEngine
+from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
+from qcfuse_core.engine.streams import AsyncTokenStream
 from qcfuse_core.retrieval.texts import split_prompt
 from qcfuse_core.serve.metrics import ServeMetrics
 from qcfuse_core.serve.protocol import (
