@@ -28,6 +28,13 @@ def hash_token_ids(token_ids: list[int] | torch.Tensor) -> str:
     return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
 
+def chunk_id(source: str, text: str) -> str:
+    """A chunk's id from its source name and text (sha256, 32 hex chars): deterministic, so
+    ingesting a file again adds nothing. Also what a vector-index row written before
+    content hashes were stored is checked against."""
+    return hashlib.sha256(f"{source}\x00{text}".encode()).hexdigest()[:32]
+
+
 @dataclass(frozen=True)
 class ChunkKey:
     """Content address of one chunk cache: exact token ids x model fingerprint.

@@ -61,7 +61,7 @@ TESTS = Path(__file__).parent
 
 
 def _chroma_documents(store: Path) -> dict[str, str]:
-    from qcfuse_core.store.vector_index import documents
+    from qcfuse_core.retrieval.vector_index import documents
 
     return {d.id: d.text for d in documents(store / "chroma")}
 
@@ -193,9 +193,9 @@ def big_store(tmp_path_factory):
 
     from chromadb.api.client import SharedSystemClient
 
-    from qcfuse_core.ingest.corpus import chunk_id
     from qcfuse_core.retrieval.texts import ChunkTextIndex
-    from qcfuse_core.store.vector_index import SHA_KEY, text_sha256
+    from qcfuse_core.retrieval.vector_index import SHA_KEY, text_sha256
+    from qcfuse_core.types import chunk_id
     from qcfuse_core.retrieval.chroma import open_collection
     from stub_embedder import HashEmbedder
 
@@ -242,7 +242,7 @@ def _flip_links(folder: Path, n: int) -> None:
     flips there do: a neighbour id far past the last element)."""
     import struct
 
-    from qcfuse_core.store.vector_index import _HEADER
+    from qcfuse_core.retrieval.vector_index import _HEADER
 
     h = _HEADER.unpack((folder / "header.bin").read_bytes())
     cur, size = h[3], h[4]
@@ -439,7 +439,7 @@ def test_file_name_not_utf8(tmp_path, capsys):
     assert "qcfuse: warning: the file name " in err and "caf\\xe9-notes.md" in err
     assert "ingested as 'caf\ufffd-notes.md'" in err
     assert "ingested 4 chunks" in out
-    from qcfuse_core.store.vector_index import documents
+    from qcfuse_core.retrieval.vector_index import documents
 
     assert {"caf\ufffd-notes.md"} <= {d.metadata["source"] for d in documents(store / "chroma")}
     _verifies(capsys, store)

@@ -1,6 +1,9 @@
 """The house rules of the tree, checked on its source (no imports executed).
 
 - the core (`qcfuse_core`) imports no `qcfuse_integrations` module;
+- floors point down: the store (`qcfuse_core.store`) imports no layer above it - not
+  ingestion, retrieval, the model, the cache manager, selection, the engine, nor the CLI, the
+  server, the studio or the evaluation;
 - the library's import graph between modules has no cycle (imports inside functions
   included: they would only hide one);
 - imports inside functions are kept for optional extras (and the lazy CLI commands).
@@ -63,6 +66,26 @@ def test_the_core_imports_no_integration_module():
     bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("qcfuse_core")
                  for t in ts if t.startswith("qcfuse_integrations"))
     assert not bad, "the core imports integration modules:\n" + "\n".join(bad)
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _arrows(graph: dict[str, set[str]], src: tuple[str, ...], dst: tuple[str, ...]) -> list[str]:
+    """Every import from a module under `src` to one under `dst` (imports in functions included)."""
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if _under(m, src) for t in ts if _under(t, dst))
+
+
+ABOVE_THE_STORE = tuple(
+    f"qcfuse_core.{p}"
+    for p in ("ingest", "retrieval", "model", "cache", "selection", "engine", "cli", "serve", "studio", "eval")
+)
+
+
+def test_the_store_imports_no_layer_above_it():
+    bad = _arrows(_graph(), ("qcfuse_core.store",), ABOVE_THE_STORE)
+    assert not bad, "the store imports layers above it:\n" + "\n".join(bad)
 
 
 def _parents(name: str) -> set[str]:

@@ -329,7 +329,7 @@ def test_a_replica_killed_mid_stream(cluster):
 def test_the_store_verifies_clean_after_the_replicas_stop(cluster):
     from ray import serve
 
-    from qcfuse_core.store.cli import main as store_main
+    from qcfuse_core.cli.store import main as store_main
 
     serve.delete("qcfuse")  # every replica stops and closes its store
     report = cluster.store / "verify.json"

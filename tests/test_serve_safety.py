@@ -20,11 +20,11 @@ import pytest
 from fastapi.testclient import TestClient
 from test_serve import DOCS, TEMPLATE, LiveServer, _engine, _error, _prompt, _sse, _wait
 
+from qcfuse_core.cli.store import main as store_main
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import kv_dir, open_store
-from qcfuse_core.store.cli import main as store_main
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-0123456789"

@@ -10,8 +10,8 @@ import time
 import pytest
 from store_fixtures import entry_bytes, entry_file, make_chunk, store_at
 
+from qcfuse_core.cli.store import add_store_commands, main, parse_bytes
 from qcfuse_core.store import kv_dir
-from qcfuse_core.store.cli import add_store_commands, main, parse_bytes
 
 
 def _fill(root, n=4, **kw):

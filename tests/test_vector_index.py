@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qcfuse_core.retrieval import vector_index as vi
 from qcfuse_core.store import StoreError
-from qcfuse_core.store import vector_index as vi
 
 N = 1500  # past Chroma's sync threshold (1000): the graph is written to disk
 
@@ -126,7 +126,7 @@ def test_an_edited_document_fails_its_hash(copy):
 
 
 def test_document_ok_without_a_stored_hash_checks_the_id():
-    from qcfuse_core.ingest.corpus import chunk_id
+    from qcfuse_core.types import chunk_id
 
     text = "The harbour of Veyla was built in 1911."
     assert vi.document_ok(chunk_id("a.md", text), text, {"source": "a.md"})
@@ -173,9 +173,9 @@ def test_a_store_without_a_vector_index_is_noted_one_that_lost_it_is_bad(tmp_pat
     """Texts registered without a vector index (`qcfuse serve`'s /v1/chunks) are not damage:
     verify notes the absence. Once a vector index was opened under the root (the marker), its
     absence is a loss, which --repair rebuilds."""
+    from qcfuse_core.retrieval import indexes
     from qcfuse_core.retrieval.chroma import open_collection
     from qcfuse_core.retrieval.texts import ChunkTextIndex
-    from qcfuse_core.store import indexes
 
     idx = ChunkTextIndex(tmp_path / indexes.CHUNK_TEXTS)
     for i in range(3):

@@ -31,12 +31,12 @@ from qcfuse_core.ingest.corpus import (
     DATASET_SUFFIXES,
     DEMO_QUESTIONS,
     Chunk,
-    chunk_id,
     chunks_from_file,
     iter_text_files,
     sample_corpus_dir,
     source_name,
 )
+from qcfuse_core.types import chunk_id
 
 
 def _default_store(name: str = "store") -> Path:
@@ -137,7 +137,7 @@ def _vector_index_problem(store: Path) -> str:
     """Why the store's vector index must not be opened in this process ('' when it may):
     missing while chunk texts are stored, damaged HNSW files (native code would crash on
     them), or a graph that lacks rows (answers would silently come from what is left)."""
-    from qcfuse_core.store import vector_index as vi
+    from qcfuse_core.retrieval import vector_index as vi
 
     path = store / "chroma"
     if (path / vi.CHROMA_DB).is_file():
@@ -274,8 +274,8 @@ def ingest_chunks(
     from tqdm import tqdm
 
     from qcfuse_core.retrieval.embedder import get_embedder
+    from qcfuse_core.retrieval.vector_index import SHA_KEY, text_sha256
     from qcfuse_core.store import StoreError
-    from qcfuse_core.store.vector_index import SHA_KEY, text_sha256
 
     chunks = list({c.id: c for c in chunks}.values())  # one per id, first occurrence's order
     plan = plan if plan is not None else plan_kv(engine, chunks)
@@ -464,7 +464,7 @@ def retrieve(collection, question: str, top_k: int, store: Path | None = None) -
     """The `top_k` nearest documents whose text matches its content hash. A damaged one is
     dropped with a warning and the next candidates fill its place."""
     from qcfuse_core.retrieval.embedder import get_embedder
-    from qcfuse_core.store.vector_index import document_ok
+    from qcfuse_core.retrieval.vector_index import document_ok
 
     n = collection.count()
     if n == 0:
@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-chars", type=int, default=1200, help="characters per chunk at most")
     p.add_argument("--limit", type=int, default=None, help="ingest at most N chunks (None: all)")
     p.add_argument("--strict", action="store_true", help="stop at a file that is not UTF-8 text instead of skipping it")
-    from qcfuse_core.store.cli import parse_bytes
+    from qcfuse_core.cli.store import parse_bytes
 
     p.add_argument("--yes", action="store_true", help="write the KV without asking, however large the estimate")
     p.add_argument(
@@ -696,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     _answer_opts(p)
     p.set_defaults(func=cmd_demo)
 
-    from qcfuse_core.store.cli import add_store_commands
+    from qcfuse_core.cli.store import add_store_commands
 
     add_store_commands(sub, default_store=_default_store())  # the store ingest, ask and demo share
     from qcfuse_core.cli.quality import add_commands as add_quality_commands

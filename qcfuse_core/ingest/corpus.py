@@ -6,10 +6,11 @@ no-op in both Chroma and the chunk store.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from qcfuse_core.types import chunk_id
 
 # questions the sample corpus answers (`qcfuse demo`, the studio's examples)
 DEMO_QUESTIONS = (
@@ -56,10 +57,6 @@ def split_text(text: str, max_chars: int = 1200) -> list[str]:
         else:
             chunks.append(p)
     return chunks
-
-
-def chunk_id(source: str, text: str) -> str:
-    return hashlib.sha256(f"{source}\x00{text}".encode()).hexdigest()[:32]
 
 
 def iter_text_files(paths: list[str | Path]) -> list[Path]:

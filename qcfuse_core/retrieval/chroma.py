@@ -69,11 +69,11 @@ _EF_CLASS = None
 def open_collection(path: str | Path, name: str = "qcfuse"):
     """A persistent Chroma collection under `path` using the offline embedder.
 
-    The folder's files are checked first (`qcfuse_core.store.vector_index.quick_problem`):
+    The folder's files are checked first (`qcfuse_core.retrieval.vector_index.quick_problem`):
     damaged HNSW files, which Chroma's native code would crash on, or a graph that lacks
     rows raise StoreError naming `qcfuse store verify --repair` instead of being opened."""
+    from qcfuse_core.retrieval.vector_index import CHROMA, CHROMA_DB, mark_vector_index, quick_problem
     from qcfuse_core.store import StoreError
-    from qcfuse_core.store.vector_index import CHROMA, CHROMA_DB, mark_vector_index, quick_problem
 
     if (Path(path) / CHROMA_DB).is_file():
         why = quick_problem(Path(path))

@@ -39,7 +39,6 @@ from qcfuse_core.ingest.corpus import (
     DEMO_QUESTIONS,  # the sample corpus's questions
     TEXT_SUFFIXES,
     Chunk,
-    chunk_id,
     chunks_from_file,
     iter_text_files,
     sample_corpus_dir,
@@ -49,7 +48,7 @@ from qcfuse_core.studio.details import mode_details, token_pieces, waterfall
 from qcfuse_core.studio.models import ModelEntry, conversion_state, initial_model, installed_models
 from qcfuse_core.studio.quality import drop_logits, quality, speed
 from qcfuse_core.studio.quality import representative as _representative
-from qcfuse_core.types import FusionResult
+from qcfuse_core.types import FusionResult, chunk_id
 
 log = logging.getLogger(__name__)
 

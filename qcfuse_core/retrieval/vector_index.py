@@ -46,11 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
+from qcfuse_core.types import chunk_id
+
 log = logging.getLogger(__name__)
 
 CHROMA = "chroma"  # a store root's vector index folder
 CHROMA_DB = "chroma.sqlite3"
-VECTOR_MARKER = ".vector-index"  # <store>/.vector-index: a vector index was opened there (store/indexes.py)
+VECTOR_MARKER = ".vector-index"  # <store>/.vector-index: a vector index was opened there (retrieval/indexes.py)
 SHA_KEY = "sha256"  # metadata key: sha256 of the document's UTF-8 bytes
 _HEADER = struct.Struct("<i6QiI3QdQ")  # 100 bytes (chroma-hnswlib's persisted header)
 _UNIT_TOL = 1e-3  # |norm - 1| of a stored (normalised) vector
@@ -76,8 +78,6 @@ def document_ok(doc_id: str, document: str | None, metadata: dict | None) -> boo
     """The document is the text that was stored under `doc_id`: its sha256 equals the
     metadata's `sha256`, or (rows written before that key existed) the id is
     `chunk_id(source, document)`."""
-    from qcfuse_core.ingest.corpus import chunk_id
-
     if document is None:
         return False
     meta = metadata or {}

@@ -33,7 +33,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qcfuse_core.store.vector_index import CHROMA, VECTOR_MARKER, mark_vector_index
+from qcfuse_core.retrieval import vector_index as vi
+from qcfuse_core.retrieval.texts import ChunkTextIndex, lenient_text, text_hash_ok
+from qcfuse_core.retrieval.vector_index import CHROMA, VECTOR_MARKER, mark_vector_index
+from qcfuse_core.types import chunk_id
 
 CHUNK_TEXTS = "chunk_texts.sqlite"
 
@@ -78,8 +81,6 @@ class IndexReport:
 def _ro(path: Path) -> sqlite3.Connection:
     """Read-only: mode=ro sees the write-ahead log; immutable=1 when a read-only folder
     cannot take the -shm file mode=ro needs. Text that is not UTF-8 reads as surrogates."""
-    from qcfuse_core.retrieval.texts import lenient_text
-
     uri = path.resolve().as_uri()
     try:
         db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
@@ -100,8 +101,6 @@ def _text_rows(path: Path) -> list[tuple[str, str | None, str]]:
 
 
 def check_chunk_texts(path: Path) -> IndexState:
-    from qcfuse_core.retrieval.texts import text_hash_ok
-
     st = IndexState(str(path), path.is_file())
     if not st.present:
         return st
@@ -128,8 +127,6 @@ def check_chroma(path: Path, expected_texts: int = 0, *, probe: bool = True) -> 
     """-> (state, the ids it holds). `expected_texts`: verified texts stored elsewhere (the
     vector index must exist when there are any). `probe`: also open a copy in a child
     process and look up a sample of its vectors (once a graph is written to disk)."""
-    from qcfuse_core.store import vector_index as vi
-
     st = IndexState(str(path), (path / vi.CHROMA_DB).is_file())
     if not st.present:
         if expected_texts:
@@ -197,10 +194,6 @@ def verified_texts(root: Path) -> tuple[list[tuple[str, str, dict]], set[str]]:
     """Every text that verifies, from both indexes: ([(id, text, metadata)] in order, the
     vector index's first), and the content hashes of the damaged chunk-text rows that no
     verified copy replaces (texts lost)."""
-    from qcfuse_core.ingest.corpus import chunk_id
-    from qcfuse_core.retrieval.texts import text_hash_ok
-    from qcfuse_core.store import vector_index as vi
-
     out: list[tuple[str, str, dict]] = []
     seen_ids: set[str] = set()
     shas: set[str] = set()
@@ -246,8 +239,6 @@ def _set_aside(path: Path) -> Path:
 
 def rebuild_chunk_texts(root: Path, texts: list[tuple[str, str, dict]] | None = None) -> int:
     """The chunk-text index from the verified texts (`verified_texts`). Returns the rows written."""
-    from qcfuse_core.retrieval.texts import ChunkTextIndex
-
     if texts is None:
         texts, _ = verified_texts(root)
     tmp = root / f".{CHUNK_TEXTS}.rebuild"

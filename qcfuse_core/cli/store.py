@@ -10,6 +10,10 @@ DIR defaults to the store `ingest`, `ask` and `demo` share (`qcfuse` passes its 
 DIR is the store root (it also holds the Chroma collection); the KV store is DIR/kv.
 Hook: `add_store_commands(subparsers)` on the main parser's subparsers, then dispatch
 `args.command == "store"` (or `args.func`) to `run_store_command(args)`.
+
+It sits above the store: the KV store's maintenance (store/maintenance.py), the chunk-text and
+vector indexes (retrieval/indexes.py) and, for `verify --deep`, the drift check
+(ingest/drift.py) with the model.
 """
 
 from __future__ import annotations
@@ -221,7 +225,7 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
 
 
 def _verify(args: argparse.Namespace, disk: DiskTier) -> int:
-    from qcfuse_core.store import indexes
+    from qcfuse_core.retrieval import indexes
 
     rep = verify(disk, remove=args.remove, repair=args.repair, grace_s=args.grace_s)
     links = disk.manifest.node_links()
@@ -337,7 +341,7 @@ _COMMANDS = {"stats": _stats, "verify": _verify, "gc": _gc, "clear": _clear}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m qcfuse_core.store.cli store stats --store DIR`)."""
+    """Stand-alone entry (`python -m qcfuse_core.cli.store store stats --store DIR`)."""
     parser = argparse.ArgumentParser(prog="qcfuse")
     add_store_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
