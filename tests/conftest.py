@@ -13,6 +13,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.tiers import check_tiers
+
+    check_tiers(items)  # a test that starts a slow-tier resource is marked slow (tests/tiers.py)
     if config.getoption("--standard-integration"):
         return
     skip = pytest.mark.skip(reason="langchain-tests' integration suite runs with --standard-integration "

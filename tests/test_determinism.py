@@ -39,6 +39,10 @@ DOCS = [
 ]
 QUESTION = "Where was the first keeper of the Orvell Lighthouse born?"
 
+# the embedded model in bf16 and fp32, its own loads: the slow tier (tests/tiers.py); the fast
+# tier's bitwise checks run on tiny models (test_fuse_batch.py, test_scheduler.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", params=["bf16", "fp32"])
 def model(request):

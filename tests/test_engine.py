@@ -27,10 +27,8 @@ def test_full_recompute_through_fusion_answers_like_full(smol_engine):
     assert len(full.token_ids) > 3
 
 
-def test_result_fields_and_cache_hits():
-    from qcfuse_core.model.adapter import load_model
-
-    eng = QCFuseEngine(load_model(dtype="fp32"))
+def test_result_fields_and_cache_hits(smol):
+    eng = QCFuseEngine(smol)  # a fresh engine (its own empty store) on the shared model
     first = eng.answer(Q, DOCS, method="naive", max_new_tokens=4)
     assert (first.cache_hits, first.cache_misses) == (0, 3)
     second = eng.answer(Q, DOCS[::-1], method="naive", max_new_tokens=4)  # other order: still hits

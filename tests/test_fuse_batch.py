@@ -21,7 +21,10 @@ from qcfuse_core.selection.probe import ProbeItem, gather_context, run_probe, ru
 from qcfuse_core.selection.selectors import select_batch
 from tests.qc_fixtures import prompt_alone
 
-pytestmark = pytest.mark.kernels
+# The batched probe and the ragged prefill run through the detected kernel backend (`kernels`:
+# Triton's interpreter on CPU); the engine-level tests below decode whole answers, so they run on
+# the PyTorch references, which the kernel tests above compare against.
+kernels = pytest.mark.kernels
 
 # six prompts of different shapes: (lengths, kinds, seed)
 SHAPES = [
@@ -56,6 +59,7 @@ def _suffix(prompt):
 # ------------------------------------------------------------------ batched probe
 
 
+@kernels
 def test_probe_batch_equals_each_alone(model):
     """Q/K at the kept layers per request, with requests probing to different depths and
     through the padded layout a CUDA graph replays."""
@@ -76,6 +80,7 @@ def test_probe_batch_equals_each_alone(model):
                 torch.testing.assert_close(g.k[layer], want.k[layer], atol=1e-5, rtol=1e-5)
 
 
+@kernels
 def test_probe_batch_keeps_requests_apart(model):
     """Garbage in one request's context changes nothing of another's probe."""
     prompts = _prompts(model)[:3]
@@ -90,6 +95,7 @@ def test_probe_batch_keeps_requests_apart(model):
         torch.testing.assert_close(got[b].k[1], base[b].k[1], atol=1e-6, rtol=1e-6)
 
 
+@kernels
 @pytest.mark.parametrize("method", ["qcfuse", "qcall"])
 def test_select_batch_equals_select_alone(model, method):
     """Scores and row sets of a batch of probing selections (mixed ratios) as alone; with
@@ -110,6 +116,7 @@ def test_select_batch_equals_select_alone(model, method):
                 torch.testing.assert_close(g.scores, w.scores, atol=1e-6, rtol=1e-5)
 
 
+@kernels
 def test_select_batch_mixed_methods_and_failures(model):
     """Probing and non-probing selectors in one batch; a request whose selection raises
     gets its error, the others their selections."""
@@ -158,6 +165,7 @@ def _alone(m, items):
     ]
 
 
+@kernels
 @pytest.mark.parametrize("exact", [False, True])
 def test_ragged_prefill_equals_each_alone(model, exact):
     """Six requests of mixed methods, ratios and lengths: first-token logits within 1e-5 of
@@ -182,6 +190,7 @@ def test_ragged_prefill_equals_each_alone(model, exact):
         assert gi.kv_out.length == T
 
 
+@kernels
 def test_ragged_prefill_uses_one_attention_launch(model, monkeypatch):
     """The sparse rows of every request attend in one ragged launch per layer (the kernel
     path; the PyTorch reference runs it request by request)."""
@@ -201,6 +210,7 @@ def test_ragged_prefill_uses_one_attention_launch(model, monkeypatch):
     assert calls == [len(items)] * model.num_layers
 
 
+@kernels
 def test_batch_of_one_is_fused_prefill(model):
     prompts = _prompts(model)
     sel = get_selector("qcfuse").select(_ctx(model, prompts[0]))
@@ -209,6 +219,7 @@ def test_batch_of_one_is_fused_prefill(model):
     assert torch.equal(a.logits, b.logits) and torch.equal(a.k_pre, b.k_pre)
 
 
+@kernels
 def test_ragged_prefill_checks_each_item(model):
     prompts = _prompts(model)
     good = FuseItem(prompts[0], torch.arange(prompts[0].num_tokens))

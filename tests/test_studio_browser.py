@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the studio extra is not installed: pip install 'qcfuse[studio]'")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 1200  # a fresh cache dir: SmolLM2 is converted from its GGUF first (minutes on a busy 2-core CPU)
