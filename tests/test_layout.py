@@ -1,9 +1,13 @@
 """The house rules of the tree, checked on its source (no imports executed).
 
 - the core (`qcfuse_core`) imports no `qcfuse_integrations` module;
+- the cache layer (`qcfuse_core.cache`) imports nothing of the engine (`qcfuse_core.engine`):
+  the request path runs down through it, never back up;
 - floors point down: the store (`qcfuse_core.store`) imports no layer above it - not
   ingestion, retrieval, the model, the cache manager, selection, the engine, nor the CLI, the
   server, the studio or the evaluation;
+- the server (`qcfuse_core.serve`) imports nothing of the studio: what they share (the body
+  limit, the API key check) is in `qcfuse_core.asgi`;
 - the library's import graph between modules has no cycle (imports inside functions
   included: they would only hide one);
 - imports inside functions are kept for optional extras (and the lazy CLI commands).
@@ -86,6 +90,18 @@ ABOVE_THE_STORE = tuple(
 def test_the_store_imports_no_layer_above_it():
     bad = _arrows(_graph(), ("qcfuse_core.store",), ABOVE_THE_STORE)
     assert not bad, "the store imports layers above it:\n" + "\n".join(bad)
+
+
+def test_the_cache_layer_imports_nothing_of_the_engine():
+    graph = _graph()
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("qcfuse_core.cache")
+                 for t in ts if t == "qcfuse_core.engine" or t.startswith("qcfuse_core.engine."))
+    assert not bad, "the cache layer imports engine modules:\n" + "\n".join(bad)
+
+
+def test_the_server_imports_nothing_of_the_studio():
+    bad = _arrows(_graph(), ("qcfuse_core.serve",), ("qcfuse_core.studio",))
+    assert not bad, "the server imports the studio:\n" + "\n".join(bad)
 
 
 def _parents(name: str) -> set[str]:

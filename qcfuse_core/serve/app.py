@@ -39,7 +39,6 @@ at the scheduler's next step).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -54,6 +53,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qcfuse_core.asgi import BearerAuth, JsonBodyLimit
 from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
@@ -73,7 +73,6 @@ from qcfuse_core.serve.protocol import (
     now,
     usage,
 )
-from qcfuse_core.studio.app import JsonBodyLimit
 from qcfuse_core.types import FusionResult, Piece
 
 log = logging.getLogger(__name__)
@@ -135,33 +134,10 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-class BodyLimit(JsonBodyLimit):
-    """The studio's body limit (a JSON body over the limit: 413 before it is parsed), answering
-    in OpenAI's error shape."""
-
-    async def _too_large(self, n: int, scope, receive, send) -> None:
-        msg = f"request body of {n:,} bytes is over the limit of {self.limit:,} bytes"
-        await _error(413, msg, "invalid_request_error")(scope, receive, send)
-
-
-class BearerAuth:
-    """ASGI middleware: a request under /v1/ without `Authorization: Bearer <key>` gets a 401
-    in OpenAI's error shape (before its body is read). The key is compared in constant time
-    (`hmac.compare_digest`), so the time to refuse says nothing about how much of it matched."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            return await self.app(scope, receive, send)
-        msg = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
-        res = _error(401, msg, "invalid_request_error", **{"WWW-Authenticate": "Bearer"})
-        await res(scope, receive, send)
+def _refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
+    """What the shared middlewares (qcfuse_core/asgi.py) answer - a body over the limit (413),
+    a missing or wrong API key (401) - in OpenAI's error shape."""
+    return _error(status, message, "invalid_request_error", **headers)
 
 
 def close_engine(engine: QCFuseEngine) -> None:
@@ -197,9 +173,9 @@ def create_app(
 
     app = FastAPI(title="QCFuse (OpenAI-compatible)", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, cfg
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
-    if cfg.api_key is not None:
-        app.add_middleware(BearerAuth, key=cfg.api_key)  # the outer one: a 401 before the body is read
+    app.add_middleware(JsonBodyLimit, limit=cfg.max_body_bytes, error=_refusal)
+    if cfg.api_key is not None:  # the outer one: a 401 before the body is read
+        app.add_middleware(BearerAuth, key=cfg.api_key, error=_refusal, prefix="/v1/")
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):

@@ -44,6 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, field_validator
 
+from qcfuse_core.asgi import JsonBodyLimit
 from qcfuse_core.studio.service import Mode, RunCancelled, RunSpec, StudioError, StudioService, TooLarge
 
 log = logging.getLogger(__name__)
@@ -125,49 +126,9 @@ def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-class JsonBodyLimit:
-    """ASGI middleware: a request whose body is not multipart (the JSON API) and is larger
-    than `limit` bytes gets a 413 - from its Content-Length before anything is read, or
-    once the bytes read pass the limit (a chunked body); the body is replayed otherwise."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if headers.get(b"content-type", b"").startswith(b"multipart/"):  # uploads have their own limits
-            return await self.app(scope, receive, send)
-        try:
-            declared = int(headers.get(b"content-length", b"0") or 0)
-        except ValueError:
-            declared = 0
-        if declared > self.limit:
-            return await self._too_large(declared, scope, receive, send)
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                return await self._too_large(len(body), scope, receive, send)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-    async def _too_large(self, n: int, scope, receive, send) -> None:
-        res = _error(413, f"request body of {n:,} bytes is over the limit of {self.limit:,} bytes", "too_large")
-        await res(scope, receive, send)
+def _refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
+    """A JSON body over the limit (qcfuse_core/asgi.py's JsonBodyLimit): 413 in the studio's error shape."""
+    return _error(status, message, "too_large")
 
 
 def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI:
@@ -182,7 +143,7 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         title="QCFuse Studio", lifespan=lifespan, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
     )
     app.state.service = service
-    app.add_middleware(JsonBodyLimit, limit=service.config.max_json_bytes)
+    app.add_middleware(JsonBodyLimit, limit=service.config.max_json_bytes, error=_refusal)
 
     async def on_worker(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
