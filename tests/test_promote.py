@@ -60,13 +60,15 @@ def test_a_disk_read_is_promoted_into_memory_only_when_asked(adapter, tmp_path, 
     cfg = EngineConfig(promote_disk_reads=promote)
     eng = QCFuseEngine(adapter, store=_store(tmp_path), config=cfg, text_index=TEXTS)
     assert _in_memory(eng, keys) == [False] * 3
+    asked: list = []  # the promotions handed to the background thread (from the request's own thread)
+    real = eng.prefetcher.promote
+    eng.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
     first = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert (first.cache_hits, first.cache_misses) == (2, 0)
     if promote:
         _wait(lambda: _in_memory(eng, keys) == [True, True, False])  # only the chunks this request read
-    else:
-        time.sleep(0.5)
-        assert _in_memory(eng, keys) == [False] * 3
+    else:  # nothing was handed over, so nothing can arrive later
+        assert asked == [] and _in_memory(eng, keys) == [False] * 3
     disk_reads = eng.store.disk.stats.bytes_read
     second = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert second.token_ids == first.token_ids  # memory or disk: the same bytes, the same answer
