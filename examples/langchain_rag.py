@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--explicit-ids", action="store_true", help="also pass the retrieved Documents to the LLM")
     args = ap.parse_args(argv)
     if args.store is None:
-        from qcfuse_core.model.adapter import cache_dir
+        from qcfuse_core import cache_dir
 
         args.store = cache_dir() / "examples" / "langchain"
     args.store.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
-    from qcfuse_core.model.adapter import cache_dir
+    from qcfuse_core import cache_dir
     from qcfuse_integrations.llama_index import (
         FusionStats,
         QCFuseCacheBuilder,

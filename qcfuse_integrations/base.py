@@ -26,10 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mappi
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.engine.generation import GenerationConfig
-from qcfuse_core.engine.streams import AsyncTokenStream, TokenStream
-from qcfuse_core.selection.base import SELECTORS
+from qcfuse_core import SELECTORS, AsyncTokenStream, GenerationConfig, QCFuseEngine, TokenStream
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -220,7 +217,7 @@ def default_model_name(model: str | None) -> str:
     """The model's name without loading it (tracing metadata asks before the first call)."""
     from pathlib import Path
 
-    from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME
+    from qcfuse_core import DEFAULT_MODEL_NAME
 
     return Path(model).name if model else DEFAULT_MODEL_NAME
 
@@ -303,7 +300,7 @@ class Call:
     # ------------------------------------------------------------------ both
     def _pieces(self, engine: QCFuseEngine) -> Callable[[], list]:
         """The request's pieces, made in the scheduler's thread when the request starts."""
-        from qcfuse_core.retrieval.texts import split_prompt
+        from qcfuse_core import split_prompt
         from qcfuse_integrations.learning import learner_for
 
         def pieces() -> list:
@@ -323,7 +320,7 @@ class Call:
         """The options, with the JSON-schema constraint when the call is constrained."""
         if not self.constrained:
             return self.options
-        from qcfuse_core.engine.grammar import json_schema_constraint
+        from qcfuse_core import json_schema_constraint
 
         gen = replace(self.options.generation, constraint=json_schema_constraint(engine.tokenizer, self.schema))
         return replace(self.options, generation=gen)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from qcfuse_core.engine.api import QCFuseEngine, open_engine
+from qcfuse_core import QCFuseEngine, open_engine
 
 _ENGINES: dict[tuple[str, str, str, str], QCFuseEngine] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -26,7 +26,7 @@ _REGISTRY_LOCK = threading.Lock()
 def _store_root(store_dir: str | Path | None) -> Path:
     if store_dir is not None:
         return Path(store_dir).expanduser().resolve()
-    from qcfuse_core.paths import cache_dir
+    from qcfuse_core import cache_dir
 
     return (cache_dir() / "store").resolve()
 

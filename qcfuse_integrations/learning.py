@@ -44,14 +44,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.retrieval.texts import ANCHOR
-from qcfuse_core.types import Piece
+from qcfuse_core import MIN_CHUNK_CHARS, Piece, QCFuseEngine
 
 log = logging.getLogger(__name__)
 
 RECENT = 256  # retrieved texts kept for matching re-rendered prompts
-MIN_SPAN = 2 * ANCHOR  # shortest re-rendered span worth a cache of its own (characters)
+MIN_SPAN = 2 * MIN_CHUNK_CHARS  # shortest re-rendered span worth a cache of its own (characters)
 RECENT_S = 300.0  # a retrieval this recent makes a prompt "look like it carries context"
 _CONTEXT_HEADER = re.compile(r"\b(context|documents?|sources?|passages?)\b\s*(information|:)", re.IGNORECASE)
 _WS = re.compile(r"\s+")
@@ -122,7 +120,7 @@ class Learner:
         todo: list[tuple[str, str | None]] = []
         with self._lock:
             for text, node_id in items:
-                if not isinstance(text, str) or len(text) < ANCHOR:
+                if not isinstance(text, str) or len(text) < MIN_CHUNK_CHARS:
                     continue
                 self._recent[text] = node_id
                 self._recent.move_to_end(text)
@@ -251,7 +249,7 @@ class Learner:
         for text, node_id in candidates.items():
             at = prompt.find(text)
             if at >= 0:  # verbatim: registered unless another text covers it already
-                if len(text) >= ANCHOR and not _overlaps(taken, at, at + len(text)):
+                if len(text) >= MIN_CHUNK_CHARS and not _overlaps(taken, at, at + len(text)):
                     engine.texts.add(text, node_id)
                     taken.append((at, at + len(text)))
                     learned += 1
@@ -278,7 +276,7 @@ class Learner:
             fresh = time.monotonic() - self._last_retrieval < RECENT_S
         if fresh:
             for text in recent:
-                if any(len(line) >= ANCHOR and line in prompt for line in text.splitlines()):
+                if any(len(line) >= MIN_CHUNK_CHARS and line in prompt for line in text.splitlines()):
                     return True
         return len(prompt) >= 400 and _CONTEXT_HEADER.search(prompt) is not None
 

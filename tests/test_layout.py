@@ -8,6 +8,8 @@
   server, the studio or the evaluation;
 - the server (`qcfuse_core.serve`) imports nothing of the studio: what they share (the body
   limit, the API key check) is in `qcfuse_core.asgi`;
+- the integrations (`qcfuse_integrations`) use the core through its public face only: names
+  imported from `qcfuse_core` itself, never from a module under it (nor `qcfuse_kernels`);
 - the library's import graph between modules has no cycle (imports inside functions
   included: they would only hide one);
 - imports inside functions are kept for optional extras (and the lazy CLI commands).
@@ -102,6 +104,14 @@ def test_the_cache_layer_imports_nothing_of_the_engine():
 def test_the_server_imports_nothing_of_the_studio():
     bad = _arrows(_graph(), ("qcfuse_core.serve",), ("qcfuse_core.studio",))
     assert not bad, "the server imports the studio:\n" + "\n".join(bad)
+
+
+def test_the_integrations_use_only_the_public_face():
+    graph = _graph()
+    bad = [a for a in _arrows(graph, ("qcfuse_integrations",), ("qcfuse_core", "qcfuse_kernels"))
+           if not a.endswith(" -> qcfuse_core")]
+    assert not bad, "the integrations reach past `qcfuse_core`'s public names:\n" + "\n".join(bad)
+    assert "qcfuse_core" in graph["qcfuse_integrations.base"]  # the checker sees `from qcfuse_core import ...`
 
 
 def _parents(name: str) -> set[str]:

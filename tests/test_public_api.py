@@ -28,6 +28,22 @@ def test_the_public_names_import_from_the_package():
     assert (ROOT / "qcfuse_core" / "py.typed").is_file()
 
 
+def test_every_public_name_resolves_to_what_it_names():
+    """`__all__` is the lazy table; each name imports (the `chroma` extra's opener too, without
+    calling it), is the object in its module, and is what the type checkers are told it is."""
+    import ast
+    import importlib
+
+    import qcfuse_core
+
+    for name, (module, attr) in qcfuse_core._PUBLIC.items():
+        assert getattr(qcfuse_core, name) is getattr(importlib.import_module(module), attr), name
+    tree = ast.parse((ROOT / "qcfuse_core" / "__init__.py").read_text())
+    typed = {(n.module, a.name, a.asname) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+             for a in n.names if n.module and n.module.startswith("qcfuse_core")}
+    assert typed == {(m, a, n) for n, (m, a) in qcfuse_core._PUBLIC.items()}
+
+
 def test_unknown_selection_options_raise_naming_the_valid_ones():
     from qcfuse_core import EngineConfig, QCFuseOptions
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.types import ChunkKey, NodeId, Piece
+from qcfuse_core import ChunkKey, NodeId, Piece, QCFuseEngine
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.runnables.config import run_in_executor
 from pydantic import BaseModel, ConfigDict
 
-from qcfuse_core.retrieval.embedder import DIMENSIONS, get_embedder
+from qcfuse_core import EMBEDDING_DIMENSIONS, get_embedder
 
 
 class QCFuseEmbeddings(BaseModel, Embeddings):
@@ -20,7 +20,7 @@ class QCFuseEmbeddings(BaseModel, Embeddings):
 
     @property
     def dimensions(self) -> int:
-        return DIMENSIONS
+        return EMBEDDING_DIMENSIONS
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         if isinstance(texts, str):

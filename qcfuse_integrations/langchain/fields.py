@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core import QCFuseEngine
 from qcfuse_integrations.base import ENGINE_FIELDS, TOKEN_LIMIT_NAMES, check_method, constructor_keywords
 
 
@@ -18,9 +18,7 @@ class EngineFields(BaseModel):
     model: str | None = Field(default=None, description=ENGINE_FIELDS["model"])
     dtype: str | None = Field(default=None, description=ENGINE_FIELDS["dtype"])
     device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
-    method: str = Field(
-        default="qcfuse", description="Recompute method, a name in qcfuse_core.selection.base.SELECTORS"
-    )
+    method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.SELECTORS")
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")

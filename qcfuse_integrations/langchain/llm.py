@@ -6,7 +6,7 @@ in the background, and the texts the chain pastes into the prompt are found by c
 (learning.py); only the tokens the method selects are recomputed. Chat-style code should use
 `ChatQCFuse` (chat.py). Per call, through `invoke(...)` keyword arguments or `llm.bind(...)`:
 
-    method, ratio                      the recompute method (qcfuse_core.selection.selectors) and budget
+    method, ratio                      the recompute method (a name in qcfuse_core.SELECTORS) and budget
     max_tokens (= max_new_tokens),     decoding
     temperature, top_p, top_k,
     repetition_penalty, seed

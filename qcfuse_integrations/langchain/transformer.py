@@ -22,7 +22,7 @@ from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 
-from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core import QCFuseEngine
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.retrieval.texts import ANCHOR
+from qcfuse_core import MIN_CHUNK_CHARS, QCFuseEngine
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
@@ -86,8 +85,8 @@ class QCFuseCacheBuilder(TransformComponent):
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         engine = self.engine
         todo = [(render_for_prompt(n), n.node_id) for n in nodes]
-        short = sum(len(t) < ANCHOR for t, _ in todo)  # too short for the content index to find
-        todo = [(t, i) for t, i in todo if len(t) >= ANCHOR]
+        short = sum(len(t) < MIN_CHUNK_CHARS for t, _ in todo)  # too short for the content index to find
+        todo = [(t, i) for t, i in todo if len(t) >= MIN_CHUNK_CHARS]
         built = reused = 0
         batches = [todo[i : i + BUILD_BATCH] for i in range(0, len(todo), BUILD_BATCH)]
         for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qcfuse_core.retrieval.chroma import open_collection
+from qcfuse_core import open_chroma_collection
 
 CHROMA_VS_PIP = "pip install 'qcfuse[llama-index]'  (llama-index-vector-stores-chroma)"
 
@@ -20,4 +20,4 @@ def chroma_vector_store(path: str | Path, collection: str = "qcfuse"):
         from llama_index.vector_stores.chroma import ChromaVectorStore
     except ImportError as e:
         raise ImportError(f"the Chroma vector store for LlamaIndex is not installed: {CHROMA_VS_PIP}") from e
-    return ChromaVectorStore(chroma_collection=open_collection(path, collection))
+    return ChromaVectorStore(chroma_collection=open_chroma_collection(path, collection))

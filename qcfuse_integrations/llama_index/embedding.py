@@ -12,14 +12,14 @@ from typing import List
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field
 
-from qcfuse_core.retrieval.embedder import DIMENSIONS, get_embedder
+from qcfuse_core import EMBEDDING_DIMENSIONS, get_embedder
 
 
 class QCFuseEmbedding(BaseEmbedding):
     """Offline sentence embeddings; nothing is downloaded."""
 
     model_name: str = Field(default="all-MiniLM-L6-v2", description="The embedding model (fixed: the offline MiniLM).")
-    dimensions: int = Field(default=DIMENSIONS, description="Vector length.", frozen=True)
+    dimensions: int = Field(default=EMBEDDING_DIMENSIONS, description="Vector length.", frozen=True)
 
     @classmethod
     def class_name(cls) -> str:

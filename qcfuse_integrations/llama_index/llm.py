@@ -50,7 +50,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
-from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core import QCFuseEngine
 from qcfuse_integrations import chat as turns
 from qcfuse_integrations.base import (
     ENGINE_FIELDS,
@@ -83,9 +83,7 @@ class QCFuseLLM(EngineBacked, FunctionCallingLLM):
     store_dir: Optional[str] = Field(default=None, description=ENGINE_FIELDS["store_dir"])
     dtype: Optional[str] = Field(default=None, description=ENGINE_FIELDS["dtype"])
     device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
-    method: str = Field(
-        default="qcfuse", description="Recompute-selection method (qcfuse_core.selection.base.SELECTORS)."
-    )
+    method: str = Field(default="qcfuse", description="Recompute-selection method (qcfuse_core.SELECTORS).")
     ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of chunk tokens recomputed.")
     max_new_tokens: int = Field(
         default=128, ge=1, description="Tokens generated at most (LlamaIndex's num_output; call option max_tokens)."

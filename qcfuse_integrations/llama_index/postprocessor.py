@@ -30,9 +30,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.store import MemoryStore
-from qcfuse_core.types import NodeId
+from qcfuse_core import MemoryStore, NodeId, QCFuseEngine
 from qcfuse_integrations.engines import shared_engine
 from qcfuse_integrations.llama_index.builder import render_for_prompt
 
