@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.types import ChunkKey, KVChunk
+
+# A whole tiny model through each backend: the PyTorch references in the fast tier, Triton's
+# interpreter in the slow tier (40-80x slower on a CPU). Each kernel is compared with its
+# reference on tiny shapes in the fast tier (test_kernels*.py, test_graph_decode.py).
+WHOLE_MODEL_BACKENDS = [
+    pytest.param("reference", id="ref"),
+    pytest.param("interpreter", id="interp", marks=[pytest.mark.kernels, pytest.mark.slow]),
+]
 
 KINDS = ["prefix", "chunk", "text", "chunk", "chunk", "suffix"]
 LENS = [6, 20, 2, 24, 16, 7]

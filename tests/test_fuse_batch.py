@@ -19,12 +19,12 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.probe import ProbeItem, gather_context, run_probe, run_probe_batch
 from qcfuse_core.selection.selectors import select_batch
-from tests.qc_fixtures import prompt_alone
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, prompt_alone
 
-# The batched probe and the ragged prefill run through the detected kernel backend (`kernels`:
-# Triton's interpreter on CPU); the engine-level tests below decode whole answers, so they run on
-# the PyTorch references, which the kernel tests above compare against.
-kernels = pytest.mark.kernels
+# The batched probe and the ragged prefill run on the PyTorch references (fast tier) and through
+# Triton's interpreter (slow tier: WHOLE_MODEL_BACKENDS); the engine-level tests below decode
+# whole answers on the references.
+by_backend = pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
 
 # six prompts of different shapes: (lengths, kinds, seed)
 SHAPES = [
@@ -59,8 +59,8 @@ def _suffix(prompt):
 # ------------------------------------------------------------------ batched probe
 
 
-@kernels
-def test_probe_batch_equals_each_alone(model):
+@by_backend
+def test_probe_batch_equals_each_alone(model, backend):
     """Q/K at the kept layers per request, with requests probing to different depths and
     through the padded layout a CUDA graph replays."""
     prompts = _prompts(model)
@@ -80,8 +80,8 @@ def test_probe_batch_equals_each_alone(model):
                 torch.testing.assert_close(g.k[layer], want.k[layer], atol=1e-5, rtol=1e-5)
 
 
-@kernels
-def test_probe_batch_keeps_requests_apart(model):
+@by_backend
+def test_probe_batch_keeps_requests_apart(model, backend):
     """Garbage in one request's context changes nothing of another's probe."""
     prompts = _prompts(model)[:3]
     items = [ProbeItem(*_suffix(p), gather_context(p, 2, None), [1]) for p in prompts]
@@ -95,9 +95,9 @@ def test_probe_batch_keeps_requests_apart(model):
         torch.testing.assert_close(got[b].k[1], base[b].k[1], atol=1e-6, rtol=1e-6)
 
 
-@kernels
+@by_backend
 @pytest.mark.parametrize("method", ["qcfuse", "qcall"])
-def test_select_batch_equals_select_alone(model, method):
+def test_select_batch_equals_select_alone(model, backend, method):
     """Scores and row sets of a batch of probing selections (mixed ratios) as alone; with
     exact, the same bits."""
     prompts = _prompts(model)
@@ -116,8 +116,8 @@ def test_select_batch_equals_select_alone(model, method):
                 torch.testing.assert_close(g.scores, w.scores, atol=1e-6, rtol=1e-5)
 
 
-@kernels
-def test_select_batch_mixed_methods_and_failures(model):
+@by_backend
+def test_select_batch_mixed_methods_and_failures(model, backend):
     """Probing and non-probing selectors in one batch; a request whose selection raises
     gets its error, the others their selections."""
     prompts = _prompts(model)
@@ -165,9 +165,9 @@ def _alone(m, items):
     ]
 
 
-@kernels
+@by_backend
 @pytest.mark.parametrize("exact", [False, True])
-def test_ragged_prefill_equals_each_alone(model, exact):
+def test_ragged_prefill_equals_each_alone(model, backend, exact):
     """Six requests of mixed methods, ratios and lengths: first-token logits within 1e-5 of
     each fused alone, the same final rows and row sets, the same KV caches; exact: bits."""
     prompts = _prompts(model)
@@ -190,7 +190,8 @@ def test_ragged_prefill_equals_each_alone(model, exact):
         assert gi.kv_out.length == T
 
 
-@kernels
+@pytest.mark.kernels
+@pytest.mark.slow  # the whole model through the interpreter
 def test_ragged_prefill_uses_one_attention_launch(model, monkeypatch):
     """The sparse rows of every request attend in one ragged launch per layer (the kernel
     path; the PyTorch reference runs it request by request)."""
@@ -210,8 +211,8 @@ def test_ragged_prefill_uses_one_attention_launch(model, monkeypatch):
     assert calls == [len(items)] * model.num_layers
 
 
-@kernels
-def test_batch_of_one_is_fused_prefill(model):
+@by_backend
+def test_batch_of_one_is_fused_prefill(model, backend):
     prompts = _prompts(model)
     sel = get_selector("qcfuse").select(_ctx(model, prompts[0]))
     a = fused_prefill(model, prompts[0], sel.rows, logits_last=None, capture_pre_rope=True)
@@ -219,8 +220,8 @@ def test_batch_of_one_is_fused_prefill(model):
     assert torch.equal(a.logits, b.logits) and torch.equal(a.k_pre, b.k_pre)
 
 
-@kernels
-def test_ragged_prefill_checks_each_item(model):
+@by_backend
+def test_ragged_prefill_checks_each_item(model, backend):
     prompts = _prompts(model)
     good = FuseItem(prompts[0], torch.arange(prompts[0].num_tokens))
     bad = FuseItem(prompts[1], torch.tensor([0, 1]))  # misses the suffix

@@ -22,8 +22,10 @@ from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefil
 from qcfuse_core.model.adapter import ModelAdapter, cache_kwarg
 from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS
 
-pytestmark = pytest.mark.kernels  # tiny models run through the Triton interpreter
+# Whole tiny models run on the references (fast tier) and through Triton's interpreter (slow
+# tier: WHOLE_MODEL_BACKENDS); the tests of one kernel op carry `kernels` (the interpreter).
 
 ATOL = 2e-5  # fp32; logits of order 1-10
 ARCHS = list(TINY_CONFIGS)
@@ -55,8 +57,9 @@ def _report(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max abs err {(a - b).abs().max().item():.3e}"
 
 
+@pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_recompute_equals_hf(arch):
+def test_full_recompute_equals_hf(arch, backend):
     m = tiny_model(arch)
     prompt = _prompt_alone(m, _segments_lens(m.shape.vocab_size, LENS), KINDS)
     ref, _ = m.hf_forward(prompt.token_ids, keep=None)
@@ -64,8 +67,9 @@ def test_full_recompute_equals_hf(arch):
     assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), _report(out.logits, ref)
 
 
+@pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_exact_caches_with_sparse_rows_equal_hf(arch):
+def test_exact_caches_with_sparse_rows_equal_hf(arch, backend):
     """Caches holding the true in-context K/V make any row set exact."""
     m = tiny_model(arch)
     parts = _segments_lens(m.shape.vocab_size, LENS, seed=1)
@@ -129,8 +133,9 @@ def _naive_reference(m: ModelAdapter, parts, kinds) -> torch.Tensor:
     return out.logits[0, -1:].float()
 
 
+@pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_naive_equals_independent_reference(arch):
+def test_naive_equals_independent_reference(arch, backend):
     m = tiny_model(arch)
     kinds = ["prefix", "chunk", "chunk", "chunk", "suffix"]
     parts = _segments_lens(m.shape.vocab_size, [5, 19, 33, 11, 8], seed=3)
@@ -143,6 +148,7 @@ def test_naive_equals_independent_reference(arch):
     assert (out.logits - full).abs().max() > 1e-3, "naive should differ from full prefill on random chunks"
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen3", "gemma3"])
 def test_rerotation_matches_direct_rotation(arch):
     m = tiny_model(arch)
@@ -158,6 +164,7 @@ def test_rerotation_matches_direct_rotation(arch):
         assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), _report(ours, direct[0].transpose(0, 1))
 
 
+@pytest.mark.kernels
 def test_gemma3_rope_bases_differ_by_layer_type():
     """Gemma 3's sliding layers rotate with the local base, its full layers with the global one."""
     m = tiny_model("gemma3")
@@ -169,6 +176,7 @@ def test_gemma3_rope_bases_differ_by_layer_type():
     assert torch.equal(m.rope(pos, 2)[0], local[0])
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rope_table_equals_hf_rotary(arch):
     """The cached cos/sin table (on by default on CUDA) gives HF's rotary values bit for bit,
@@ -190,6 +198,7 @@ def test_rope_table_equals_hf_rotary(arch):
     assert torch.equal(m2.rope(pos, 0)[0], m.rope(pos, 0)[0]) and not m2._rope_tab
 
 
+@pytest.mark.kernels
 def test_rope_table_not_used_for_dynamic_rope():
     """A RoPE that rescales with the sequence length (dynamic, longrope) is never tabled."""
     m = tiny_model("llama")
@@ -200,6 +209,7 @@ def test_rope_table_not_used_for_dynamic_rope():
     assert not m._rope_tab
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral-swa"])
 def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     """A chunk's stored pre-RoPE keys, rotated to offset o, equal HF's keys for the same chunk run
@@ -236,6 +246,7 @@ def test_embedded_model_full_recompute_equals_hf(smol):
     assert torch.allclose(out2.logits, ref[-1:], atol=1e-3, rtol=1e-5), _report(out2.logits, ref[-1:])
 
 
+@pytest.mark.kernels
 def test_rows_validation_errors():
     m = tiny_model("llama")
     prompt = _prompt_alone(m, _segments_lens(256, [5, 10, 4]), ["prefix", "chunk", "suffix"])
@@ -251,6 +262,7 @@ def test_rows_validation_errors():
         Segment("middle", torch.arange(3))
 
 
+@pytest.mark.kernels
 def test_unsupported_architecture_names_supported_ones():
     import transformers as tf
 
@@ -259,6 +271,7 @@ def test_unsupported_architecture_names_supported_ones():
         ModelAdapter(tf.GPT2LMHeadModel(cfg))
 
 
+@pytest.mark.kernels
 def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
     """The torch path splits rows into blocks that read keys only up to their last row; any
     block size gives the dense reference's output (fp32, atol 1e-6)."""
@@ -279,6 +292,7 @@ def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
         assert torch.allclose(got, want, atol=1e-6), f"block {block}: {(got - want).abs().max():.2e}"
 
 
+@pytest.mark.kernels
 def test_logits_of_the_last_rows_only():
     m = tiny_model("llama")
     ids = torch.randint(0, m.shape.vocab_size, (30,), generator=torch.Generator().manual_seed(1))

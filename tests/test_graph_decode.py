@@ -141,7 +141,10 @@ def _rows_step(adapter, caches, tokens):
 
 @needs_interpreter
 @pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral-swa"])
+@pytest.mark.parametrize(
+    "arch",  # a whole model through the interpreter: one architecture in the fast tier, the rest slow
+    ["llama"] + [pytest.param(a, marks=pytest.mark.slow) for a in ("qwen3", "gemma3", "mistral-swa")],
+)
 def test_decode_rows_matches_decode_batch(use_backend, arch):
     """Three sequences (past the tiny sliding windows), four steps: the logits and the caches
     written match decode_batch's (fp32: the attention sums in another order) and the greedy
