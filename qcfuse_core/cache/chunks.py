@@ -1,5 +1,7 @@
 """The chunk-cache manager: what every request of one engine shares about chunk caches.
 
+    lookup        a request's pieces -> what is cached and where, misses built now
+                  (`ChunkCaches.lookup` -> `LookedUp`, cache/lookup.py)
     token cache   chunk text -> (token ids, ChunkKey), tokenised and hashed once (LRU)
     links         node id -> key, written to the store once per process
     prefixes      prompt-template caches kept on the compute device (exact for every request)
@@ -20,12 +22,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from qcfuse_core.cache import subspans
+from qcfuse_core.cache.lookup import GLUE_CHARS, LookedUp, Part, check_context
 from qcfuse_core.cache.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar, probe_sidecar
-from qcfuse_core.engine.request import Part
 from qcfuse_core.ingest import prefill as ingest
 from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.model.fusion import KVCache
@@ -33,7 +36,7 @@ from qcfuse_core.selection import profiles
 from qcfuse_core.selection.anchors import ensure_anchors
 from qcfuse_core.selection.options import QCFuseOptions
 from qcfuse_core.store import ChunkStore
-from qcfuse_core.types import ChunkKey, KVChunk, NodeId
+from qcfuse_core.types import ChunkKey, KVChunk, NodeId, Piece
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,60 @@ class ChunkCaches:
         self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
         self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
         self._pool: list[KVCache] = []
+
+    # ------------------------------------------------------------------ a request's lookup
+    def lookup(self, pieces: Sequence[Piece], *, fused: bool, streaming: bool | None = None) -> LookedUp:
+        """What of `pieces` is cached, and where: token ids per piece (tokenised once per chunk
+        text), the chunk keys, the tier or in-memory cache of each chunk; the misses are
+        built and stored now (cache/lookup.py). Raises ValueError for a prompt longer than
+        the model's positions, before anything is built.
+
+        fused: the request fuses chunk caches (else only tokens are looked up: full
+        prefill). streaming (default: a store that streams layers, and fused): chunks stay
+        in the store, streamed by the prefetcher; otherwise they come back in memory."""
+        streaming = (self.prefetcher is not None and fused) if streaming is None else streaming
+        parts: list[Part] = []
+        for p in pieces:
+            cached = fused and p.kind in ("prefix", "chunk")
+            if p.kind in ("prefix", "chunk"):
+                ids, key = self.chunk_tokens(p.text)
+            elif p.kind == "text" and len(p.text) <= GLUE_CHARS:  # glue between chunks repeats request to request
+                ids, key = self.chunk_tokens(p.text)[0], None
+            else:
+                ids, key = self.tokenize(p.text), None
+            if ids.numel() == 0:
+                continue
+            if not cached or key is None:
+                parts.append(Part(p.kind, ids, p.node_id))
+                continue
+            if p.kind != "chunk" or p.source is None:
+                self.link(p.node_id, key)
+            if p.kind == "prefix":
+                chunk, hit = self.prefix(key, ids)
+                parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
+            elif streaming:
+                assert self.prefetcher is not None
+                tier = self.prefetcher.tier_of(key)
+                parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
+            else:
+                got = self.store.get(key)
+                parts.append(
+                    Part("chunk", ids, p.node_id, key, "host" if got is not None else None, got, got is not None)
+                )
+            if p.kind == "chunk" and p.source is not None:  # a re-rendered text: its runs from the source
+                served = None if parts[-1].hit else self._subspans(parts[-1], p.source)
+                if served:
+                    parts[-1:] = served
+                else:
+                    self.link(p.node_id, key)
+        check_context(self.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
+        missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
+        built = self.build(missing, keep=True)
+        parts = [
+            replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p for p in parts
+        ]
+        hits, n = subspans.count_chunks([p for p in parts if p.kind != "chunk" or p.key is not None], lambda p: p.hit)
+        return LookedUp(tuple(parts), hits, n - hits)
 
     # ------------------------------------------------------------------ tokens and keys
     def tokenize(self, text: str) -> torch.Tensor:
@@ -243,7 +300,7 @@ class ChunkCaches:
                 self._prefixes.popitem(last=False)
         return chunk, hit
 
-    def subspans(self, part: Part, source: str) -> list[Part] | None:
+    def _subspans(self, part: Part, source: str) -> list[Part] | None:
         """The parts serving a chunk's token runs from the stored cache of the text it
         re-renders (subspans.py); None when that is not stored or shares no run."""
         _, src_key = self.chunk_tokens(source)

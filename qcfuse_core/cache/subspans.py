@@ -35,7 +35,7 @@ from difflib import SequenceMatcher
 
 import torch
 
-from qcfuse_core.engine.request import Part
+from qcfuse_core.cache.lookup import Part
 from qcfuse_core.types import ChunkKey, KVChunk
 
 MIN_PREFIX = 4  # shortest exact prefix slice served (tokens)

@@ -3,8 +3,9 @@
     [prefix][doc 1][glue][doc 2] ... [doc n][suffix + question]  + max_new_tokens  <=  limit
 
 A model asked past its trained positions answers garbage without any error, so the engine
-refuses such a request (`check_context`), and the CLI keeps the best-ranked documents that
-fit (`fit_documents`) and says how many it dropped.
+refuses such a request (`check_context`, checked by the cache manager's lookup before it
+builds anything: cache/lookup.py), and the CLI keeps the best-ranked documents that fit
+(`fit_documents`) and says how many it dropped.
 """
 
 from __future__ import annotations
@@ -12,16 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def context_error(prompt_tokens: int, new_tokens: int, limit: int, hint: str = "lower --top-k") -> str:
-    gen = f" + {new_tokens:,} to generate" if new_tokens else ""
-    return f"prompt is {prompt_tokens:,} tokens{gen}; the model takes {limit:,} - {hint}"
-
-
-def check_context(limit: int | None, prompt_tokens: int, new_tokens: int = 0) -> None:
-    """Raise ValueError unless `prompt_tokens + new_tokens <= limit` (None: no limit known)."""
-    if limit is not None and prompt_tokens + new_tokens > limit:
-        raise ValueError(context_error(prompt_tokens, new_tokens, limit))
+from qcfuse_core.cache.lookup import check_context as check_context
+from qcfuse_core.cache.lookup import context_error
 
 
 @dataclass(frozen=True)

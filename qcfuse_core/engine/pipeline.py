@@ -34,18 +34,16 @@ import torch
 
 from qcfuse_core.cache.batch import start_batch
 from qcfuse_core.cache.chunks import ChunkCaches
+from qcfuse_core.cache.lookup import LookedUp, check_context
 from qcfuse_core.cache.planner import Rates
 from qcfuse_core.cache.planner import plan as plan_chunks
 from qcfuse_core.cache.prefetch import ChunkView
 from qcfuse_core.cache.subspans import count_chunks, served_tokens
 from qcfuse_core.engine.config import EngineConfig
-from qcfuse_core.engine.context import check_context
 from qcfuse_core.engine.frame import eos_ids
 from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.engine.request import (
     Loading,
-    LookedUp,
-    Part,
     Planned,
     Prefilled,
     Request,
@@ -71,8 +69,6 @@ from qcfuse_core.selection.selectors import select_batch
 from qcfuse_core.types import FusionResult, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
-
-GLUE_CHARS = 256  # text pieces up to this long (separators, headers) are tokenised once, like chunks
 
 
 class Unreadable(Exception):
@@ -120,55 +116,12 @@ class Steps:
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
-        """Tokens per piece, chunk keys and tiers; misses are built and stored now.
+        """Tokens per piece, chunk keys and tiers; misses are built and stored now: the cache
+        manager's answer (`ChunkCaches.lookup`) for the method's kind of request.
 
         streaming (default: a store that streams layers and a selector that fuses): chunks
         stay in the store and are streamed by the prefetcher; otherwise they come back in memory."""
-        caches = self.engine.caches
-        fuses = get_selector(method).fused
-        streaming = (caches.prefetcher is not None and fuses) if streaming is None else streaming
-        parts: list[Part] = []
-        for p in pieces:
-            cached = fuses and p.kind in ("prefix", "chunk")
-            if p.kind in ("prefix", "chunk"):
-                ids, key = caches.chunk_tokens(p.text)
-            elif p.kind == "text" and len(p.text) <= GLUE_CHARS:  # glue between chunks repeats request to request
-                ids, key = caches.chunk_tokens(p.text)[0], None
-            else:
-                ids, key = caches.tokenize(p.text), None
-            if ids.numel() == 0:
-                continue
-            if not cached or key is None:
-                parts.append(Part(p.kind, ids, p.node_id))
-                continue
-            if p.kind != "chunk" or p.source is None:
-                caches.link(p.node_id, key)
-            if p.kind == "prefix":
-                chunk, hit = caches.prefix(key, ids)
-                parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
-            elif streaming:
-                assert caches.prefetcher is not None
-                tier = caches.prefetcher.tier_of(key)
-                parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
-            else:
-                got = caches.store.get(key)
-                parts.append(
-                    Part("chunk", ids, p.node_id, key, "host" if got is not None else None, got, got is not None)
-                )
-            if p.kind == "chunk" and p.source is not None:  # a re-rendered text: its runs from the source
-                served = None if parts[-1].hit else caches.subspans(parts[-1], p.source)
-                if served:
-                    parts[-1:] = served
-                else:
-                    caches.link(p.node_id, key)
-        check_context(self.engine.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
-        missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
-        built = caches.build(missing, keep=True)
-        parts = [
-            replace(p, chunk=built[p.key], tier="host") if p.key in built and p.kind == "chunk" else p for p in parts
-        ]
-        hits, n = count_chunks([p for p in parts if p.kind != "chunk" or p.key is not None], lambda p: p.hit)
-        return LookedUp(tuple(parts), hits, n - hits)
+        return self.engine.caches.lookup(pieces, fused=get_selector(method).fused, streaming=streaming)
 
     # ------------------------------------------------------------------ 2. plan
     def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
@@ -183,7 +136,7 @@ class Steps:
             return Planned(method, frozenset())
         chunks = looked.chunks
         tiers = [p.tier if p.chunk is None else "host" for p in chunks]  # in memory: as fast as host
-        fresh = sum(int(p.ids.numel()) for p in looked.parts if p.kind in ("text", "suffix"))
+        fresh = looked.fresh_tokens
         overhead = rates.select_ms.get(method, rates.overhead_ms)
         p = plan_chunks(
             rates,

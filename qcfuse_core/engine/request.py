@@ -20,6 +20,9 @@ teacher-forcing hook of `fuse` where a benchmark needs it.
                                                         forward for `full`); closes the session
     6 decode        engine.decode          text deltas  first token (TTFT), then the rest
 
+The results of steps 2-5 are defined here; step 1's, `LookedUp`, is the cache manager's
+answer (cache/lookup.py, `ChunkCaches.lookup`).
+
 A `Request` carries what belongs to one request only: its status, method, ratio, generation
 config, stage clock and the load session to close in a `finally` - never the engine. A
 request that fails leaves nothing behind, so the next one is unaffected.
@@ -47,7 +50,7 @@ import torch
 
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.model.fusion import FusedPrompt, KVCache
-from qcfuse_core.types import ChunkKey, KVChunk, SelectionResult
+from qcfuse_core.types import SelectionResult
 
 STAGES = ("queue", "lookup", "plan", "load_start", "select", "prefill", "first_token")
 
@@ -65,34 +68,6 @@ class Status(enum.Enum):
     @property
     def final(self) -> bool:
         return self in (Status.FINISHED, Status.ABORTED, Status.FAILED)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One non-empty piece of the prompt after lookup."""
-
-    kind: str  # prefix | chunk | text | suffix
-    ids: torch.Tensor  # (n,) int64 on the host
-    node_id: str | None = None
-    key: ChunkKey | None = None  # prefix and chunks (not for `full`)
-    tier: str | None = None  # gpu | host | disk where a tiered store holds it
-    chunk: KVChunk | None = None  # an in-memory cache (the prefix; MemoryStore chunks; misses just built)
-    hit: bool = False  # the chunk's cache existed before this request
-
-
-@dataclass(frozen=True)
-class LookedUp:
-    parts: tuple[Part, ...]
-    hits: int
-    misses: int
-
-    @property
-    def chunks(self) -> list[Part]:
-        return [p for p in self.parts if p.kind == "chunk"]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(int(p.ids.numel()) for p in self.parts)
 
 
 @dataclass(frozen=True)
