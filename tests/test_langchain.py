@@ -25,7 +25,7 @@ from qcfuse_integrations.langchain import (
     LANGCHAIN_PIP, QCFuseCacheBuilder, QCFuseEmbeddings, QCFuseLLM, document_id, format_docs, with_documents,
 )
 
-pytestmark = pytest.mark.slow
+# the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "langchain_rag.py"
 NEW_TOKENS = 8

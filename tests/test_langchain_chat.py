@@ -28,7 +28,7 @@ from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_integrations.langchain import ChatQCFuse, QCFuseEmbeddings
 
-pytestmark = pytest.mark.slow
+# the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
 NEW = 6
 FACTS = [

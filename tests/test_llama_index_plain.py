@@ -26,7 +26,7 @@ from qcfuse_core.engine.api import QCFuseEngine  # noqa: E402
 from qcfuse_core.model.testing import tiny_model  # noqa: E402
 from qcfuse_integrations.llama_index import FusionStats, QCFuseEmbedding, QCFuseLLM  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
 NEW = 6
 TEXTS = [

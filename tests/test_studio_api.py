@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from qcfuse_core.studio.app import create_app  # noqa: E402
 from qcfuse_core.studio.service import StudioConfig, StudioService  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
 Q = "Who founded the Zephyr Institute, and in which year?"
 UPLOAD_LIMIT = 8192

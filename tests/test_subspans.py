@@ -11,7 +11,7 @@ from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.fusion import fused_prefill
 from qcfuse_core.types import ChunkKey, Piece
 
-pytestmark = pytest.mark.slow
+# the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
 STORED = ("Port Halden is a small harbour town on the north coast of Veloria, known for its red lighthouse "
           "and its narrow streets.\n\nEvery autumn the Lantern Festival fills the harbour of Port Halden with "

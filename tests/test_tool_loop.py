@@ -8,7 +8,7 @@ the template has none), the follow-up is asked without the tool list in a templa
 does not know tools, and the answer after the result is text. `predict_and_call`, which
 needs a call, decodes one under the tools' schemas. The joke schema of LangChain's standard
 tests, on a model that loops inside a string, parses: the repetition guard closes the string.
-The embedded model's forced call and text follow-up are in the slow tests at the end.
+The embedded model's forced call and text follow-up are the two tests at the end.
 """
 
 from __future__ import annotations
@@ -248,10 +248,9 @@ def test_list_items_that_copy_an_earlier_one_are_not_padded_on(looping):
     assert rest and all(len(t) < REPEAT_CHARS for t in rest)  # a copy of the first is cut where it repeats
 
 
-# ---------------------------------------------------------------------- the embedded model (slow)
+# ---------------------------------------------------------------------- the embedded model
 
 
-@pytest.mark.slow
 def test_embedded_model_function_agent_with_a_required_tool_calls_it_then_answers_in_text(tmp_path):
     from llama_index.core.agent.workflow import FunctionAgent
 
@@ -272,7 +271,6 @@ def test_embedded_model_function_agent_with_a_required_tool_calls_it_then_answer
     assert "<tool_" not in text and "84" in text, text
 
 
-@pytest.mark.slow
 def test_embedded_model_langchain_forced_call_then_text(tmp_path):
     @tool
     def multiply(a: int, b: int) -> int:
