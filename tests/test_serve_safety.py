@@ -276,6 +276,7 @@ def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:
         first.set()
 
 
+@pytest.mark.slow  # a server process through a 10 s shutdown grace period
 def test_sigterm_finishes_or_cancels_streams_and_closes_the_store(tmp_path):
     """SIGTERM while two streams run: the short one finishes inside the grace period, the long
     one (3000 tokens) is cancelled when it ends (its connection closed); the scheduler stops,
