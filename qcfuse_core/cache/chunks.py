@@ -6,6 +6,8 @@
     links         node id -> key, written to the store once per process
     prefixes      prompt-template caches kept on the compute device (exact for every request)
     KV pool       fused-prompt caches of finished requests, reused on CUDA
+    KV budget     the bytes running requests' KV caches may hold together: a request is
+                  admitted with a `Reservation` (`reserve`), released when it ends
     building      caches of chunks not stored yet: prefilled many per forward pass
                   (`ingest.prefill_alone_batch`), anchors and probe sidecars added, written
                   to the store off the compute thread
@@ -22,7 +24,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,12 +48,31 @@ KV_POOL = 1  # fused-prompt caches kept for the next request (CUDA)
 WRITERS = 8  # store-writer threads of ingestion on CUDA (a write is mostly waiting: pinning, copies, file)
 
 
+class KVBudgetError(ValueError):
+    """A request's KV cache (its prompt plus max_new_tokens) is larger than the engine's whole
+    KV budget (`EngineConfig.kv_cache_bytes` / `kv_memory_share`): it could never be admitted.
+    Shorten the prompt or max_new_tokens, or raise the budget."""
+
+
+@dataclass(eq=False)
+class Reservation:
+    """KV cache bytes one running request holds within the engine's KV budget, from
+    `ChunkCaches.reserve` until `ChunkCaches.release`."""
+
+    nbytes: int
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
 class ChunkCaches:
     """Token ids, keys, prefix caches, the KV pool and cache building of one engine.
 
     `options` returns the engine's current selection options (anchors and critical layers
     of the probe sidecars follow them); `sink`: token ids chunks are cached after
-    (`EngineConfig.chunk_sink`), or None.
+    (`EngineConfig.chunk_sink`), or None. kv_cache_bytes / kv_memory_share: the KV budget
+    (`EngineConfig`'s; see `reserve`).
     """
 
     def __init__(
@@ -61,8 +82,12 @@ class ChunkCaches:
         options: Callable[[], QCFuseOptions],
         sink: torch.Tensor | None = None,
         prefetch: PrefetchConfig | None = None,
+        *,
+        kv_cache_bytes: int | None = None,
+        kv_memory_share: float = 0.8,
     ) -> None:
         self.adapter, self.store, self._options, self.sink = adapter, store, options, sink
+        self.kv_cache_bytes, self.kv_memory_share = kv_cache_bytes, kv_memory_share
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, store, prefetch or PrefetchConfig()) if store.streams_layers else None
         # the namespace of the chunk keys: the model's, or its own for sink caches
@@ -77,6 +102,8 @@ class ChunkCaches:
         self._prefixes: OrderedDict[ChunkKey, KVChunk] = OrderedDict()  # on the compute device
         self._linked: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
         self._pool: list[KVCache] = []
+        self._kv_budget: int | None = None  # bytes (0: no limit); sized at the first reservation
+        self._reserved: list[Reservation] = []  # those of the running requests
 
     # ------------------------------------------------------------------ a request's lookup
     def lookup(self, pieces: Sequence[Piece], *, fused: bool, streaming: bool | None = None) -> LookedUp:
@@ -343,3 +370,58 @@ class ChunkCaches:
         self.store.delete(key)
         if self.prefetcher is not None:
             self.prefetcher.forget_sidecars()
+
+    # ------------------------------------------------------------------ the KV budget
+    def reserve(self, tokens: int) -> Reservation | None:
+        """Room for a request's KV cache of `tokens` tokens (prompt + max_new_tokens) beside the
+        running requests' -> its Reservation (give it back with `release` when the request
+        ends), or None while the running requests hold the room: the request waits. Raises
+        KVBudgetError for a cache larger than the whole budget.
+
+        The budget is `kv_cache_bytes`, else on a CUDA device `kv_memory_share` of the memory
+        free at the first reservation (idle pooled caches counted as free), else (a CPU) no
+        limit. Idle pooled caches give way to a request that needs their room."""
+        shape, dtype = self.adapter.shape, self.adapter.dtype
+        need = 2 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        budget = self._budget()
+        if budget:
+            if need > budget:
+                raise KVBudgetError(
+                    f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
+                    f"({_size(budget)}: EngineConfig.kv_cache_bytes / kv_memory_share)"
+                )
+            held = self.reserved_kv_bytes()
+            if held + self.pooled_kv_bytes() + need > budget:
+                self.drop_pooled_kv()  # idle buffers give way first
+            if held + need > budget:
+                return None
+        reservation = Reservation(need)
+        with self._lock:
+            self._reserved.append(reservation)
+        return reservation
+
+    def hold(self, reservation: Reservation, cache: KVCache) -> None:
+        """The reservation now counts what the request's cache holds (a pooled cache may be
+        larger than asked)."""
+        reservation.nbytes = cache.k.nbytes + cache.v.nbytes
+
+    def release(self, reservation: Reservation | None) -> None:
+        """The request of `reservation` has ended: its room is free."""
+        with self._lock:
+            self._reserved = [r for r in self._reserved if r is not reservation]
+
+    def reserved_kv_bytes(self) -> int:
+        """Bytes the running requests' reservations hold."""
+        with self._lock:
+            return sum(r.nbytes for r in self._reserved)
+
+    def _budget(self) -> int:
+        if self._kv_budget is None:
+            if self.kv_cache_bytes is not None:
+                self._kv_budget = self.kv_cache_bytes
+            elif self.adapter.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.adapter.device)
+                self._kv_budget = int(self.kv_memory_share * (free + self.pooled_kv_bytes()))
+            else:
+                self._kv_budget = 0  # no limit
+        return self._kv_budget

@@ -69,6 +69,8 @@ class QCFuseEngine:
             lambda: self.config.options,
             sink,
             PrefetchConfig(promote_disk_reads=self.config.promote_disk_reads),
+            kv_cache_bytes=self.config.kv_cache_bytes,
+            kv_memory_share=self.config.kv_memory_share,
         )
         self.frame = PromptFrame(adapter.tokenizer, self.config)
         self.steps = Steps(self)

@@ -386,38 +386,33 @@ class Steps:
         return fusion_result(engine, pre, request, dec)
 
     # ------------------------------------------------------------------ steps 1-5 together
-    def prefill(
-        self,
-        make_pieces: Callable[[], Sequence[Piece]],
-        req: Request,
-        admit: Callable[[int], None] | None = None,
-    ) -> Prefilled:
+    def prefill(self, make_pieces: Callable[[], Sequence[Piece]], req: Request) -> Prefilled:
         """Steps 1-5 of `req` (its method, ratio and generation config): the prompt's fused
         cache (also in `req.cache`; a load session in flight is in `req.session`), the clock
         marked through `prefill`. `make_pieces` is called first, inside the `lookup` stage.
 
         A chunk whose layers cannot be read in step 5 (`Unreadable`) is deleted and steps 1-5
         run again with it as a miss; a second failure raises RuntimeError. The caller gives
-        `req.cache` back and closes `req` however this ends. `admit(tokens)`, if given, is
-        called once the prompt's length is known, before anything is loaded or allocated,
-        with the tokens its KV cache will hold (the scheduler's KV budget; it may raise)."""
+        `req.cache` back and closes `req` however this ends."""
         pieces = make_pieces()
-        got = self.prefill_batch([(pieces, req, self.prepare(pieces, req, admit))])[0]
+        got = self.prefill_batch([(pieces, req, self.prepare(self.request_lookup(pieces, req), req))])[0]
         if isinstance(got, Exception):
             raise got
         return got
 
-    def prepare(
-        self, pieces: Sequence[Piece], req: Request, admit: Callable[[int], None] | None = None, *, again: bool = False
-    ) -> Loading:
-        """Steps 1-3 of `req` without its load session: lookup (then `admit`, see `prefill`),
+    def request_lookup(self, pieces: Sequence[Piece], req: Request, *, again: bool = False) -> LookedUp:
+        """Step 1 of `req`: `lookup` for its method, its prompt and max_new_tokens checked
+        against the model's positions. Once it returns, the prompt's length is known and
+        nothing is loaded or allocated yet: where the scheduler reserves its KV cache.
+        again: see `prepare`."""
+        looked = self.lookup(pieces, req.method, streaming=False if again else None)
+        check_context(self.engine.adapter.max_positions, looked.num_tokens, req.generation.max_new_tokens)
+        return looked
+
+    def prepare(self, looked: LookedUp, req: Request, *, again: bool = False) -> Loading:
+        """Steps 2-3 of `req` after its lookup (`request_lookup`), without its load session:
         plan, the fused prompt. again: its chunks could not be read the first time - the
         deleted ones are misses now, rebuilt in memory, and the planner is not asked again."""
-        engine, gen = self.engine, req.generation
-        looked = self.lookup(pieces, req.method, streaming=False if again else None)
-        check_context(engine.adapter.max_positions, looked.num_tokens, gen.max_new_tokens)
-        if admit is not None and not again:
-            admit(looked.num_tokens + gen.max_new_tokens)
         req.clock.mark("lookup")
         planned = Planned(req.method, frozenset()) if again else self.plan(looked, req.method, req.ratio)
         req.method, req.plan = planned.method, planned.plan if not again else req.plan
@@ -490,7 +485,7 @@ class Steps:
         for key in e.keys:
             engine.caches.forget_unreadable(key)
         try:
-            loading = self.prepare(pieces, req, again=True)
+            loading = self.prepare(self.request_lookup(pieces, req, again=True), req, again=True)
             req.clock.mark("load_start")
             selected = self.select(loading.prompt, req.method, req.ratio)
             req.clock.mark("select")

@@ -11,14 +11,27 @@ nearly free throughput; and with one thread on the device no two requests fight 
               EngineBusy when it is full             pool, load session closed
     stream <- the job's outbox: text deltas,      2. admit waiting jobs (running <= max_running,
               then the FusionResult or the           their prompts <= step_prefill_tokens, at
-              error of that request alone            least one): steps 1-5 of each and its
-    close / cancel -> the job's abort flag           first token (Steps.prepare, then
-                                                     Steps.prefill_batch of it alone); with
-                                                     batched_prefill, steps 1-3 of each, then
-                                                     3-5 of all together, then first tokens
-                                                  3. one decode step for every decoding job
-                                                     (CUDA graphs on a GPU); each samples its
-                                                     own row
+              error of that request alone            least one):
+    close / cancel -> the job's abort flag           schedule     steps 1-3 of each (lookup;
+                                                                  its KV cache reserved; plan,
+                                                                  the fused prompt)
+                                                     run          steps 3-5 (Steps.prefill_batch)
+                                                                  of it alone, or with
+                                                                  batched_prefill of all of
+                                                                  them together
+                                                     postprocess  their first tokens
+                                                  3. decode every decoding job:
+                                                     schedule     the decoding jobs
+                                                     run          one decode step for all
+                                                                  (the model runner,
+                                                                  model/runner.py)
+                                                     postprocess  each samples its own row
+
+The scheduler decides what runs and keeps each request's state; the model runner
+(`model.runner.ModelRunner`) runs the batched decode step - CUDA graphs on a GPU, eager
+`decode_batch` otherwise or where a graph cannot be captured - and takes the plain greedy
+rows' argmax together; the cache manager (`cache.chunks.ChunkCaches`) answers the lookup and
+holds the KV budget.
 
 With `EngineConfig.batched_prefill`, requests admitted in one step are prefilled together: the
 chunks they share are loaded once per layer, their probes run as one pass over the critical
@@ -40,9 +53,10 @@ of a batched product are too small to flip a token (docs/determinism.md), and wi
 
 KV budget: a request is admitted only once its KV cache (prompt + max_new_tokens) fits
 beside the running requests' within `EngineConfig.kv_cache_bytes` (on a GPU by default
-`kv_memory_share` of the memory free at the first admission); until then it waits at the
-head of the queue, so nothing runs out of memory under load. One larger than the whole
-budget fails alone with KVBudgetError.
+`kv_memory_share` of the memory free at the first admission): `ChunkCaches.reserve` gives it
+a reservation, released when it ends, or None - then it waits at the head of the queue
+(counted as deferred) and admission ends for that step, so nothing runs out of memory under
+load. One larger than the whole budget fails alone with KVBudgetError.
 
 On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.GraphDecoder`,
 `EngineConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
@@ -58,19 +72,19 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
+from qcfuse_core.cache.chunks import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Decoding, Engine, Steps, fusion_result
 from qcfuse_core.engine.request import Loading, Prefilled, Request, StageClock, Status
 from qcfuse_core.engine.threads import configure_cpu_threads
-from qcfuse_core.model.batched import decode_batch, deterministic_tile
-from qcfuse_core.model.fusion import KVCache
-from qcfuse_core.model.graphs import CaptureError, GraphDecoder
+from qcfuse_core.model.runner import ModelRunner
 from qcfuse_core.types import FusionResult, Piece
 
 
@@ -99,20 +113,6 @@ class EngineBusy(RuntimeError):
     """The engine's queue is full: `EngineConfig.max_queue` requests already wait to be
     admitted. Raised when a request is submitted; nothing of it ran. Retry later, or raise
     `max_queue` (a deeper queue only makes each request wait longer)."""
-
-
-class KVBudgetError(ValueError):
-    """A request's KV cache (its prompt plus max_new_tokens) is larger than the engine's whole
-    KV budget (`EngineConfig.kv_cache_bytes` / `kv_memory_share`): it could never be admitted.
-    Shorten the prompt or max_new_tokens, or raise the budget."""
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
-
-
-class _Deferred(Exception):
-    """Admission waits: the request's KV cache does not fit beside the running requests'."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,10 @@ class Job:
     emit: Callable[[object], object]
     abort: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
+    pieces: Sequence[Piece] = ()  # its prompt's pieces, from its lookup on
+    loading: Loading | None = None  # its fused prompt, from admission to its prefill
+    reservation: Reservation | None = None  # its KV cache's room in the budget, while it runs
     decoding: Decoding | None = None  # from the first token on
-    kv_bytes: int = 0  # KV cache bytes reserved for it while it runs
 
 
 class Scheduler:
@@ -180,9 +182,8 @@ class Scheduler:
             ),
             0,
         )
-        self._kv_budget: int | None = None  # bytes; set at the first admission
-        self._graphs: GraphDecoder | None = None  # the worker's; made at its first decode step
-        self._graphs_checked = False
+        cfg = engine.config
+        self.runner = ModelRunner(engine.adapter, cuda_graphs=cfg.cuda_graphs, deterministic=cfg.deterministic)
 
     # ------------------------------------------------------------------ callers' side
     def submit(
@@ -295,38 +296,57 @@ class Scheduler:
                     self._release(job, Status.FAILED, e)
 
     def step(self) -> None:
-        """One scheduler step (the worker thread's; see the module docstring)."""
-        cfg = self.engine.config
-        with self._cv:  # 1. aborted: those still waiting leave the queue now, whatever its length
+        """One scheduler step (the worker thread's; see the module docstring): aborted jobs
+        leave, then schedule -> run -> postprocess, for the jobs it admits (steps 1-5 and
+        their first tokens) and for the decoding ones (one decode step)."""
+        self._drop_aborted()  # 1.
+        for admitted in self._admissions():  # 2. admission
+            self._first_tokens(admitted, self._run_prefill(admitted))
+        batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
+        if batch:  # 3. one decode step for all
+            self._take_tokens(batch, self._run_decode(batch))
+        with self._cv:
+            self._counts["steps"] += 1
+            self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
+
+    # ------------------------------------------------------------------ schedule
+    def _drop_aborted(self) -> None:
+        """Aborted jobs leave: those still waiting leave the queue now, whatever its length."""
+        with self._cv:
             gone = [j for j in self._waiting if j.abort.is_set()]
             for j in gone:
                 self._waiting.remove(j)
         gone += [j for j in self._running if j.abort.is_set()]
         for j in gone:
             self._release(j, Status.ABORTED)
-        budget = cfg.step_prefill_tokens  # 2. admission
-        admitted: list[tuple[Job, Sequence[Piece], Loading]] = []
+
+    def _admissions(self) -> Iterator[list[Job]]:
+        """The waiting jobs this step admits, oldest first (at most `max_running` running, their
+        prompts up to `step_prefill_tokens`, at least one), each prepared (`_prepare`): yielded
+        one at a time, so its prefill and first token come before the next one's lookup, or
+        with `batched_prefill` all together at the end. A job whose KV cache does not fit yet
+        waits at the queue's head, and admission ends for this step."""
+        cfg = self.engine.config
+        budget = cfg.step_prefill_tokens
+        admitted: list[Job] = []
         while budget > 0 and len(self._running) < cfg.max_running:
             job = self._next_waiting()
             if job is None:
                 break
-            got = self._prepare(job)
-            if got is None:  # its KV cache does not fit yet: it waits at the queue's head
+            self._prepare(job)
+            status = job.request.status
+            if status is Status.WAITING:  # deferred: its KV cache does not fit yet
                 break
-            if isinstance(got, tuple):  # else it failed alone
-                budget -= got[1].prompt.num_tokens
-                if cfg.batched_prefill:
-                    admitted.append((job, got[0], got[1]))
-                else:  # prefilled now: its first token comes before the next one's lookup
-                    self._prefill([(job, got[0], got[1])])
+            if status is not Status.PREFILLING:  # it failed alone
+                continue
+            assert job.loading is not None
+            budget -= job.loading.prompt.num_tokens
+            admitted.append(job)
+            if not cfg.batched_prefill:
+                yield admitted
+                admitted = []
         if admitted:
-            self._prefill(admitted)
-        batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
-        if batch:  # 3. one decode step for all
-            self._decode(batch)
-        with self._cv:
-            self._counts["steps"] += 1
-            self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
+            yield admitted
 
     def _next_waiting(self) -> Job | None:
         """The oldest waiting job not aborted (aborted ones leave the queue now), or None."""
@@ -340,128 +360,98 @@ class Scheduler:
                 return job
             self._release(job, Status.ABORTED)
 
-    def _prepare(self, job: Job) -> tuple[Sequence[Piece], Loading] | bool | None:
-        """Steps 1-3 of `job` (`Steps.prepare`) -> its pieces and fused prompt; False if it
-        failed (released); None if its KV cache does not fit beside the running requests'
-        yet: it is queued again."""
+    def _prepare(self, job: Job) -> None:
+        """Steps 1-3 of `job`, its KV cache reserved once its prompt's length is known (after
+        the lookup, before anything is loaded or allocated). Then the job is PREFILLING, with
+        its pieces and fused prompt; WAITING at the queue's head again when its KV cache does
+        not fit beside the running requests' yet; or released, FAILED."""
         req, engine = job.request, self.engine
         req.clock.mark("queue")
         req.status = Status.PREFILLING
         try:
             # CPU threads chosen per request, in the thread that runs it (engine/threads.py)
             req.threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
-            pieces = job.make_pieces()
-            loading = engine.steps.prepare(pieces, req, admit=lambda tokens: self._admit_kv(job, tokens))
-        except _Deferred:
-            req.close()
-            req.status = Status.WAITING
-            req.clock.mark("queue")  # the lookup done so far counts as waiting: it runs again
-            with self._cv:
-                self._running.remove(job)
-                self._waiting.appendleft(job)
-                self._counts["deferred"] += 1
-            return None
+            job.pieces = job.make_pieces()
+            looked = engine.steps.request_lookup(job.pieces, req)
+            job.reservation = engine.caches.reserve(looked.num_tokens + req.generation.max_new_tokens)
+            if job.reservation is not None:
+                job.loading = engine.steps.prepare(looked, req)
         except Exception as e:
             self._release(job, Status.FAILED, e)
-            return False
-        return pieces, loading
-
-    def _prefill(self, admitted: list[tuple[Job, Sequence[Piece], Loading]]) -> None:
-        """Steps 3-5 of requests admitted in this step, together (`Steps.prefill_batch`: shared
-        chunk loads, one batched probe, one ragged fused prefill), then their first tokens.
-        With `EngineConfig.batched_prefill` off the scheduler calls it for each request as
-        soon as it is prepared."""
-        engine, cfg = self.engine, self.engine.config
-        if len(admitted) == 1:
-            job, pieces, loading = admitted[0]
-            self._first(job, engine.steps.prefill_batch([(pieces, job.request, loading)])[0])
             return
-        batch = [(pieces, job.request, loading) for job, pieces, loading in admitted]
-        results = engine.steps.prefill_batch(batch, exact=cfg.deterministic)
+        if job.reservation is None:
+            self._defer(job)
+
+    def _defer(self, job: Job) -> None:
+        """`job` waits again, at the head of the queue: the lookup done so far counts as
+        waiting (it runs again when the job is admitted)."""
+        req = job.request
+        req.close()
+        req.status = Status.WAITING
+        req.clock.mark("queue")
+        with self._cv:
+            self._running.remove(job)
+            self._waiting.appendleft(job)
+            self._counts["deferred"] += 1
+
+    # ------------------------------------------------------------------ run
+    def _run_prefill(self, admitted: list[Job]) -> list[Prefilled | Exception]:
+        """Steps 3-5 of jobs admitted in this step, together (`Steps.prefill_batch`: shared chunk
+        loads, one batched probe, one ragged fused prefill) -> per job its Prefilled or its
+        error. With `EngineConfig.batched_prefill` off, each job alone as soon as it is prepared."""
+        batch = [(job.pieces, job.request, job.loading) for job in admitted]
+        if len(batch) == 1:
+            return self.engine.steps.prefill_batch(batch)  # type: ignore[arg-type]
+        results = self.engine.steps.prefill_batch(batch, exact=self.engine.config.deterministic)  # type: ignore[arg-type]
         with self._cv:
             self._counts["batched_prefills"] += 1
             self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(batch))
-        for (job, _, _), pre in zip(admitted, results):
-            self._first(job, pre)
+        return results
 
-    def _first(self, job: Job, pre: Prefilled | Exception) -> None:
-        """`job`'s first token from its prefill (or its failure)."""
-        engine = self.engine
-        req = job.request
-        if isinstance(pre, Exception):
-            self._release(job, Status.FAILED, pre)
-            return
-        try:
-            if req.cache is not None:  # what it holds (a pooled cache may be larger than asked)
-                job.kv_bytes = req.cache.k.nbytes + req.cache.v.nbytes
-            job.decoding = Decoding(engine, pre, req)
-            delta = job.decoding.first()
-        except Exception as e:
-            self._release(job, Status.FAILED, e)
-            return
-        req.status = Status.DECODING
-        self._advance(job, delta)
-
-    def _admit_kv(self, job: Job, tokens: int) -> None:
-        """Reserve `job`'s KV cache of `tokens` tokens within the budget, or raise: _Deferred
-        while other requests hold the room, KVBudgetError if it could never fit."""
-        engine = self.engine
-        adapter, cfg, caches = engine.adapter, engine.config, engine.caches
-        shape = adapter.shape
-        need = 2 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim * adapter.dtype.itemsize
-        if self._kv_budget is None:
-            if cfg.kv_cache_bytes is not None:
-                self._kv_budget = cfg.kv_cache_bytes
-            elif adapter.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(adapter.device)
-                self._kv_budget = int(cfg.kv_memory_share * (free + caches.pooled_kv_bytes()))
-            else:
-                self._kv_budget = 0  # no limit
-        budget = self._kv_budget
-        if not budget:
-            return
-        if need > budget:
-            raise KVBudgetError(
-                f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
-                f"({_size(budget)}: EngineConfig.kv_cache_bytes / kv_memory_share)"
-            )
-        held = sum(j.kv_bytes for j in self._running if j is not job)
-        if held + caches.pooled_kv_bytes() + need > budget:
-            caches.drop_pooled_kv()  # idle buffers give way first
-        if held + need > budget:
-            raise _Deferred
-        job.kv_bytes = need
-
-    def _decode(self, batch: list[Job]) -> None:
-        adapter, cfg = self.engine.adapter, self.engine.config
-        tile = deterministic_tile(adapter.device) if cfg.deterministic else None
+    def _run_decode(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
+        """One decode step of the decoding jobs on the model runner -> per job its logits row
+        or the error that ended it."""
         caches = [j.request.cache for j in batch]
         tokens = [j.decoding.token for j in batch if j.decoding is not None]
         assert len(tokens) == len(batch) and all(c is not None for c in caches)  # decoding jobs
-        done: list[tuple[Job, torch.Tensor]]
-        try:
-            rows = self._step_rows(caches, tokens, tile)  # type: ignore[arg-type]
-            done = [(job, rows[b]) for b, job in enumerate(batch)]
-        except Exception as e:
-            if len(batch) == 1:
-                self._release(batch[0], Status.FAILED, e)
-                return
-            # one sequence at a time finds the one that raised; the failed step wrote the
-            # others' caches at their next position only, which writing again replaces
-            log.warning("a batched decode step failed (%s); running its %d sequences one by one", e, len(batch))
-            done = []
-            for job, cache, token in zip(batch, caches, tokens):
-                try:
-                    done.append((job, self._step_rows([cache], [token], tile)[0]))  # type: ignore[list-item]
-                except Exception as e1:
-                    self._release(job, Status.FAILED, e1)
-        # plain greedy rows: their argmax taken together on the device, one read-back per step
+        return self.runner.decode_each(caches, tokens)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ postprocess
+    def _first_tokens(self, admitted: list[Job], prefilled: list[Prefilled | Exception]) -> None:
+        """Each admitted job's first token from its prefill (or its failure)."""
+        engine = self.engine
+        for job, pre in zip(admitted, prefilled):
+            req = job.request
+            job.loading = None
+            if isinstance(pre, Exception):
+                self._release(job, Status.FAILED, pre)
+                continue
+            try:
+                if req.cache is not None and job.reservation is not None:
+                    engine.caches.hold(job.reservation, req.cache)
+                job.decoding = Decoding(engine, pre, req)
+                delta = job.decoding.first()
+            except Exception as e:
+                self._release(job, Status.FAILED, e)
+                continue
+            req.status = Status.DECODING
+            self._advance(job, delta)
+
+    def _take_tokens(self, batch: list[Job], rows: list[torch.Tensor | Exception]) -> None:
+        """Each decoding job's token from its row of the step (its sampler; plain greedy rows
+        by one argmax over the batch), or its failure."""
+        done: list[tuple[Job, torch.Tensor]] = []
+        for job, row in zip(batch, rows):
+            if isinstance(row, Exception):
+                self._release(job, Status.FAILED, row)
+            else:
+                done.append((job, row))
         greedy = [
             i for i, (job, _) in enumerate(done) if job.decoding is not None and job.decoding.sampler.plain_greedy
         ]
         picks: dict[int, int] = {}
         if len(greedy) > 1:
-            picks = dict(zip(greedy, torch.stack([done[i][1] for i in greedy]).argmax(-1).tolist()))
+            picks = dict(zip(greedy, self.runner.argmax([done[i][1] for i in greedy])))
         for i, (job, row) in enumerate(done):
             try:
                 assert job.decoding is not None
@@ -470,25 +460,6 @@ class Scheduler:
                 self._release(job, Status.FAILED, e)
                 continue
             self._advance(job, delta)
-
-    def _step_rows(self, caches: list[KVCache], tokens: list[int], tile: int | None) -> torch.Tensor:
-        """One decode step of `caches` -> logits (B, vocab): replayed from CUDA graphs on a CUDA
-        device (config.cuda_graphs), else `decode_batch` (blocks of `tile` rows, if given)."""
-        adapter, cfg = self.engine.adapter, self.engine.config
-        if not self._graphs_checked:
-            self._graphs_checked = True
-            if cfg.cuda_graphs and adapter.device.type == "cuda":
-                try:
-                    self._graphs = GraphDecoder(adapter, deterministic=cfg.deterministic)
-                except ValueError as e:
-                    log.warning("decoding without CUDA graphs: %s", e)
-        if self._graphs is not None:
-            try:
-                return self._graphs.step(caches, tokens)
-            except CaptureError as e:  # nothing was written to the requests' caches
-                log.warning("decoding without CUDA graphs from now on: %s", e)
-                self._graphs = None
-        return decode_batch(adapter, caches, tokens, tile=tile)
 
     def _advance(self, job: Job, delta: str) -> None:
         if delta:
@@ -522,7 +493,8 @@ class Scheduler:
         finally:
             engine.caches.give_kv(req.cache)
             req.cache = None
-            job.kv_bytes = 0
+            engine.caches.release(job.reservation)
+            job.reservation = None
         req.status = status
         with self._cv:
             if job in self._running:
