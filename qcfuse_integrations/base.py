@@ -22,6 +22,7 @@ no thread per call - so requests opened together are decoded together.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -260,11 +261,13 @@ class Call:
 
     # ------------------------------------------------------------------ threads
     def open(self, engine: QCFuseEngine) -> TokenStream:
-        """Submit the request now: the engine's token stream. Matching the prompt's chunks
-        (learning.py) - and waiting for the background builds of retrieved texts it contains -
-        runs inside the engine's request, so the request's clock (its TTFT, its `lookup_ms`)
-        includes that wait."""
-        return engine.stream_pieces(self._pieces(engine), **self._compiled(engine).engine_kwargs())
+        """Submit the request now: the engine's token stream. The prompt's chunks are matched
+        first (learning.py), waiting for the background builds of retrieved texts it contains;
+        the request's clock starts before that (`started`), so its TTFT includes the wait (as
+        queue time)."""
+        options = self._compiled(engine)
+        started = time.perf_counter()
+        return engine.stream_pieces(self._pieces(engine), started=started, **options.engine_kwargs())
 
     def deltas(self, engine: QCFuseEngine, stream: TokenStream | None = None) -> Generator[str, None, None]:
         """Text deltas (the request is opened at the first unless `stream`, from `open`, is
@@ -282,9 +285,11 @@ class Call:
         through the event loop's own queue (no thread per call). One step is synchronous
         work: compiling a JSON schema (llguidance walks the tokenizer's vocabulary the first
         time), done with `asyncio.to_thread` so the loop keeps running; unconstrained calls
-        never leave the loop."""
+        never leave the loop. Matching the prompt's chunks (`open`) runs on the loop: where it
+        waits for a background build of a text the prompt contains, the loop waits too."""
         options = await asyncio.to_thread(self._compiled, engine) if self.constrained else self.options
-        return engine.astream_pieces(self._pieces(engine), **options.engine_kwargs())
+        started = time.perf_counter()
+        return engine.astream_pieces(self._pieces(engine), started=started, **options.engine_kwargs())
 
     async def adeltas(self, engine: QCFuseEngine, stream: AsyncTokenStream | None = None) -> AsyncGenerator[str, None]:
         """`deltas` for asyncio. Closed early (`aclose`, or its task cancelled): the request is
@@ -298,23 +303,21 @@ class Call:
         self._finish(engine, stream.result)
 
     # ------------------------------------------------------------------ both
-    def _pieces(self, engine: QCFuseEngine) -> Callable[[], list]:
-        """The request's pieces, made in the scheduler's thread when the request starts."""
+    def _pieces(self, engine: QCFuseEngine) -> list:
+        """The request's pieces: the prompt's chunks matched (learning.py), on the caller's
+        thread, before the request is submitted."""
         from qcfuse_core import split_prompt
         from qcfuse_integrations.learning import learner_for
 
-        def pieces() -> list:
-            match = learner_for(engine).match(self.prompt, self.explicit)
-            self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
-            self.renderings, self.built, self.build_wait_ms = match.renderings, match.built_chunks, match.wait_ms
-            if self.locate is not None:
-                self.chunks = self.locate(self.prompt)
-                self.built = 0  # the explicit channel's chunks: the engine counts them
-            if self.chat:
-                return split_prompt(self.prompt, self.chunks)
-            return engine.completion_pieces(self.prompt, self.chunks)
-
-        return pieces
+        match = learner_for(engine).match(self.prompt, self.explicit)
+        self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
+        self.renderings, self.built, self.build_wait_ms = match.renderings, match.built_chunks, match.wait_ms
+        if self.locate is not None:
+            self.chunks = self.locate(self.prompt)
+            self.built = 0  # the explicit channel's chunks: the engine counts them
+        if self.chat:
+            return split_prompt(self.prompt, self.chunks)
+        return engine.completion_pieces(self.prompt, self.chunks)
 
     def _compiled(self, engine: QCFuseEngine) -> GenerationOptions:
         """The options, with the JSON-schema constraint when the call is constrained."""

@@ -1,6 +1,9 @@
-"""Shared toy prompts for the selection tests: a tiny random model, caches built alone."""
+"""Shared toy prompts for the selection tests: a tiny random model, caches built alone; and
+`hold_worker`, which holds an engine's scheduler inside its next request."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -59,3 +62,21 @@ def prompt_exact(adapter: ModelAdapter, lens=LENS, kinds=KINDS, seed: int = 0) -
             segs.append(Segment(kind, x))
         pos += n
     return FusedPrompt(segs), cache
+
+
+def hold_worker(engine: QCFuseEngine, timeout: float = 30.0) -> threading.Event:
+    """Hold `engine`'s scheduler worker inside the next request it admits, at the start of its
+    lookup (the request counts as running), until the returned gate is set: requests
+    submitted meanwhile wait in the queue, and the step that goes on admits them too. The
+    requests themselves stay data; only the engine's cache manager is wrapped, once."""
+    gate = threading.Event()
+    caches = engine.caches
+    real = caches.lookup
+
+    def lookup(*args, **kwargs):
+        del caches.lookup  # only this one lookup waits
+        gate.wait(timeout)
+        return real(*args, **kwargs)
+
+    caches.lookup = lookup
+    return gate

@@ -19,7 +19,7 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.probe import ProbeItem, gather_context, run_probe, run_probe_batch
 from qcfuse_core.selection.selectors import select_batch
-from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, prompt_alone
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, hold_worker, prompt_alone
 
 # The batched probe and the ragged prefill run on the PyTorch references (fast tier) and through
 # Triton's interpreter (slow tier: WHOLE_MODEL_BACKENDS); the engine-level tests below decode
@@ -266,18 +266,11 @@ def _engine(tiny, store=None, **cfg):
 
 
 def _together(eng, reqs):
-    """Submit `reqs` so that one scheduler step admits them all: the first one's pieces hold
+    """Submit `reqs` so that one scheduler step admits them all: the first one's lookup holds
     the worker until the others wait in the queue. -> their results."""
-    import threading
-
-    gate = threading.Event()
+    gate = hold_worker(eng)
     (m0, r0, d0), rest = reqs[0], reqs[1:]
-
-    def held():
-        gate.wait(30)
-        return eng.rag_pieces("Which document is longest?", d0)
-
-    streams = [eng.stream_pieces(held, method=m0, ratio=r0, max_new_tokens=NEW)]
+    streams = [eng.stream("Which document is longest?", d0, method=m0, ratio=r0, max_new_tokens=NEW)]
     streams += [
         eng.stream(f"Which document mentions word{i}x2?", d, method=m, ratio=r, max_new_tokens=NEW)
         for i, (m, r, d) in enumerate(rest, 1)
@@ -346,18 +339,9 @@ def test_a_failing_request_in_a_batch_fails_alone(tiny, monkeypatch):
         return sel
 
     monkeypatch.setattr(selectors.CacheBlendSelector, "select", broken)
-    import threading
-
-    gate = threading.Event()
+    gate = hold_worker(eng)
     m0, r0, d0 = MIXED[0]
-    streams = [
-        eng.stream_pieces(
-            lambda: (gate.wait(30), eng.rag_pieces("Which document is longest?", d0))[1],
-            method=m0,
-            ratio=r0,
-            max_new_tokens=NEW,
-        )
-    ]
+    streams = [eng.stream("Which document is longest?", d0, method=m0, ratio=r0, max_new_tokens=NEW)]
     streams += [
         eng.stream(f"Which document mentions word{i}x2?", d, method=m, ratio=r, max_new_tokens=NEW)
         for i, (m, r, d) in enumerate(MIXED[1:4], 1)

@@ -156,13 +156,16 @@ def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
     try:
         eng = QCFuseEngine(tiny, config=EngineConfig(threads=1))
         seen = {}
+        lookup = eng.caches.lookup
+
+        def looked_up(*args, **kwargs):  # called in the thread that runs the request
+            seen["torch"] = torch.get_num_threads()
+            return lookup(*args, **kwargs)
+
+        eng.caches.lookup = looked_up
 
         def ask():
-            def pieces():  # called in the thread that runs the request
-                seen["torch"] = torch.get_num_threads()
-                return eng.rag_pieces(Q, DOCS)
-
-            stream = eng.stream_pieces(pieces, method="naive", max_new_tokens=1)
+            stream = eng.stream(Q, DOCS, method="naive", max_new_tokens=1)
             list(stream)
             seen["threads"] = stream.result.threads
 
@@ -184,9 +187,9 @@ def test_a_prompt_without_a_cached_chunk_is_answered_by_full_prefill(engine, met
     from qcfuse_core.types import Piece
 
     turn = [Piece("suffix", "<|user|>Say hi to the island of Veloria.<|assistant|>")]
-    full = engine.stream_pieces(lambda: turn, method="full", max_new_tokens=6)
+    full = engine.stream_pieces(turn, method="full", max_new_tokens=6)
     want = [*full] and full.result
-    stream = engine.stream_pieces(lambda: turn, method=method, ratio=0.3, max_new_tokens=6)
+    stream = engine.stream_pieces(turn, method=method, ratio=0.3, max_new_tokens=6)
     for _ in stream:
         pass
     got = stream.result

@@ -15,6 +15,7 @@ from qcfuse_core import EngineBusy, EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore, kv_dir, open_store
+from tests.qc_fixtures import hold_worker
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(10)) for i in range(4)]
 METHODS = ("qcfuse", "full", "naive", "cacheblend")
@@ -180,13 +181,8 @@ def test_a_full_queue_raises_engine_busy(tiny):
     """max_queue requests waiting: the next submit raises EngineBusy (nothing of it runs);
     the queued ones still answer."""
     eng = _engine(tiny, max_queue=2, max_running=1)
-    gate = threading.Event()
-
-    def held():  # the first request's pieces: the worker waits here, the queue fills
-        gate.wait(30)
-        return eng.rag_pieces("Which?", DOCS)
-
-    first = eng.stream_pieces(held, method="naive", max_new_tokens=2)
+    gate = hold_worker(eng)  # the first request's lookup: the worker waits there, the queue fills
+    first = eng.stream("Which?", DOCS, method="naive", max_new_tokens=2)
     _wait_for(lambda: eng.scheduler.stats().running == 1)
     queued = [eng.stream("Which?", DOCS, method="naive", max_new_tokens=2) for _ in range(2)]
     with pytest.raises(EngineBusy, match="max_queue=2"):
@@ -200,6 +196,29 @@ def test_a_full_queue_raises_engine_busy(tiny):
     assert (s.submitted, s.finished) == (3, 3)
     with pytest.raises(ValueError, match="max_queue"):
         EngineConfig(max_queue=0)
+
+
+def test_a_bad_request_raises_on_the_callers_thread(tiny):
+    """A request is data, checked where it is made: an empty question, a ratio outside [0, 1],
+    an unknown method or a malformed prompt raise ValueError in the caller's thread, before
+    anything is queued; a function instead of the pieces is refused."""
+    from qcfuse_core.types import Piece
+
+    eng = _engine(tiny)
+    bad = {
+        "question is empty": lambda: eng.stream("  ", DOCS),
+        "ratio": lambda: eng.stream("Which?", DOCS, ratio=1.5),
+        "unknown method": lambda: eng.stream("Which?", DOCS, method="magic"),
+        "at least one piece": lambda: eng.stream_pieces([]),
+        "of kind": lambda: eng.stream_pieces([Piece("question", "Which?")]),
+    }
+    for message, call in bad.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(TypeError, match="as data"):
+        eng.stream_pieces(lambda: eng.rag_pieces("Which?", DOCS))
+    s = eng.scheduler.stats()
+    assert (s.submitted, s.waiting, s.running) == (0, 0, 0)
 
 
 class _Flaky(MemoryStore):
@@ -262,7 +281,7 @@ def test_the_one_request_driver_answers_as_the_scheduler(tiny, deterministic):
     eng = _engine(tiny, deterministic=deterministic)
     for q, d, m in _requests(4, seed=4):
         r = eng.answer(q, d, method=m, ratio=0.3, max_new_tokens=NEW)
-        gen = eng.steps.run(lambda q=q, d=d: eng.rag_pieces(q, d), m, 0.3, GenerationConfig(max_new_tokens=NEW), False)
+        gen = eng.steps.run(eng.rag_pieces(q, d), m, 0.3, GenerationConfig(max_new_tokens=NEW), False)
         deltas = []
         try:
             while True:

@@ -95,7 +95,7 @@ def _engine_chat(engine: QCFuseEngine, messages: list[dict]) -> str:
     registered chunk texts found by content (what the chat route does before it submits)."""
     prompt = render(engine.tokenizer, messages)
     found = engine.texts.find(prompt)
-    stream = engine.stream_pieces(lambda: split_prompt(prompt, found), max_new_tokens=NEW, temperature=0.0)
+    stream = engine.stream_pieces(split_prompt(prompt, found), max_new_tokens=NEW, temperature=0.0)
     for _ in stream:
         pass
     assert stream.result is not None

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +34,7 @@ from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import PromptFrame
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Steps
+from qcfuse_core.engine.request import Prompt
 from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
 from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
 from qcfuse_core.engine.scheduler import Scheduler
@@ -196,7 +197,7 @@ class QCFuseEngine:
     ) -> TokenStream:
         """`answer` as text deltas; the stream's `.result` is the FusionResult."""
         return self.stream_pieces(
-            lambda: self.rag_pieces(question, documents, node_ids),
+            self.rag_pieces(question, documents, node_ids),
             method=method,
             ratio=ratio,
             generation=generation,
@@ -210,24 +211,28 @@ class QCFuseEngine:
 
     def stream_complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw: Any) -> TokenStream:
         found = self.texts.find(prompt) if chunks is None else chunks
-        return self.stream_pieces(lambda: self.completion_pieces(prompt, found), **kw)
+        return self.stream_pieces(self.completion_pieces(prompt, found), **kw)
 
     def stream_pieces(
         self,
-        make_pieces: Callable[[], Sequence[Piece]],
+        prompt: Prompt | Sequence[Piece],
         *,
         method: str | None = None,
         ratio: float | None = None,
         generation: GenerationConfig | None = None,
         sync_stages: bool = False,
+        started: float | None = None,
         **gen_kw: Any,
     ) -> TokenStream:
-        """The request of the pieces `make_pieces` returns (called when the request starts,
-        in the scheduler's thread). Raises EngineBusy when the scheduler's queue is full."""
-        method, ratio, gen = self._request_args(method, ratio, generation, gen_kw)
+        """The request of `prompt` (a Prompt, or its pieces), checked here - a malformed prompt,
+        an unknown method or option, a ratio outside [0, 1] raises before anything is queued -
+        and handed to the scheduler as data. Its clock (its TTFT) starts now, or at `started`
+        (`time.perf_counter()` when the caller began work for it). Raises EngineBusy when the
+        scheduler's queue is full."""
+        prompt, method, ratio, gen = self._request_args(prompt, method, ratio, generation, gen_kw)
         box: queue.SimpleQueue[object] = queue.SimpleQueue()
         scheduler = self.scheduler
-        job = scheduler.submit(make_pieces, method, ratio, gen, box.put, sync_stages=sync_stages)
+        job = scheduler.submit(prompt, method, ratio, gen, box.put, sync_stages=sync_stages, started=started)
         return TokenStream(scheduler.deltas(job, box.get), lambda wait: scheduler.abort(job, wait=wait))
 
     # ------------------------------------------------------------------ asyncio
@@ -253,30 +258,32 @@ class QCFuseEngine:
     ) -> AsyncTokenStream:
         """`stream` for asyncio (call it inside a running event loop): `async for delta in
         engine.astream(...)`; the stream's `.result` is the FusionResult."""
-        return self.astream_pieces(lambda: self.rag_pieces(question, documents, node_ids), **kw)
+        return self.astream_pieces(self.rag_pieces(question, documents, node_ids), **kw)
 
     def astream_pieces(
         self,
-        make_pieces: Callable[[], Sequence[Piece]],
+        prompt: Prompt | Sequence[Piece],
         *,
         method: str | None = None,
         ratio: float | None = None,
         generation: GenerationConfig | None = None,
         sync_stages: bool = False,
+        started: float | None = None,
         **gen_kw: Any,
     ) -> AsyncTokenStream:
         """`stream_pieces` for asyncio (call it inside a running event loop)."""
-        method, ratio, gen = self._request_args(method, ratio, generation, gen_kw)
+        prompt, method, ratio, gen = self._request_args(prompt, method, ratio, generation, gen_kw)
         loop = asyncio.get_running_loop()
         box: asyncio.Queue[object] = asyncio.Queue()
         scheduler = self.scheduler
         job = scheduler.submit(
-            make_pieces,
+            prompt,
             method,
             ratio,
             gen,
             lambda item: loop.call_soon_threadsafe(box.put_nowait, item),
             sync_stages=sync_stages,
+            started=started,
         )
         return AsyncTokenStream(box, lambda wait: scheduler.abort(job, wait=wait))
 
@@ -290,9 +297,18 @@ class QCFuseEngine:
             return self._scheduler
 
     def _request_args(
-        self, method: str | None, ratio: float | None, generation: GenerationConfig | None, gen_kw: dict[str, Any]
-    ) -> tuple[str, float, GenerationConfig]:
-        """A request's method, ratio and generation config, checked before it is queued."""
+        self,
+        prompt: Prompt | Sequence[Piece],
+        method: str | None,
+        ratio: float | None,
+        generation: GenerationConfig | None,
+        gen_kw: dict[str, Any],
+    ) -> tuple[Prompt, str, float, GenerationConfig]:
+        """A request's prompt, method, ratio and generation config, checked on the caller's
+        thread, before it is queued."""
+        if callable(prompt):
+            raise TypeError("a request takes its prompt as data: pass the pieces (or a Prompt), not a function")
+        prompt = prompt if isinstance(prompt, Prompt) else Prompt(tuple(prompt))
         method = method or self.config.method
         if method not in SELECTORS:
             raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
@@ -306,7 +322,7 @@ class QCFuseEngine:
             if unknown:
                 raise TypeError(f"unknown generation options {unknown}; valid: {', '.join(sorted(valid))}")
             gen = replace(gen, **gen_kw)
-        return method, ratio, gen
+        return prompt, method, ratio, gen
 
 
 def _drain(stream: TokenStream) -> FusionResult:

@@ -3,7 +3,8 @@
     step            method               result       what it does
     1 lookup        Steps.lookup         LookedUp     tokens per piece (cached per chunk text),
                                                       chunk keys, the tier holding each chunk;
-                                                      misses built and stored
+                                                      misses built and stored: the cache
+                                                      manager's answer (ChunkCaches.lookup)
     2 plan          Steps.plan           Planned      load or recompute each chunk (the planner,
                                                       from measured rates) before any loading
     3 start loading Steps.start_loading  Loading      sidecars of the loaded chunks, the fused
@@ -13,8 +14,9 @@
                                                       for a selector that does not fuse)
     6 decode        Steps.decode         text deltas  first token (TTFT), then the rest
 
-Steps 1-5 run together as `Steps.prefill`, step 6 as a `Decoding` per request; two drivers
-chain them: the engine's scheduler (engine/scheduler.py: many requests, one batched decode
+Steps 1-5 run together as `Steps.prefill` (`request_lookup`, `prepare`, `prefill_batch`:
+the scheduler reserves a request's KV cache between the first two), step 6 as a `Decoding`
+per request; two drivers chain them: the engine's scheduler (engine/scheduler.py: many requests, one batched decode
 step for all) and `Steps.run` (one request alone, in the calling thread). Both own the
 request's `Request` and close it however it ends, and both build the FusionResult with
 `fusion_result`. A chunk whose layers cannot be read during step 5 raises `Unreadable`;
@@ -26,7 +28,7 @@ in its objects.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -386,15 +388,14 @@ class Steps:
         return fusion_result(engine, pre, request, dec)
 
     # ------------------------------------------------------------------ steps 1-5 together
-    def prefill(self, make_pieces: Callable[[], Sequence[Piece]], req: Request) -> Prefilled:
-        """Steps 1-5 of `req` (its method, ratio and generation config): the prompt's fused
-        cache (also in `req.cache`; a load session in flight is in `req.session`), the clock
-        marked through `prefill`. `make_pieces` is called first, inside the `lookup` stage.
+    def prefill(self, pieces: Sequence[Piece], req: Request) -> Prefilled:
+        """Steps 1-5 of `req` (its method, ratio and generation config) on `pieces`: the
+        prompt's fused cache (also in `req.cache`; a load session in flight is in
+        `req.session`), the clock marked through `prefill`.
 
         A chunk whose layers cannot be read in step 5 (`Unreadable`) is deleted and steps 1-5
         run again with it as a miss; a second failure raises RuntimeError. The caller gives
         `req.cache` back and closes `req` however this ends."""
-        pieces = make_pieces()
         got = self.prefill_batch([(pieces, req, self.prepare(self.request_lookup(pieces, req), req))])[0]
         if isinstance(got, Exception):
             raise got
@@ -503,14 +504,14 @@ class Steps:
         self.engine.caches.give_kv(req.cache)
         req.cache = None
         try:
-            return self.prefill(lambda: pieces, req)
+            return self.prefill(pieces, req)
         except Exception as e:  # noqa: BLE001
             return e
 
     # ------------------------------------------------------------------ one request alone
     def run(
         self,
-        make_pieces: Callable[[], Sequence[Piece]],
+        pieces: Sequence[Piece],
         method: str,
         ratio: float,
         gen: GenerationConfig,
@@ -527,7 +528,7 @@ class Steps:
         try:
             req.clock.mark("queue")  # nothing to wait for: the stages are the scheduler's all the same
             req.status = Status.PREFILLING
-            pre = self.prefill(make_pieces, req)
+            pre = self.prefill(pieces, req)
             req.status = Status.DECODING
             result = yield from self.decode(pre, req)
             req.status = Status.FINISHED

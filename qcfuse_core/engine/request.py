@@ -23,6 +23,10 @@ teacher-forcing hook of `fuse` where a benchmark needs it.
 The results of steps 2-5 are defined here; step 1's, `LookedUp`, is the cache manager's
 answer (cache/lookup.py, `ChunkCaches.lookup`).
 
+What a request asks is data: a `Prompt` (its pieces), built and checked on the caller's
+thread - an empty question, a bad ratio or an unknown method raises there, before anything
+is queued - and handed to the scheduler as is.
+
 A `Request` carries what belongs to one request only: its status, method, ratio, generation
 config, stage clock and the load session to close in a `finally` - never the engine. A
 request that fails leaves nothing behind, so the next one is unaffected.
@@ -50,9 +54,26 @@ import torch
 
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.model.fusion import FusedPrompt, KVCache
-from qcfuse_core.types import SelectionResult
+from qcfuse_core.types import Piece, SelectionResult
 
 STAGES = ("queue", "lookup", "plan", "load_start", "select", "prefill", "first_token")
+PIECE_KINDS = ("prefix", "chunk", "text", "suffix")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What one request asks: its prompt's pieces in order (`Piece`: prefix, chunks with their
+    node ids, text, suffix), checked when it is made - on the caller's thread."""
+
+    pieces: tuple[Piece, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pieces", tuple(self.pieces))
+        if not self.pieces:
+            raise ValueError("a prompt needs at least one piece")
+        for p in self.pieces:
+            if not isinstance(p, Piece) or p.kind not in PIECE_KINDS:
+                raise ValueError(f"a prompt is made of Pieces of kind {', '.join(PIECE_KINDS)}; got {p!r}")
 
 
 class Status(enum.Enum):
@@ -101,11 +122,12 @@ class Prefilled:
 
 
 class StageClock:
-    """Consecutive stage intervals of one request, from `t0` (host time, ms)."""
+    """Consecutive stage intervals of one request, from `t0` (`time.perf_counter()`; default:
+    now), in ms."""
 
-    def __init__(self, device: torch.device, sync: bool = False) -> None:
+    def __init__(self, device: torch.device, sync: bool = False, t0: float | None = None) -> None:
         self.device, self.sync = device, sync and device.type == "cuda"
-        self.t0 = self._last = time.perf_counter()
+        self.t0 = self._last = time.perf_counter() if t0 is None else t0
         self.stages: dict[str, float] = {}
 
     def mark(self, stage: str) -> None:

@@ -27,6 +27,8 @@ nearly free throughput; and with one thread on the device no two requests fight 
                                                                   model/runner.py)
                                                      postprocess  each samples its own row
 
+A request arrives as data - its `Prompt` (the pieces), method, ratio and generation config,
+checked in the caller's thread; the worker never calls back to build it.
 The scheduler decides what runs and keeps each request's state; the model runner
 (`model.runner.ModelRunner`) runs the batched decode step - CUDA graphs on a GPU, eager
 `decode_batch` otherwise or where a graph cannot be captured - and takes the plain greedy
@@ -72,7 +74,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,10 +84,10 @@ from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
 from qcfuse_core.cache.chunks import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Decoding, Engine, Steps, fusion_result
-from qcfuse_core.engine.request import Loading, Prefilled, Request, StageClock, Status
+from qcfuse_core.engine.request import Loading, Prefilled, Prompt, Request, StageClock, Status
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.runner import ModelRunner
-from qcfuse_core.types import FusionResult, Piece
+from qcfuse_core.types import FusionResult
 
 
 class ScheduledEngine(Engine, Protocol):
@@ -147,11 +149,10 @@ class Job:
     resources are given back."""
 
     request: Request
-    make_pieces: Callable[[], Sequence[Piece]]
+    prompt: Prompt
     emit: Callable[[object], object]
     abort: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
-    pieces: Sequence[Piece] = ()  # its prompt's pieces, from its lookup on
     loading: Loading | None = None  # its fused prompt, from admission to its prefill
     reservation: Reservation | None = None  # its KV cache's room in the budget, while it runs
     decoding: Decoding | None = None  # from the first token on
@@ -188,18 +189,20 @@ class Scheduler:
     # ------------------------------------------------------------------ callers' side
     def submit(
         self,
-        make_pieces: Callable[[], Sequence[Piece]],
+        prompt: Prompt,
         method: str,
         ratio: float,
         gen: GenerationConfig,
         emit: Callable[[object], object],
         *,
         sync_stages: bool = False,
+        started: float | None = None,
     ) -> Job:
-        """Queue a request; its clock (and so its TTFT) starts now. Raises EngineBusy when
-        `max_queue` requests already wait."""
+        """Queue a request; its clock (and so its TTFT) starts now, or at `started`
+        (`time.perf_counter()`). Raises EngineBusy when `max_queue` requests already wait."""
         engine = self.engine
-        job = Job(Request(method, ratio, gen, StageClock(engine.adapter.device, sync_stages)), make_pieces, emit)
+        clock = StageClock(engine.adapter.device, sync_stages, started)
+        job = Job(Request(method, ratio, gen, clock), prompt, emit)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine's scheduler has shut down (the interpreter is exiting)")
@@ -363,7 +366,7 @@ class Scheduler:
     def _prepare(self, job: Job) -> None:
         """Steps 1-3 of `job`, its KV cache reserved once its prompt's length is known (after
         the lookup, before anything is loaded or allocated). Then the job is PREFILLING, with
-        its pieces and fused prompt; WAITING at the queue's head again when its KV cache does
+        its fused prompt; WAITING at the queue's head again when its KV cache does
         not fit beside the running requests' yet; or released, FAILED."""
         req, engine = job.request, self.engine
         req.clock.mark("queue")
@@ -371,8 +374,7 @@ class Scheduler:
         try:
             # CPU threads chosen per request, in the thread that runs it (engine/threads.py)
             req.threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
-            job.pieces = job.make_pieces()
-            looked = engine.steps.request_lookup(job.pieces, req)
+            looked = engine.steps.request_lookup(job.prompt.pieces, req)
             job.reservation = engine.caches.reserve(looked.num_tokens + req.generation.max_new_tokens)
             if job.reservation is not None:
                 job.loading = engine.steps.prepare(looked, req)
@@ -399,7 +401,7 @@ class Scheduler:
         """Steps 3-5 of jobs admitted in this step, together (`Steps.prefill_batch`: shared chunk
         loads, one batched probe, one ragged fused prefill) -> per job its Prefilled or its
         error. With `EngineConfig.batched_prefill` off, each job alone as soon as it is prepared."""
-        batch = [(job.pieces, job.request, job.loading) for job in admitted]
+        batch = [(job.prompt.pieces, job.request, job.loading) for job in admitted]
         if len(batch) == 1:
             return self.engine.steps.prefill_batch(batch)  # type: ignore[arg-type]
         results = self.engine.steps.prefill_batch(batch, exact=self.engine.config.deterministic)  # type: ignore[arg-type]

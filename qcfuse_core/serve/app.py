@@ -42,7 +42,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -114,7 +114,7 @@ class Generation:
 
     route: str
     kind: Kind
-    make_pieces: Callable[[], list[Piece]]
+    pieces: list[Piece]
     chunk_ids: list[str | None]
     method: str | None
     ratio: float | None
@@ -345,7 +345,7 @@ async def _chat(engine: QCFuseEngine, body: ChatRequest, cfg: ServeConfig) -> Ge
     return Generation(
         "chat",
         "chat",
-        lambda: split_prompt(prompt, chunks),
+        split_prompt(prompt, chunks),
         [c.node_id for c in chunks],
         s["method"],
         s["ratio"],
@@ -388,12 +388,13 @@ async def _completion(engine: QCFuseEngine, body: CompletionRequest, cfg: ServeC
     assert isinstance(prompt, str)  # the validator made it one
     s = _settings(engine, body, cfg, stops=engine.frame_stops)  # `qcfuse ask`'s stops for a base model
     chunks = _locate(engine, prompt, body)
-    framed = "".join(p.text for p in engine.completion_pieces(prompt, chunks))
+    pieces = engine.completion_pieces(prompt, chunks)
+    framed = "".join(p.text for p in pieces)
     await _check_prompt_tokens(engine, framed, cfg, "prompt")
     return Generation(
         "completions",
         "text",
-        lambda: engine.completion_pieces(prompt, chunks),
+        pieces,
         [c.node_id for c in chunks],
         s["method"],
         s["ratio"],
@@ -447,7 +448,7 @@ async def _respond(
     engine: QCFuseEngine, g: Generation, request: Request, model: str, metrics: ServeMetrics, cfg: ServeConfig
 ):
     try:
-        stream = engine.astream_pieces(g.make_pieces, method=g.method, ratio=g.ratio, generation=g.gen)
+        stream = engine.astream_pieces(g.pieces, method=g.method, ratio=g.ratio, generation=g.gen)
     except EngineBusy as e:
         metrics.outcome(g.route, "busy")
         return _error(429, str(e), "rate_limit_error", **{"Retry-After": str(cfg.retry_after_s)})
