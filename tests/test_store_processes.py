@@ -60,8 +60,9 @@ WRITER = textwrap.dedent("""
             if i == 3:
                 ready.touch()
         hang()
-    elif mode == "overlap":  # wait for the start signal, then write our share
+    elif mode == "overlap":  # say ready, wait for the start signal, then write our share
         start, first = root.parent / "start", int(sys.argv[3])
+        (root.parent / f"ready-{first}").touch()
         while not start.exists():
             time.sleep(0.01)
         for i in list(range(first, first + 8))[:: 1 if first % 2 else -1]:
@@ -146,7 +147,10 @@ def test_writer_killed_mid_write(tmp_path, mode):
 
 def test_concurrent_writers_overlapping_keys(tmp_path):
     procs = [_spawn(tmp_path, "overlap", str(first)) for first in (0, 4, 8)]  # keys 0..15, overlaps
-    time.sleep(0.5)
+    end = time.monotonic() + 120  # all three wait at the start line (their store open), then go together
+    while not all((tmp_path / f"ready-{first}").exists() for first in (0, 4, 8)):
+        assert time.monotonic() < end and all(p.poll() is None for p in procs), "a writer did not get ready"
+        time.sleep(0.01)
     (tmp_path / "start").touch()
     for p in procs:
         out, _ = p.communicate(timeout=120)
