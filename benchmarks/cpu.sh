@@ -69,7 +69,7 @@ if has load; then
 fi
 
 if has batch; then
-  # EngineConfig.batched_prefill off and on, the same requests, one process (SmolLM2-135M,
+  # SchedulerConfig.batched_prefill off and on, the same requests, one process (SmolLM2-135M,
   # fp32): a burst of 1 and of 8 (first token only) from a pool of 50 chunks of 128 tokens,
   # 10 a request; the burst of 8 sharing 7 of its 10 chunks; 8 closed-loop clients with 32
   # new tokens (about 10 minutes on 2 cores)

@@ -132,7 +132,7 @@ if has load; then
 fi
 
 if has batch; then
-  # requests fused together (EngineConfig.batched_prefill) against one at a time, same
+  # requests fused together (SchedulerConfig.batched_prefill) against one at a time, same
   # requests, one process: a burst of 8 (first token only) from a pool of 50 chunks, then
   # the same burst sharing 7 of its 10 chunks, then 8 and 16 closed-loop clients with 128
   # new tokens; full prefill batched likewise (about 4 minutes). One step admits up to 131072

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     pipeline.persist(str(persist))
     print(
         f"ingested {len(docs)} documents -> {len(nodes)} new chunks "
-        f"(store: {len(llm.engine.texts)} chunk texts, Chroma: {vector_store.client.count()} vectors)"
+        f"(store: {len(llm.engine.caches.texts)} chunk texts, Chroma: {vector_store.client.count()} vectors)"
     )
 
     # 2. query

@@ -1,16 +1,21 @@
 """QCFuse: query-aware KV-cache fusion for fast RAG.
 
     from qcfuse_core import open_engine
-    engine = open_engine("./store")                # the embedded model over a chunk store
-    engine.build_chunks(texts)                     # each chunk's KV cache, computed once
-    print(engine.answer(question, texts).text)     # fused caches, the query's tokens recomputed
+    with open_engine("./store") as engine:         # the embedded model over a chunk store
+        engine.build_chunks(texts)                 # each chunk's KV cache, computed once
+        print(engine.answer(question, texts).text) # fused caches, the query's tokens recomputed
 
 The public API is the names below; they are imported on first use, so that importing a
 sub-package (the store tools, say) does not load the model stack. The framework
 integrations (`qcfuse_integrations`) use these names only.
 
-    the engine         open_engine, QCFuseEngine, EngineConfig, GenerationConfig, QCFuseOptions,
-                       TokenStream, AsyncTokenStream; EngineBusy, KVBudgetError
+    the engine         open_engine, QCFuseEngine (answer, stream, aanswer, astream, complete,
+                       acomplete, build_chunks, stats, close), EngineStats, TokenStream,
+                       AsyncTokenStream; EngineBusy, KVBudgetError
+    configuration      EngineConfig and its parts: FrameConfig (the prompt frame),
+                       SchedulerConfig (queue and batch bounds), CacheConfig (KV budget,
+                       tiers, chunk sink), QCFuseOptions (selection); GenerationConfig (a
+                       request's decoding)
     results and ids    FusionResult, ChunkKey, NodeId, Piece
     methods            SELECTORS: the recompute methods by name (`method=`), "qcfuse" and the
                        baselines
@@ -36,6 +41,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each name on first use
+    from qcfuse_core.engine.api import EngineStats as EngineStats
     from qcfuse_core.engine.api import QCFuseEngine as QCFuseEngine
     from qcfuse_core.engine.api import open_engine as open_engine
     from qcfuse_core.engine.chat import TOOL_SYSTEM as TOOL_SYSTEM
@@ -46,7 +52,10 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.chat import renders_tool_role as renders_tool_role
     from qcfuse_core.engine.chat import template_knows_tools as template_knows_tools
     from qcfuse_core.engine.chat import tool_call_schema as tool_call_schema
+    from qcfuse_core.engine.config import CacheConfig as CacheConfig
     from qcfuse_core.engine.config import EngineConfig as EngineConfig
+    from qcfuse_core.engine.config import FrameConfig as FrameConfig
+    from qcfuse_core.engine.config import SchedulerConfig as SchedulerConfig
     from qcfuse_core.engine.generation import GenerationConfig as GenerationConfig
     from qcfuse_core.engine.grammar import json_schema_constraint as json_schema_constraint
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
@@ -73,13 +82,18 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     # the engine
     "open_engine": ("qcfuse_core.engine.api", "open_engine"),
     "QCFuseEngine": ("qcfuse_core.engine.api", "QCFuseEngine"),
+    "EngineStats": ("qcfuse_core.engine.api", "EngineStats"),
     "TokenStream": ("qcfuse_core.engine.streams", "TokenStream"),
     "AsyncTokenStream": ("qcfuse_core.engine.streams", "AsyncTokenStream"),
     "EngineBusy": ("qcfuse_core.engine.scheduler", "EngineBusy"),
     "KVBudgetError": ("qcfuse_core.engine.scheduler", "KVBudgetError"),
+    # configuration
     "EngineConfig": ("qcfuse_core.engine.config", "EngineConfig"),
-    "GenerationConfig": ("qcfuse_core.engine.generation", "GenerationConfig"),
+    "FrameConfig": ("qcfuse_core.engine.config", "FrameConfig"),
+    "SchedulerConfig": ("qcfuse_core.engine.config", "SchedulerConfig"),
+    "CacheConfig": ("qcfuse_core.engine.config", "CacheConfig"),
     "QCFuseOptions": ("qcfuse_core.selection.options", "QCFuseOptions"),
+    "GenerationConfig": ("qcfuse_core.engine.generation", "GenerationConfig"),
     # results and ids
     "FusionResult": ("qcfuse_core.types", "FusionResult"),
     "ChunkKey": ("qcfuse_core.types", "ChunkKey"),

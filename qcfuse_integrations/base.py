@@ -31,6 +31,8 @@ from qcfuse_core import SELECTORS, AsyncTokenStream, GenerationConfig, QCFuseEng
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+
+    from qcfuse_integrations.learning import Match
 from qcfuse_integrations.engines import shared_engine
 
 ENGINE_FIELDS = {
@@ -265,9 +267,14 @@ class Call:
         first (learning.py), waiting for the background builds of retrieved texts it contains;
         the request's clock starts before that (`started`), so its TTFT includes the wait (as
         queue time)."""
+        from qcfuse_integrations.learning import learner_for
+
         options = self._compiled(engine)
         started = time.perf_counter()
-        return engine.stream_pieces(self._pieces(engine), started=started, **options.engine_kwargs())
+        self._take(learner_for(engine).match(self.prompt, self.explicit))
+        return engine.complete(
+            self.prompt, self.chunks, framed=not self.chat, stream=True, started=started, **options.engine_kwargs()
+        )
 
     def deltas(self, engine: QCFuseEngine, stream: TokenStream | None = None) -> Generator[str, None, None]:
         """Text deltas (the request is opened at the first unless `stream`, from `open`, is
@@ -287,9 +294,14 @@ class Call:
         time), done with `asyncio.to_thread` so the loop keeps running; unconstrained calls
         never leave the loop. Matching the prompt's chunks (`open`) runs on the loop: where it
         waits for a background build of a text the prompt contains, the loop waits too."""
+        from qcfuse_integrations.learning import learner_for
+
         options = await asyncio.to_thread(self._compiled, engine) if self.constrained else self.options
         started = time.perf_counter()
-        return engine.astream_pieces(self._pieces(engine), started=started, **options.engine_kwargs())
+        self._take(learner_for(engine).match(self.prompt, self.explicit))
+        return engine.acomplete(
+            self.prompt, self.chunks, framed=not self.chat, stream=True, started=started, **options.engine_kwargs()
+        )
 
     async def adeltas(self, engine: QCFuseEngine, stream: AsyncTokenStream | None = None) -> AsyncGenerator[str, None]:
         """`deltas` for asyncio. Closed early (`aclose`, or its task cancelled): the request is
@@ -303,21 +315,14 @@ class Call:
         self._finish(engine, stream.result)
 
     # ------------------------------------------------------------------ both
-    def _pieces(self, engine: QCFuseEngine) -> list:
-        """The request's pieces: the prompt's chunks matched (learning.py), on the caller's
-        thread, before the request is submitted."""
-        from qcfuse_core import split_prompt
-        from qcfuse_integrations.learning import learner_for
-
-        match = learner_for(engine).match(self.prompt, self.explicit)
+    def _take(self, match: Match) -> None:
+        """The prompt's chunks as matched (learning.py `Match`, on the caller's thread or event
+        loop, before the request is submitted), or as the explicit channel names them."""
         self.chunks, self.learned, self.unmatched = match.chunks, match.learned, match.unmatched
         self.renderings, self.built, self.build_wait_ms = match.renderings, match.built_chunks, match.wait_ms
         if self.locate is not None:
             self.chunks = self.locate(self.prompt)
             self.built = 0  # the explicit channel's chunks: the engine counts them
-        if self.chat:
-            return split_prompt(self.prompt, self.chunks)
-        return engine.completion_pieces(self.prompt, self.chunks)
 
     def _compiled(self, engine: QCFuseEngine) -> GenerationOptions:
         """The options, with the JSON-schema constraint when the call is constrained."""

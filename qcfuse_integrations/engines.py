@@ -60,6 +60,5 @@ def forget_engines() -> None:
     forget_learners()  # their background builds finish first
     with _REGISTRY_LOCK:
         for engine in _ENGINES.values():
-            engine.store.close()
-            engine.texts.close()
+            engine.close()
         _ENGINES.clear()

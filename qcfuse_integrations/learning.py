@@ -153,7 +153,7 @@ class Learner:
         """Register and build (on the learner's thread): the texts already stored are only linked."""
         engine = self.engine
         try:
-            new = [t for t, _ in items if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)]
+            new = [t for t, _ in items if not engine.caches.is_stored(t)]
             engine.build_chunks([t for t, _ in items], [i for _, i in items])
             with self._lock:
                 self._counts["background_builds"] += len(new)
@@ -185,10 +185,10 @@ class Learner:
         explicit = dict(explicit or {})
         t0 = time.perf_counter()
         waited = self._await_builds(prompt)
-        chunks = engine.texts.find(prompt, node_ids=explicit or None)
+        chunks = engine.caches.texts.find(prompt, node_ids=explicit or None)
         learned = self._learn(prompt, chunks, explicit)
         if learned:
-            chunks = engine.texts.find(prompt, node_ids=explicit or None)
+            chunks = engine.caches.texts.find(prompt, node_ids=explicit or None)
         chunks, more = self._with_sources(chunks)
         wait_ms = (time.perf_counter() - t0) * 1e3 if waited or more else 0.0
         unmatched = not chunks and self._carries_context(prompt)
@@ -250,7 +250,7 @@ class Learner:
             at = prompt.find(text)
             if at >= 0:  # verbatim: registered unless another text covers it already
                 if len(text) >= MIN_CHUNK_CHARS and not _overlaps(taken, at, at + len(text)):
-                    engine.texts.add(text, node_id)
+                    engine.caches.texts.add(text, node_id)
                     taken.append((at, at + len(text)))
                     learned += 1
                 continue
@@ -260,7 +260,7 @@ class Learner:
             if span is None or _overlaps(taken, *span):
                 continue
             rendering = prompt[span[0] : span[1]]
-            engine.texts.add(rendering, node_id)
+            engine.caches.texts.add(rendering, node_id)
             with self._lock:
                 self._sources[rendering] = text
                 self._sources.move_to_end(rendering)

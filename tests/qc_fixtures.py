@@ -1,13 +1,17 @@
-"""Shared toy prompts for the selection tests: a tiny random model, caches built alone; and
-`hold_worker`, which holds an engine's scheduler inside its next request."""
+"""Shared toy prompts for the selection tests: a tiny random model, caches built alone;
+`hold_worker`, which holds an engine's scheduler inside its next request; and
+`engine_config`, an EngineConfig from the fields a test varies."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import fields
+from typing import Any
 
 import pytest
 import torch
 
+from qcfuse_core import CacheConfig, EngineConfig, FrameConfig, SchedulerConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.model.adapter import ModelAdapter
@@ -80,3 +84,11 @@ def hold_worker(engine: QCFuseEngine, timeout: float = 30.0) -> threading.Event:
 
     caches.lookup = lookup
     return gate
+
+
+def engine_config(**kw: Any) -> EngineConfig:
+    """An EngineConfig from keywords naming fields of it or of its sub-configs (frame,
+    scheduler, cache): `engine_config(max_running=1, kv_cache_bytes=4096)`."""
+    parts = {"frame": FrameConfig, "scheduler": SchedulerConfig, "cache": CacheConfig}
+    sub = {name: {f.name: kw.pop(f.name) for f in fields(kind) if f.name in kw} for name, kind in parts.items()}
+    return EngineConfig(**kw, **{name: parts[name](**given) for name, given in sub.items() if given})

@@ -1,4 +1,4 @@
-"""EngineConfig.chunk_sink: chunks cached after the tokenizer's BOS token (dropped), under
+"""CacheConfig.chunk_sink: chunks cached after the tokenizer's BOS token (dropped), under
 their own fingerprint; with every row recomputed the answer is still full prefill's."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.engine.config import CacheConfig, EngineConfig
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.model.testing import tiny_model
 
@@ -26,9 +27,9 @@ def _model(arch: str = "gemma3", bos: bool = True):
 
 def test_chunk_sink_needs_a_bool_and_a_bos_token():
     with pytest.raises(ValueError, match="chunk_sink must be True or False"):
-        EngineConfig(chunk_sink="bos")
+        CacheConfig(chunk_sink="bos")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="BOS token"):
-        QCFuseEngine(_model(bos=False), config=EngineConfig(chunk_sink=True))
+        QCFuseEngine(_model(bos=False), config=EngineConfig(cache=CacheConfig(chunk_sink=True)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -36,11 +37,11 @@ def test_sink_caches_are_the_chunk_after_bos_under_their_own_fingerprint(arch):
     m = _model(arch)
     store = MemoryStore()
     plain = QCFuseEngine(m, store=store)
-    sink = QCFuseEngine(m, store=store, config=EngineConfig(chunk_sink=True))
-    assert re.fullmatch(r"[0-9a-f]{16}", sink.fingerprint) and sink.fingerprint != plain.fingerprint
+    sink = QCFuseEngine(m, store=store, config=EngineConfig(cache=CacheConfig(chunk_sink=True)))
+    assert re.fullmatch(r"[0-9a-f]{16}", sink.caches.fingerprint) and sink.caches.fingerprint != plain.caches.fingerprint
     key, = sink.build_chunks([DOCS[0]])
-    assert key.fingerprint == sink.fingerprint
-    ids = sink.chunk_tokens(DOCS[0])[0]
+    assert key.fingerprint == sink.caches.fingerprint
+    ids = sink.caches.chunk_tokens(DOCS[0])[0]
     k_ref, v_ref = plain.caches.prefill_alone(torch.cat([torch.tensor([1]), ids]))
     chunk = store.get(key)
     assert torch.allclose(chunk.k, k_ref[:, 1:], atol=1e-5, rtol=0)
@@ -54,7 +55,7 @@ def test_sink_caches_are_the_chunk_after_bos_under_their_own_fingerprint(arch):
 
 
 def test_sink_caches_with_every_row_recomputed_answer_like_full_prefill():
-    eng = QCFuseEngine(_model("gemma3"), config=EngineConfig(chunk_sink=True))
+    eng = QCFuseEngine(_model("gemma3"), config=EngineConfig(cache=CacheConfig(chunk_sink=True)))
     full = eng.answer(Q, DOCS, method="full", max_new_tokens=8)
     fused = eng.answer(Q, DOCS, method="random", ratio=1.0, max_new_tokens=8)
     assert fused.recomputed_tokens == fused.context_tokens

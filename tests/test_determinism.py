@@ -25,6 +25,7 @@ from qcfuse_core.ingest.prefill import prefill_alone, prefill_alone_batch
 from qcfuse_core.model.adapter import load_model
 from qcfuse_core.model.batched import decode_batch, deterministic_tile
 from qcfuse_core.model.fusion import KVCache, decode_step, fill_from_hf
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.types import KVChunk
 
@@ -87,9 +88,9 @@ def test_ingestion_and_a_request_miss_store_the_same_bits(model):
     for t in texts:
         single.build_chunks([t])
     for t in texts:
-        _, key = batched.chunk_tokens(t)
+        _, key = batched.caches.chunk_tokens(t)
         assert key is not None
-        x, y = batched.store.get(key), single.store.get(key)
+        x, y = batched.caches.store.get(key), single.caches.store.get(key)
         assert isinstance(x, KVChunk) and isinstance(y, KVChunk)
         assert _bitwise(x.k, y.k) and _bitwise(x.v, y.v)
 
@@ -110,7 +111,7 @@ def test_caches_rebuilt_after_damage_answer_the_same(tmp_path):
     docs = [DOCS[2], DOCS[0], DOCS[4]]
     before = engine.answer(QUESTION, docs, max_new_tokens=24)
     assert (before.cache_hits, before.cache_misses) == (3, 0)
-    engine.store.close()
+    engine.caches.store.close()
     files = list((store / "kv").rglob("*.safetensors"))
     assert files
     for f in files:
@@ -196,8 +197,8 @@ def test_the_deterministic_engine_answers_as_its_batched_decode(model):
     """An engine in the deterministic mode decodes alone through the batched step's blocks:
     its answer equals the plain engine's prefill followed by decode_batch in a block."""
     det = QCFuseEngine(model, config=EngineConfig(deterministic=True))
-    plain = det.replace(config=EngineConfig())
-    assert det.request_threads is not None or model.device.type != "cpu"
+    plain = internals(det).replace(config=EngineConfig())
+    assert det._steps.request_threads is not None or model.device.type != "cpu"
     r = det.answer(QUESTION, DOCS[:3], method="full", max_new_tokens=10)
     again = det.answer(QUESTION, DOCS[:3], method="full", max_new_tokens=10)
     assert r.token_ids == again.token_ids and _bitwise(r.first_logits, again.first_logits)
@@ -232,11 +233,11 @@ def test_store_verify_deep_reports_drift(tmp_path, capsys):
     code, rep = _verify(capsys, store, "--sample", "2")
     assert code == 0 and rep["drift"]["checked"] == 2 and rep["drift"]["entries"] == 4
     # a cache computed elsewhere (another build, device or library): valid entry, other bits
-    chunk = engine.store.get(keys[1])
+    chunk = engine.caches.store.get(keys[1])
     assert isinstance(chunk, KVChunk)
-    engine.store.delete(keys[1])
-    engine.store.put(KVChunk(chunk.key, chunk.token_ids, chunk.k * 1.01, chunk.v))
-    engine.store.close()
+    engine.caches.store.delete(keys[1])
+    engine.caches.store.put(KVChunk(chunk.key, chunk.token_ids, chunk.k * 1.01, chunk.v))
+    engine.caches.store.close()
     code, rep = _verify(capsys, store)
     assert code == 1
     assert [d["key"] for d in rep["drift"]["drifted"]] == [keys[1].to_string()]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.engine.config import EngineConfig, FrameConfig
 from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
 from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.types import ChunkKey, Piece
@@ -39,10 +40,10 @@ def test_result_fields_and_cache_hits(smol):
         assert key in r
     assert 0 < second.ttft_ms <= second.total_ms
     assert second.method == "naive" and second.ratio is None
-    glue = int(eng.steps.fuse_pieces(eng.rag_pieces(Q, DOCS))[0].mask("text").sum())
+    glue = int(eng._steps.fuse_pieces(eng.frame.rag_pieces(Q, DOCS))[0].mask("text").sum())
     assert second.recomputed_tokens == glue
-    assert second.context_tokens == second.prompt_tokens - len(eng.tokenize(eng.frame.head + eng.config.context_header)) - \
-        len(eng.tokenize(eng.config.question_template.format(question=Q) + eng.frame.tail))
+    assert second.context_tokens == second.prompt_tokens - len(eng.caches.tokenize(eng.frame.head + eng.config.frame.context_header)) - \
+        len(eng.caches.tokenize(eng.config.frame.question_template.format(question=Q) + eng.frame.tail))
 
 
 def test_streaming_deltas_join_to_text(smol_engine):
@@ -140,29 +141,29 @@ def test_bad_requests_raise_clear_errors(smol_engine):
 def test_complete_finds_registered_chunks_in_a_raw_prompt(smol):
     eng = QCFuseEngine(smol, text_index=ChunkTextIndex())
     for i, d in enumerate(DOCS):
-        eng.build_chunk(d, node_id=f"n{i}")
+        eng.build_chunks([d], [f"n{i}"])
     prompt = "Context information is below.\n---\n" + DOCS[2] + "\n\n" + DOCS[0] + "\n---\nQuery: " + Q + "\nAnswer: "
-    pieces = eng.texts.find(prompt)
+    pieces = eng.caches.texts.find(prompt)
     assert [p.node_id for p in pieces] == ["n2", "n0"]
     r = eng.complete(prompt, method="naive", max_new_tokens=4)
     assert (r.cache_hits, r.cache_misses) == (2, 0) and r.chunks == 2
-    assert eng.store.resolve("n2") == ChunkKey.for_tokens(eng.fingerprint, eng.tokenize(DOCS[2]))
+    assert eng.caches.store.resolve("n2") == ChunkKey.for_tokens(eng.caches.fingerprint, eng.caches.tokenize(DOCS[2]))
     # the same text computed twice is stored once
-    n = len(list(eng.store.keys()))
-    eng.build_chunk(DOCS[0], node_id="other-id")
-    assert len(list(eng.store.keys())) == n
+    n = len(list(eng.caches.store.keys()))
+    eng.build_chunks([DOCS[0]], ["other-id"])
+    assert len(list(eng.caches.store.keys())) == n
 
 
 def test_completion_pieces_layout(smol):
     eng = QCFuseEngine(smol)
     chunk = Piece("chunk", DOCS[1], "a")
-    pieces = eng.completion_pieces("HEAD " + DOCS[1] + " TAIL", [chunk])
+    pieces = eng.frame.completion_pieces("HEAD " + DOCS[1] + " TAIL", [chunk])
     assert [p.kind for p in pieces] == ["prefix", "chunk", "suffix"]
     assert pieces[0].text.endswith("HEAD ") and pieces[2].text.startswith(" TAIL")
-    no_chunks = eng.completion_pieces("just a question", [])
+    no_chunks = eng.frame.completion_pieces("just a question", [])
     assert [p.kind for p in no_chunks] == ["prefix", "suffix"]
     with pytest.raises(ValueError, match="does not occur"):
-        eng.completion_pieces("unrelated", [chunk])
+        eng.frame.completion_pieces("unrelated", [chunk])
 
 
 def test_frame_stops_follow_the_prompt_frame(smol_engine):
@@ -172,18 +173,19 @@ def test_frame_stops_follow_the_prompt_frame(smol_engine):
     "Answer:" line (the frame's answer cue); an answer that runs into either label ends there."""
     from qcfuse_core.model.testing import tiny_model
 
-    assert smol_engine.frame_stops == ()
+    assert smol_engine.frame.stops == ()
     base = tiny_model("llama", tokenizer=True)
     assert not getattr(base.tokenizer, "chat_template", None)
-    assert QCFuseEngine(base).frame_stops == ("\nQuestion:", "\nAnswer:")
-    custom = QCFuseEngine(base, config=EngineConfig(question_template="\n\nQ: {question}\nA:"))
-    assert custom.frame_stops == ("\nQ:", "\nAnswer:")
-    assert QCFuseEngine(base, config=EngineConfig(question_template="{question}")).frame_stops == ("\nAnswer:",)
-    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame_stops)
+    assert QCFuseEngine(base).frame.stops == ("\nQuestion:", "\nAnswer:")
+    custom = QCFuseEngine(base, config=EngineConfig(frame=FrameConfig(question_template="\n\nQ: {question}\nA:")))
+    assert custom.frame.stops == ("\nQ:", "\nAnswer:")
+    plain = EngineConfig(frame=FrameConfig(question_template="{question}"))
+    assert QCFuseEngine(base, config=plain).frame.stops == ("\nAnswer:",)
+    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame.stops)
     for t in base.tokenizer("Paris.\nQuestion: and", add_special_tokens=False).input_ids:
         asm.push(t)
     assert asm.stopped and asm.text == "Paris."
-    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame_stops)
+    asm = TextAssembler(base.tokenizer, QCFuseEngine(base).frame.stops)
     for t in base.tokenizer(" Paris.\nAnswer: Paris again", add_special_tokens=False).input_ids:
         asm.push(t)
         if asm.stopped:

@@ -32,9 +32,9 @@ def engines(request, tmp_path):
     cuda = request.param == "cuda"
     tiered = QCFuseEngine(m, store=open_store(kv_dir(tmp_path), memory_bytes=64 << 20, use_cuda=cuda))
     for i, d in enumerate(DOCS):
-        tiered.build_chunk(d, node_id=f"n{i}")
+        tiered.build_chunks([d], [f"n{i}"])
     yield QCFuseEngine(m), tiered
-    tiered.store.close()
+    tiered.caches.store.close()
 
 
 @pytest.mark.parametrize("method", ["qcfuse", "cacheblend", "epic", "naive"])
@@ -62,11 +62,11 @@ def test_every_row_recomputed_answers_like_full_prefill(engines):
 def _qcfuse_streamed_like_in_memory(engines, options: dict):
     """qcfuse@0.3 with selection `options` on both engines; streamed must answer like in memory
     (same tokens, same rows). -> the in-memory answer."""
-    from dataclasses import replace
+    from qcfuse_core.eval.hooks import internals
 
     mem, tiered = engines
     for eng in (mem, tiered):
-        eng.config = replace(eng.config, selection_options=options)
+        internals(eng).use(selection=options, rates=eng._steps.rates)
     a = mem.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
     b = tiered.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=8, stop=[])
     assert b.token_ids == a.token_ids and len(a.token_ids) > 0
@@ -96,7 +96,7 @@ def test_position_prior_ranks_mass_times_prior_on_the_device(engines):
 
     mem, _ = engines
     a = _qcfuse_streamed_like_in_memory(engines, {"position_prior": 0.8})
-    prompt, _, _ = mem.steps.fuse_pieces(mem.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
+    prompt, _, _ = mem._steps.fuse_pieces(mem.frame.rag_pieces(Q, DOCS), caches=False)  # the same layout, tokens only
     assert prompt.num_tokens == a.prompt_tokens
     mass = torch.zeros(prompt.num_tokens)
     mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = a.selection.scores.float().cpu()

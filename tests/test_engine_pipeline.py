@@ -21,9 +21,9 @@ Q = "How tall is the Cape Wrayth lighthouse?"
 def tiered(smol, tmp_path):
     eng = QCFuseEngine(smol, store=open_store(kv_dir(tmp_path)))
     for i, d in enumerate(DOCS):
-        eng.build_chunk(d, node_id=f"n{i}")
+        eng.build_chunks([d], [f"n{i}"])
     yield eng
-    eng.store.close()
+    eng.caches.store.close()
 
 
 @pytest.mark.parametrize("method", ["qcfuse", "cacheblend", "epic", "naive"])
@@ -44,7 +44,7 @@ def _rates(gbps: float, overhead_ms: float = 0.0) -> Rates:
 
 def test_planner_runs_full_prefill_when_fusion_cannot_win(tiered):
     full = tiered.answer(Q, DOCS, method="full", max_new_tokens=8)
-    tiered.rates = _rates(1e-9)  # loading a chunk would take "forever": recompute them all, and
+    tiered._steps.rates = _rates(1e-9)  # loading a chunk would take "forever": recompute them all, and
     # reusing only the exact prefix does not promise a clear win (planner margin): full prefill
     r = tiered.answer(Q, DOCS, method="qcfuse", max_new_tokens=8)
     assert r.plan["all_recompute"] and r.method == "full"
@@ -52,7 +52,7 @@ def test_planner_runs_full_prefill_when_fusion_cannot_win(tiered):
 
 
 def test_planner_loads_when_loading_is_cheap(tiered):
-    tiered.rates = _rates(1e6)
+    tiered._steps.rates = _rates(1e6)
     r = tiered.answer(Q, DOCS, method="qcfuse", max_new_tokens=4)
     assert not r.plan["all_recompute"] and sorted(r.plan["loaded"]) == [0, 1, 2]
     assert r.method == "qcfuse" and r.recomputed_tokens < r.context_tokens

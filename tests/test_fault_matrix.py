@@ -476,7 +476,7 @@ def test_loader_error_in_one_request(baseline, baseline_answer, monkeypatch):
     from qcfuse_core.cli.commands import _collection, retrieve
 
     ids, docs = retrieve(_collection(store), QUESTION, 3)
-    disk = engine.store.disk
+    disk = engine.caches.store.disk
     real = disk.read_layers_into
     state = {"fail": True}
 
@@ -486,7 +486,7 @@ def test_loader_error_in_one_request(baseline, baseline_answer, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real(jobs)
 
-    for t in engine.store.memory_tiers:  # every chunk from disk, so the loader reads
+    for t in engine.caches.store.memory_tiers:  # every chunk from disk, so the loader reads
         t.clear()
     monkeypatch.setattr(disk, "read_layers_into", flaky)
     try:
@@ -494,7 +494,7 @@ def test_loader_error_in_one_request(baseline, baseline_answer, monkeypatch):
     except Exception as e:  # the failed request may raise; it must not poison the next one
         assert "Input/output" in str(e) or "prefetch" in str(e)
     assert not state["fail"], "the loader never read from disk: the fault was not injected"
-    for t in engine.store.memory_tiers:
+    for t in engine.caches.store.memory_tiers:
         t.clear()
     r = engine.answer(QUESTION, docs, node_ids=ids, method="qcfuse", max_new_tokens=8)
     assert r.text == baseline_answer["answer"]

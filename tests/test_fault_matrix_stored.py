@@ -407,18 +407,18 @@ def test_cache_removed_between_plan_and_load(store, baseline_answer, monkeypatch
 
     engine = open_engine(store)
     ids, docs = retrieve(_collection(store), QUESTION, 3)
-    for t in engine.store.memory_tiers:  # every chunk from disk, as in a fresh process
+    for t in engine.caches.store.memory_tiers:  # every chunk from disk, as in a fresh process
         t.clear()
-    real = engine.prefetcher.start
+    real = engine.caches.prefetcher.start
     removed = []
 
     def another_process_removes_them(prompt):  # after the plan and the sidecar reads, before the load
         if not removed:
             for d in docs:  # what a concurrent `ask` does when it finds a cache file gone
-                removed.append(engine.store.delete(engine.chunk_tokens(d)[1]))
+                removed.append(engine.caches.store.delete(engine.caches.chunk_tokens(d)[1]))
         return real(prompt)
 
-    monkeypatch.setattr(engine.prefetcher, "start", another_process_removes_them)
+    monkeypatch.setattr(engine.caches.prefetcher, "start", another_process_removes_them)
     r = engine.answer(QUESTION, docs, node_ids=ids, method="qcfuse", max_new_tokens=8)
     assert any(removed), "nothing was removed: the fault was not injected"
     assert r.text == baseline_answer["answer"]

@@ -19,7 +19,7 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.probe import ProbeItem, gather_context, run_probe, run_probe_batch
 from qcfuse_core.selection.selectors import select_batch
-from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, hold_worker, prompt_alone
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, engine_config, hold_worker, prompt_alone
 
 # The batched probe and the ragged prefill run on the PyTorch references (fast tier) and through
 # Triton's interpreter (slow tier: WHOLE_MODEL_BACKENDS); the engine-level tests below decode
@@ -252,14 +252,13 @@ def tiny():
 
 
 def _engine(tiny, store=None, **cfg):
-    from qcfuse_core import EngineConfig
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.store import MemoryStore
 
     eng = QCFuseEngine(
         tiny,
         store=store if store is not None else MemoryStore(),
-        config=EngineConfig(selection_options=OPTS, **{"batched_prefill": True, **cfg}),
+        config=engine_config(selection=OPTS, **{"batched_prefill": True, **cfg}),
     )
     eng.build_chunks(DOCS)
     return eng
@@ -297,7 +296,7 @@ def test_a_mixed_batch_answers_as_each_alone(tiny, deterministic):
     want = _one_by_one(_engine(tiny, deterministic=deterministic), MIXED)
     eng = _engine(tiny, deterministic=deterministic)
     got = _together(eng, MIXED)
-    stats = eng.scheduler.stats()
+    stats = eng.stats().scheduler
     assert stats.max_prefill_batch == len(MIXED) and stats.batched_prefills == 1
     for g, w, (method, _, _) in zip(got, want, MIXED):
         assert g.method == w.method == method
@@ -316,7 +315,7 @@ def test_batched_prefill_off_prefills_one_at_a_time(tiny):
     want = _one_by_one(_engine(tiny), MIXED[:3])
     eng = _engine(tiny, batched_prefill=False)
     got = _together(eng, MIXED[:3])
-    assert eng.scheduler.stats().batched_prefills == 0
+    assert eng.stats().scheduler.batched_prefills == 0
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
@@ -354,7 +353,7 @@ def test_a_failing_request_in_a_batch_fails_alone(tiny, monkeypatch):
         else:
             list(s)
             assert s.result.token_ids == want[i].token_ids
-    stats = eng.scheduler.stats()
+    stats = eng.stats().scheduler
     assert (stats.failed, stats.finished) == (1, 3)
 
 
@@ -375,7 +374,7 @@ def test_a_chunk_shared_by_three_requests_is_loaded_once(tiny, tmp_path):
     assert loads[0]["batch_bytes_separate"] == sum(alone)
     # shared: the document, and the prefix (system prompt and header: one in-memory cache)
     prefix = [sp.end - sp.start for sp in got[0].spans if sp.kind == "prefix"]
-    shared = eng.chunk_tokens(DOCS[5])[0].numel() + sum(prefix)
+    shared = eng.caches.chunk_tokens(DOCS[5])[0].numel() + sum(prefix)
     assert prefix and all([sp.end - sp.start for sp in g.spans if sp.kind == "prefix"] == prefix for g in got)
     shape = tiny.shape
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * tiny.dtype.itemsize

@@ -231,11 +231,11 @@ def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
 
 def test_embedded_model_full_recompute_equals_hf(smol):
     eng = QCFuseEngine(smol)
-    pieces = eng.rag_pieces("Who founded the Zephyr Institute?", [
+    pieces = eng.frame.rag_pieces("Who founded the Zephyr Institute?", [
         "The Zephyr Institute was founded in 1987 by the marine biologist Ada Ferreira.",
         "Port Halden is known for its lantern festival, held every October since 1952.",
     ])
-    prompt, _, misses = eng.steps.fuse_pieces(pieces)
+    prompt, _, misses = eng._steps.fuse_pieces(pieces)
     assert misses == 2
     ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)

@@ -54,7 +54,7 @@ def test_full_recompute_across_the_window_equals_hf(gemma):
         " ".join(f"The lighthouse keeper of island {i} logged {i * 7} storms in the year {1900 + i}." for i in range(k, k + 12))
         for k in (0, 12, 24)
     ]
-    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many storms did the keeper of island 30 log?", passages))
+    prompt, _, _ = eng._steps.fuse_pieces(eng.frame.rag_pieces("How many storms did the keeper of island 30 log?", passages))
     assert prompt.num_tokens > 600
     ref, _ = gemma.hf_forward(prompt.token_ids, keep=8)
     out = fused_prefill(gemma, prompt, torch.arange(prompt.num_tokens), logits_last=8)
@@ -70,16 +70,16 @@ def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layer
     eng = QCFuseEngine(gemma)
     passages = [" ".join(f"Harbour {i} shipped {i * 3} crates of tea in {1800 + i}." for i in range(k, k + 30))
                 for k in (0, 30, 60)]
-    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many crates did harbour 75 ship?", passages))
+    prompt, _, _ = eng._steps.fuse_pieces(eng.frame.rag_pieces("How many crates did harbour 75 ship?", passages))
     assert prompt.num_tokens > 1000  # the first chunks lie outside the last token's window
-    got = eng.steps.select(prompt, "qcfuse", 0.3).selection
+    got = eng._steps.select(prompt, "qcfuse", 0.3).selection
     assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert sorted(got.details["critical_layers"]) == [5, 11, 17]
     want = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
-        "critical_layers": eng.critical_layers, "position_prior": 2, "prior_depth": 64}))
+        "critical_layers": eng.caches.critical_layers, "position_prior": 2, "prior_depth": 64}))
     assert torch.equal(got.rows, want.rows)
     steep = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
-        "critical_layers": eng.critical_layers, "position_prior": 2}))
+        "critical_layers": eng.caches.critical_layers, "position_prior": 2}))
     assert not torch.equal(got.rows, steep.rows)  # chunks of ~340 tokens: the depth re-ranks
     first = prompt.chunk_spans()[0]
     assert int(((got.rows >= first[0]) & (got.rows < first[1])).sum()) > 0  # rows outside the window too
@@ -98,8 +98,8 @@ def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, t
     assert cal["options"] == prof.options == {"position_prior": 2, "prior_depth": 64}
     eng = QCFuseEngine(gemma)
     passages = [" ".join(f"Mill {i} ground {i * 5} sacks of rye in {1700 + i}." for i in range(k, k + 20)) for k in (0, 20)]
-    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("How many sacks did mill 25 grind?", passages))
-    got = eng.steps.select(prompt, "adaptive", 0.3).selection
+    prompt, _, _ = eng._steps.fuse_pieces(eng.frame.rag_pieces("How many sacks did mill 25 grind?", passages))
+    got = eng._steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert got.details["target_mass"] == adaptive.target_for(cal, 0.3)
     assert got.details["budget_mode"] == "adaptive" and got.rows.numel() > 0
@@ -108,11 +108,11 @@ def test_packaged_adaptive_calibration_matches_the_profile(gemma, monkeypatch, t
 def test_plain_prompt_frame_for_the_base_model(gemma):
     """No chat template: BOS, the system line, the documents, the question, "Answer:"."""
     eng = QCFuseEngine(gemma)
-    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces("Who?", ["A doc."]), caches=False)
+    prompt, _, _ = eng._steps.fuse_pieces(eng.frame.rag_pieces("Who?", ["A doc."]), caches=False)
     ids = prompt.token_ids.tolist()
     assert ids[0] == gemma.tokenizer.bos_token_id and ids.count(gemma.tokenizer.bos_token_id) == 1
     text = gemma.tokenizer.decode(ids)
-    assert text.startswith("<bos>" + eng.config.system_prompt + "\n\n") and text.endswith("\nAnswer:")
+    assert text.startswith("<bos>" + eng.config.frame.system_prompt + "\n\n") and text.endswith("\nAnswer:")
     assert "<start_of_turn>" not in text
 
 

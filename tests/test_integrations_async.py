@@ -55,7 +55,7 @@ def no_threads(monkeypatch, engine):
     """The async path runs no call in a thread: an executor or `asyncio.to_thread` raises,
     the only threads started are the scheduler's worker (and the retrieval learner's one
     background builder), and every request comes through the engine's async API
-    (`astream_pieces`). Yields the number of async requests so far."""
+    (its one async submission path, `_astream`). Yields the number of async requests so far."""
     def refuse(*args, **kwargs):
         raise AssertionError("the async path handed a call to a thread")
 
@@ -69,14 +69,14 @@ def no_threads(monkeypatch, engine):
     monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", refuse)
     monkeypatch.setattr(asyncio, "to_thread", refuse)
     monkeypatch.setattr(threading.Thread, "start", record)
-    asynchronous = engine.astream_pieces
+    asynchronous = engine._astream
     count = [0]
 
     def counted(*args, **kwargs):
         count[0] += 1
         return asynchronous(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "astream_pieces", counted)
+    monkeypatch.setattr(engine, "_astream", counted)
     yield count
     # besides an engine's scheduler worker, only an engine's retrieval learner may start its
     # one background build thread (a pool of one worker, `qcfuse-learn_0`, for the engine's
@@ -90,7 +90,7 @@ def _sync_only(monkeypatch, engine):
     def refuse(*args, **kwargs):
         raise AssertionError("a sync method used the async API")
 
-    monkeypatch.setattr(engine, "astream_pieces", refuse)
+    monkeypatch.setattr(engine, "_astream", refuse)
 
 
 async def _until(cond, timeout: float = 10.0) -> None:
@@ -133,7 +133,7 @@ def _sequential(tiny, kind: str) -> list[str]:
     eng = QCFuseEngine(tiny)
     component = _component(eng, kind)
     out = [_text(component.invoke(p)) for p in PROMPTS]
-    assert eng.scheduler.stats().max_batch_seen == 1  # one at a time
+    assert eng.stats().scheduler.max_batch_seen == 1  # one at a time
     assert all(len(t) > 4 for t in out)  # answers long enough to share decode steps
     return out
 
@@ -144,7 +144,7 @@ async def test_langchain_abatch_is_one_decode_batch(tiny, engine, kind, monkeypa
     monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", lambda *a, **k: pytest.fail("executor used"))
     got = await _component(engine, kind).abatch(PROMPTS)
     assert [_text(r) for r in got] == want
-    s = engine.scheduler.stats()
+    s = engine.stats().scheduler
     assert (s.submitted, s.finished, s.max_batch_seen) == (4, 4, 4)
 
 
@@ -153,7 +153,7 @@ def test_langchain_sync_batch_enters_the_scheduler_together(tiny, engine, kind):
     want = _sequential(tiny, kind)
     got = _component(engine, kind).batch(PROMPTS)
     assert [_text(r) for r in got] == want
-    s = engine.scheduler.stats()
+    s = engine.stats().scheduler
     assert (s.submitted, s.finished, s.max_batch_seen) == (4, 4, 4)
 
 
@@ -161,7 +161,7 @@ async def test_langchain_chat_batch_inside_a_running_loop(tiny, engine):
     """A sync `batch` called from a coroutine runs its own loop in a helper thread."""
     want = _sequential(tiny, "chat")
     got = _component(engine, "chat").batch(PROMPTS)
-    assert [_text(r) for r in got] == want and engine.scheduler.stats().max_batch_seen == 4
+    assert [_text(r) for r in got] == want and engine.stats().scheduler.max_batch_seen == 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -173,15 +173,15 @@ async def test_langchain_ainvoke_astream_equal_invoke_stream(engine, kind, monke
     monkeypatch.undo()
 
     calls = 0
-    asynchronous = engine.astream_pieces
+    asynchronous = engine._astream
 
     def counted(*args, **kwargs):
         nonlocal calls
         calls += 1
         return asynchronous(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "astream_pieces", counted)
-    monkeypatch.setattr(engine, "stream_pieces", lambda *a, **k: pytest.fail("the async path used the sync API"))
+    monkeypatch.setattr(engine, "_astream", counted)
+    monkeypatch.setattr(engine, "_stream", lambda *a, **k: pytest.fail("the async path used the sync API"))
     monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", lambda *a, **k: pytest.fail("executor used"))
     monkeypatch.setattr(asyncio, "to_thread", lambda *a, **k: pytest.fail("to_thread used"))
     async_reply = await component.ainvoke(PROMPTS[0])
@@ -246,8 +246,8 @@ async def test_a_cancelled_langchain_astream_aborts_its_request(engine, monkeypa
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await _until(lambda: engine.scheduler.stats().aborted == 1)
-    s = engine.scheduler.stats()
+    await _until(lambda: engine.stats().scheduler.aborted == 1)
+    s = engine.stats().scheduler
     assert (s.submitted, s.finished, s.aborted, s.running) == (1, 0, 1, 0)
     assert len([c for c in given if c is not None]) == 1  # its KV cache went back to the pool
 
@@ -255,8 +255,8 @@ async def test_a_cancelled_langchain_astream_aborts_its_request(engine, monkeypa
     stream = llm.astream(PROMPTS[1])
     assert await stream.__anext__() is not None
     await stream.aclose()  # a consumer that stops reading
-    await _until(lambda: engine.scheduler.stats().aborted == 2)
-    assert engine.scheduler.stats().finished == 0
+    await _until(lambda: engine.stats().scheduler.aborted == 2)
+    assert engine.stats().scheduler.finished == 0
 
 
 # ---------------------------------------------------------------------- LlamaIndex
@@ -277,15 +277,15 @@ async def test_llama_index_async_twins_equal_sync(engine, monkeypatch):
     monkeypatch.undo()
 
     calls = 0
-    asynchronous = engine.astream_pieces
+    asynchronous = engine._astream
 
     def counted(*args, **kwargs):
         nonlocal calls
         calls += 1
         return asynchronous(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "astream_pieces", counted)
-    monkeypatch.setattr(engine, "stream_pieces", lambda *a, **k: pytest.fail("the async path used the sync API"))
+    monkeypatch.setattr(engine, "_astream", counted)
+    monkeypatch.setattr(engine, "_stream", lambda *a, **k: pytest.fail("the async path used the sync API"))
     monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", lambda *a, **k: pytest.fail("executor used"))
     monkeypatch.setattr(asyncio, "to_thread", lambda *a, **k: pytest.fail("to_thread used"))
     got_complete = await llm.acomplete(PROMPTS[0])
@@ -312,7 +312,7 @@ async def test_llama_index_gathered_acompletes_are_one_decode_batch(tiny, engine
     llm = LlamaIndexLLM(engine=engine, max_new_tokens=NEW)
     got = await asyncio.gather(*(llm.acomplete(p) for p in PROMPTS))
     assert [r.text for r in got] == want
-    s = engine.scheduler.stats()
+    s = engine.stats().scheduler
     assert (s.submitted, s.finished, s.max_batch_seen) == (4, 4, 4)
     replies = await asyncio.gather(*(llm.achat(_messages(i)) for i in range(4)))
     assert all(r.message.content for r in replies) and no_threads[0] == 8
@@ -334,8 +334,8 @@ async def test_a_closed_llama_index_astream_aborts_its_request(engine):
     for stream in (await llm.astream_complete(PROMPTS[0]), await llm.astream_chat(_messages(1))):
         assert (await stream.__anext__()).delta
         await stream.aclose()
-    await _until(lambda: engine.scheduler.stats().aborted == 2)
-    s = engine.scheduler.stats()
+    await _until(lambda: engine.stats().scheduler.aborted == 2)
+    s = engine.stats().scheduler
     assert (s.submitted, s.finished, s.running) == (2, 0, 0)
 
     async def reader() -> None:
@@ -343,9 +343,10 @@ async def test_a_closed_llama_index_astream_aborts_its_request(engine):
             pass
 
     task = asyncio.create_task(reader())
-    await _until(lambda: engine.scheduler.stats().steps > s.steps + 2)  # it is decoding
+    await _until(lambda: engine.stats().scheduler.steps > s.steps + 2)  # it is decoding
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await _until(lambda: engine.scheduler.stats().aborted == 3)
-    assert engine.scheduler.stats().finished == 0
+    await _until(lambda: engine.stats().scheduler.aborted == 3)
+    assert engine.stats().scheduler.finished == 0
+

@@ -140,7 +140,7 @@ def test_generate_batch_invoke_stream(llm, prompts, docs, reference):
         assert info["method"] == "qcfuse" and info["cache_hits"] == len(ids) and info["cache_misses"] == 0
         assert info["chunk_ids"] == ids
         assert 0 < info["ttft_ms"] <= info["total_ms"]
-    assert result.llm_output["fingerprint"] == llm.engine.fingerprint
+    assert result.llm_output["fingerprint"] == llm.engine.caches.fingerprint
     assert llm.batch(prompts) == texts
     handler = Tokens()
     streamed = list(llm.stream(prompts[0], config={"callbacks": [handler]}))
@@ -257,7 +257,7 @@ def test_chunk_never_built_is_computed_stored_and_hit(example, llm):
     assert unseen["chunks"] == 0 and unseen["cache_misses"] == 0  # content matching cannot know it
     first = info(documents=[doc])
     assert first["cache_misses"] == 1 and first["cache_hits"] == 0 and first["chunk_ids"] == ["ferry-1"]
-    assert llm.engine.store.resolve(NodeId("ferry-1")) is not None
+    assert llm.engine.caches.store.resolve(NodeId("ferry-1")) is not None
     second = info(documents=[doc])
     assert second["cache_hits"] == 1 and second["cache_misses"] == 0
     by_content = info()  # registered on first use: now found without the channel too

@@ -142,7 +142,7 @@ def test_a_truncating_formatter_hits_on_the_first_call(tmp_path, retriever):
     # caches were built for this query's retrieval, so they count as built during it, not as hits
     assert first["cache_hits"] == 0 and first["cache_misses"] == first["cache_built"] == 2
     assert first["learned_renderings"] == 2
-    cut_tokens = sum(chat.engine.chunk_tokens(d.page_content[:70])[0].numel() for d in docs)
+    cut_tokens = sum(chat.engine.caches.chunk_tokens(d.page_content[:70])[0].numel() for d in docs)
     assert cut_tokens - 2 * 2 <= first["subspan_tokens"] < cut_tokens  # all but the cut words
     assert first["chunk_ids"] == [d.id for d in docs]
     chat.learner.wait()
@@ -178,7 +178,7 @@ def test_chat_without_documents_answers_as_full_prefill(tmp_path):
     rendered = chat.engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}],
         tokenize=False, add_generation_prompt=True)
-    assert reply.usage_metadata["input_tokens"] == len(chat.engine.tokenize(rendered))
+    assert reply.usage_metadata["input_tokens"] == len(chat.engine.caches.tokenize(rendered))
     assert reply.usage_metadata["output_tokens"] == stats(reply)["new_tokens"]
     assert chat.get_num_tokens_from_messages(messages) == reply.usage_metadata["input_tokens"]
 

@@ -10,6 +10,9 @@
   limit, the API key check) is in `qcfuse_core.asgi`;
 - the integrations (`qcfuse_integrations`) use the core through its public face only: names
   imported from `qcfuse_core` itself, never from a module under it (nor `qcfuse_kernels`);
+- the engine's callers (eval, the CLI, the server, the studio, the integrations) touch no
+  private member of QCFuseEngine; eval reaches inside it through one declared hook,
+  `qcfuse_core.eval.hooks`;
 - the library's import graph between modules has no cycle (imports inside functions
   included: they would only hide one);
 - imports inside functions are kept for optional extras (and the lazy CLI commands).
@@ -151,3 +154,36 @@ def test_the_graph_sees_real_imports():
     assert "qcfuse_core.model.fusion" in graph["qcfuse_core.engine.pipeline"]
     assert "qcfuse_core.store" in graph["qcfuse_core.engine.api"]
     assert "qcfuse_core.studio.cli" in graph["qcfuse_core.cli.commands"]  # imported inside a function
+
+
+def _engine_private_names() -> set[str]:
+    """QCFuseEngine's private members: its `_` methods and properties, and `self._x` it sets."""
+    tree = ast.parse((PACKAGES["qcfuse_core"] / "engine" / "api.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QCFuseEngine")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    names |= {
+        n.attr for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_eval_reaches_engine_internals_through_its_one_hook():
+    """Of the engine's callers - eval, the CLI, the server, the studio, the integrations -
+    only `qcfuse_core.eval.hooks` touches a private member of QCFuseEngine (on anything but
+    `self`): the rest drive the engine through its public face."""
+    private = _engine_private_names()
+    assert {"_steps", "_config", "_submit"} <= private
+    callers = ("qcfuse_core.eval", "qcfuse_core.cli", "qcfuse_core.serve", "qcfuse_core.studio", "qcfuse_integrations")
+    bad = []
+    for name, path in _modules().items():
+        if name == "qcfuse_core.eval.hooks" or not name.startswith(callers):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not bad, "private engine members used outside eval/hooks.py:\n" + "\n".join(bad)

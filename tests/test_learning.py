@@ -62,9 +62,9 @@ def test_renderings_of_stored_texts_are_served_from_their_caches_then_built_whol
                                                                  (cut, "n1", paragraphs[1])]
     assert m.renderings == [(squashed, "n0"), (cut, "n1")]
     first = engine.complete(prompt, m.chunks, method="naive", max_new_tokens=1)
-    n = sum(int(engine.chunk_tokens(t)[0].numel()) for t in (squashed, cut))
+    n = sum(int(engine.caches.chunk_tokens(t)[0].numel()) for t in (squashed, cut))
     assert first.cache_misses == 0 and first.cache_hits >= 2 and n - 4 <= first.subspan_tokens < n
-    assert not any(engine.store.contains(engine.chunk_tokens(t)[1]) for t in (squashed, cut))  # nothing stored
+    assert not any(engine.caches.store.contains(engine.caches.chunk_tokens(t)[1]) for t in (squashed, cut))  # nothing stored
     learner.build(m.renderings).result()  # what a call does after it served sub-spans
     again = engine.complete(prompt, learner.match(prompt).chunks, method="naive", max_new_tokens=1)
     assert (again.cache_hits, again.cache_misses, again.subspan_tokens) == (2, 0, 0)  # their own caches

@@ -242,7 +242,7 @@ async def test_chat_through_the_chat_template(example, index):
     rendered = llm.engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": f"{chunk}\n\n{Q_FOUNDER}"}],
         tokenize=False, add_generation_prompt=True)
-    assert stats["prompt_tokens"] == pytest.approx(len(llm.engine.tokenize(rendered)), abs=3)
+    assert stats["prompt_tokens"] == pytest.approx(len(llm.engine.caches.tokenize(rendered)), abs=3)
     streamed = [r async for r in await llm.astream_chat(messages)]
     assert "".join(r.delta or "" for r in streamed) == reply.message.content
 
@@ -272,23 +272,23 @@ def test_builder_is_idempotent(example):
     docs = [Document(text=f.read_text(encoding="utf-8"), id_=f.name, metadata={"file_name": f.name})
             for f in sorted(_load_example().corpus_dir().glob("*.md"))]
     nodes = SentenceSplitter(chunk_size=256, chunk_overlap=32).get_nodes_from_documents(docs)  # new node ids
-    before = (engine.store.stats()["entries"], len(engine.texts))
+    before = (engine.caches.store.stats()["entries"], len(engine.caches.texts))
     out = QCFuseCacheBuilder(store_dir=str(example.store))(nodes, show_progress=False)
-    assert out is nodes and (engine.store.stats()["entries"], len(engine.texts)) == before
-    assert all(engine.store.resolve(n.node_id) is not None for n in nodes)  # the new ids are linked
+    assert out is nodes and (engine.caches.store.stats()["entries"], len(engine.caches.texts)) == before
+    assert all(engine.caches.store.resolve(n.node_id) is not None for n in nodes)  # the new ids are linked
 
 
 def test_other_model_store_not_reused_and_full_recompute_equals_full(example, index, fusion):
     """float32 is another fingerprint (the store was built in bfloat16), and exact enough for
     greedy answers to agree between fused prefill with every row recomputed and HF's forward."""
     everything = make_llm(example, dtype="float32", method="random", ratio=1.0)
-    assert everything.engine.fingerprint != make_llm(example).engine.fingerprint
+    assert everything.engine.caches.fingerprint != make_llm(example).engine.caches.fingerprint
     texts = [render_for_prompt(n.node) for n in index.as_retriever(similarity_top_k=2).retrieve(Q_FOUNDER)]
-    keys = [everything.engine.chunk_tokens(t)[1] for t in texts]  # keys carry the model's fingerprint
-    assert not any(everything.engine.store.contains(k) for k in keys)  # the bfloat16 caches do not count
+    keys = [everything.engine.caches.chunk_tokens(t)[1] for t in texts]  # keys carry the model's fingerprint
+    assert not any(everything.engine.caches.store.contains(k) for k in keys)  # the bfloat16 caches do not count
     a = index.as_query_engine(llm=everything, similarity_top_k=2).query(Q_FOUNDER)
     stats = fusion.last
-    assert stats["chunks"] == 2 and all(everything.engine.store.contains(k) for k in keys)  # built for float32
+    assert stats["chunks"] == 2 and all(everything.engine.caches.store.contains(k) for k in keys)  # built for float32
     assert stats["recomputed_tokens"] == stats["context_tokens"]
     full = make_llm(example, dtype="float32", method="full")
     b = index.as_query_engine(llm=full, similarity_top_k=2).query(Q_FOUNDER)

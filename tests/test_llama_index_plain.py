@@ -121,9 +121,9 @@ def test_a_users_prompt_templates_are_honoured(store):
                     completion_to_prompt=completion_to_prompt)
     msgs = [ChatMessage(role=MessageRole.USER, content="Say hi")]
     reply = llm.chat(msgs)  # exactly the user's rendering, no chat frame around it
-    assert reply.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.tokenize(messages_to_prompt(msgs)))
+    assert reply.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.caches.tokenize(messages_to_prompt(msgs)))
     done = llm.complete("Say hi")
-    assert done.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.tokenize(completion_to_prompt("Say hi")))
+    assert done.raw["qcfuse"]["prompt_tokens"] == len(llm.engine.caches.tokenize(completion_to_prompt("Say hi")))
 
 
 def test_token_counts_reach_the_token_counter(store):

@@ -16,6 +16,7 @@ from qcfuse_core.eval import oracle
 from qcfuse_core.eval.datasets import load_dataset
 from qcfuse_core.selection.scoring import top_budget
 from qcfuse_core.selection.base import SelectionContext, get_selector
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.model.testing import tiny_model
 from tests.qc_fixtures import prompt_alone
@@ -191,14 +192,14 @@ def test_calibrate_matches_the_requested_mean_share(setup, tmp_path, monkeypatch
     for s in (0.15, 0.3):
         shares = []
         for ex in load_dataset(str(data), limit=None):
-            engine = engine.replace(store=MemoryStore())
-            prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-            sel = engine.steps.select(prompt, "adaptive", s, options=opts).selection
+            engine = internals(engine).replace(store=MemoryStore())
+            prompt, _, _ = engine._steps.fuse_pieces(engine.frame.rag_pieces(ex.question, list(ex.passages)))
+            sel = engine._steps.select(prompt, "adaptive", s, options=opts).selection
             assert sel.details["position_prior"] == 2.0
             shares.append((sel.details["budget"] + int(prompt.mask("text").sum())) / prompt.context_tokens)
         assert abs(sum(shares) / len(shares) - s) <= tol
     with pytest.raises(ValueError, match="ranking options"):
-        engine.steps.select(prompt, "adaptive", 0.3, options={"critical_layers": [1]})
+        engine._steps.select(prompt, "adaptive", 0.3, options={"critical_layers": [1]})
 
 
 def test_forced_logits_equal_a_teacher_forced_fused_prefill(smol_engine):
@@ -209,16 +210,16 @@ def test_forced_logits_equal_a_teacher_forced_fused_prefill(smol_engine):
     from qcfuse_core.engine.request import Planned
     from qcfuse_core.store import MemoryStore
 
-    eng = smol_engine.replace(store=MemoryStore())
-    pieces = eng.rag_pieces("Who founded the Zephyr Institute?",
+    eng = internals(smol_engine).replace(store=MemoryStore())
+    pieces = eng.frame.rag_pieces("Who founded the Zephyr Institute?",
                             ["The Zephyr Institute was founded in 1931 by Ada Ferreira.", "Cape Wrayth has a port."])
-    loading = eng.steps.start_loading(eng.steps.lookup(pieces, "naive", streaming=False), Planned("naive", frozenset()))
-    seq = eng.tokenize(" Ada Ferreira founded it.").tolist()
+    loading = eng._steps.start_loading(eng._steps.lookup(pieces, "naive", streaming=False), Planned("naive", frozenset()))
+    seq = eng.caches.tokenize(" Ada Ferreira founded it.").tolist()
     for method in ("cacheblend", "qcfuse"):
-        sel = eng.steps.select(loading.prompt, method, 0.3)
+        sel = eng._steps.select(loading.prompt, method, 0.3)
         teacher = teacher_fused(eng, loading, sel, method, torch.tensor(seq))[0]  # (len + 1, vocab)
-        sel = eng.steps.select(loading.prompt, method, 0.3)
-        pre = eng.steps.fuse(loading, sel, method, capacity=len(seq))
+        sel = eng._steps.select(loading.prompt, method, 0.3)
+        pre = eng._steps.fuse(loading, sel, method, capacity=len(seq))
         got = forced_logits(eng, pre.cache, pre.logits[-1], seq)
         assert got.shape == (len(seq), teacher.shape[1]) and pre.cache.length == loading.prompt.num_tokens
         torch.testing.assert_close(got, teacher[: len(seq)], atol=2e-4, rtol=1e-4)
@@ -286,13 +287,13 @@ def test_the_embedded_model_ships_its_calibration(smol, monkeypatch, tmp_path):
 def test_adaptive_serves_through_engine_answer_and_oracle_refuses_streamed_caches(tmp_path, monkeypatch):
     """`adaptive` is a serving method: engine.answer on a tiered store (layers streamed) runs
     it with the calibrated target; `oracle` needs every cache in memory and says so."""
-    from qcfuse_core.engine.api import EngineConfig, open_engine
+    from qcfuse_core import EngineConfig, QCFuseOptions, open_engine
 
     m = tiny_model("llama", tokenizer=True)
     monkeypatch.setattr("qcfuse_core.engine.api._ADAPTERS", {("None", "None", "cpu"): m})
     monkeypatch.setattr(adaptive, "lookup_calibration",
                         lambda a: ({"targets": {"0.1": 0.5, "0.3": 0.9}, "floor": 0.05, "ceiling": 0.5}, "test"))
-    engine = open_engine(tmp_path / "store", config=EngineConfig(selection_options={"critical_layers": [1]}))
+    engine = open_engine(tmp_path / "store", config=EngineConfig(selection=QCFuseOptions(critical_layers=(1,))))
     docs = ["The mill by the river was built in 1840 by a miller. " * 2, "A long, slow river runs through the valley. " * 2]
     engine.build_chunks(docs, ["a", "b"])
     res = engine.answer("Who built the mill?", docs, node_ids=["a", "b"], method="adaptive", ratio=0.2, max_new_tokens=2)

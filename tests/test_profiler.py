@@ -143,7 +143,7 @@ def _profiled(smol_engine, tmp_path, monkeypatch, options: dict):
     (tmp_path / f"{adapter.fingerprint()}.json").write_text(json.dumps({"layers": [5, 8], "options": options}))
     eng = QCFuseEngine(adapter)
     q, passages, _ = QUESTIONS[0]
-    prompt, _, _ = eng.steps.fuse_pieces(eng.rag_pieces(q, passages))
+    prompt, _, _ = eng._steps.fuse_pieces(eng.frame.rag_pieces(q, passages))
 
     def rows(method="qcfuse", **opts):
         return get_selector(method).select(SelectionContext(adapter, prompt, 0.3, options=opts)).rows
@@ -160,23 +160,23 @@ def test_an_adaptive_budget_takes_a_profiles_options_less_the_fixed_only_ones(sm
     from qcfuse_core.selection import adaptive as adaptive_mod
 
     eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, {"position_prior": 0.5, "chunk_sinks": 3})
-    fixed = eng.steps.select(prompt, "qcfuse", 0.3).selection
+    fixed = eng._steps.select(prompt, "qcfuse", 0.3).selection
     assert torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5, chunk_sinks=3))
     assert not torch.equal(fixed.rows, rows(critical_layers=[5, 8], position_prior=0.5))
     heads = [s for s, _ in prompt.chunk_spans()]
     assert all(h in set(fixed.rows.tolist()) for h in heads)  # every chunk's first token recomputed
-    assert eng.selection_options("adaptive") == {"critical_layers": [5, 8], "position_prior": 0.5}
-    assert eng.selection_options("qcfuse", {"budget": "adaptive"}) == {
+    assert eng._steps.selection_options("adaptive") == {"critical_layers": [5, 8], "position_prior": 0.5}
+    assert eng._steps.selection_options("qcfuse", {"budget": "adaptive"}) == {
         "critical_layers": [5, 8], "position_prior": 0.5, "budget": "adaptive"}
-    budget = eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    budget = eng._steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
     assert torch.equal(budget.rows, rows(critical_layers=[5, 8], position_prior=0.5, budget="adaptive"))
     cal = calibration.calibrate(eng, str(toy_set), shares=(0.3,))
     assert cal["critical_layers"] == [5, 8] and cal["options"] == {"position_prior": 0.5}
     monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
-    got = eng.steps.select(prompt, "adaptive", 0.3).selection
+    got = eng._steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 0.5 and got.details["chunk_sinks"] == 0
     with pytest.raises(ValueError, match="fixed budget"):  # a caller's own sinks are still refused
-        eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive", "chunk_sinks": 3})
+        eng._steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive", "chunk_sinks": 3})
 
 
 def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp_path, monkeypatch):
@@ -196,37 +196,37 @@ def test_engine_applies_a_profiles_options_with_its_layers_only(smol_engine, tmp
     assert critical_layers.lookup(adapter) == ([5, 8], prof.source)
 
     eng, prompt, rows = _profiled(smol_engine, tmp_path, monkeypatch, prof.options)
-    got = eng.steps.select(prompt, "qcfuse", 0.3).selection
+    got = eng._steps.select(prompt, "qcfuse", 0.3).selection
     assert got.details["position_prior"] == 2.0 and torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0))
     assert not torch.equal(got.rows, rows(critical_layers=[5, 8]))
-    own = eng.steps.select(prompt, "qcfuse", 0.3, {"position_prior": 0.0}).selection  # the caller's own setting wins
+    own = eng._steps.select(prompt, "qcfuse", 0.3, {"position_prior": 0.0}).selection  # the caller's own setting wins
     assert own.details["position_prior"] == 0.0 and torch.equal(own.rows, rows(critical_layers=[5, 8]))
-    explicit = eng.steps.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
+    explicit = eng._steps.select(prompt, "qcfuse", 0.3, {"critical_layers": [5, 8]}).selection
     assert explicit.details["position_prior"] == 0.0
-    adaptive = eng.steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
+    adaptive = eng._steps.select(prompt, "qcfuse", 0.3, {"budget": "adaptive"}).selection
     assert adaptive.details["position_prior"] == 2.0 and adaptive.details["budget_mode"] == "adaptive"
     assert torch.equal(adaptive.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive"))
-    assert eng.selection_options("qcfuse") == {"critical_layers": [5, 8], "position_prior": 2.0}
-    assert eng.selection_options("cacheblend") == {}
+    assert eng._steps.selection_options("qcfuse") == {"critical_layers": [5, 8], "position_prior": 2.0}
+    assert eng._steps.selection_options("cacheblend") == {}
     # the adaptive method: its calibration must have counted on the same ranking
     from qcfuse_core.selection import adaptive as adaptive_mod
     cal = {"targets": {"0.1": 0.4, "0.3": 0.8}, "floor": 0.0, "ceiling": 0.5, "critical_layers": [8, 5],
            "options": {"position_prior": 2}}
     monkeypatch.setattr(adaptive_mod, "lookup_calibration", lambda a: (cal, "test"))
-    got = eng.steps.select(prompt, "adaptive", 0.3).selection
+    got = eng._steps.select(prompt, "adaptive", 0.3).selection
     assert got.details["position_prior"] == 2.0 and got.details["target_mass"] == 0.8
     assert torch.equal(got.rows, rows(critical_layers=[5, 8], position_prior=2.0, budget="adaptive", target_mass=0.8,
                                       floor=0.0, ceiling=0.5))
     with pytest.raises(ValueError, match="calibrated with ranking options"):
-        eng.steps.select(prompt, "adaptive", 0.3, {"position_prior": 1.0})
+        eng._steps.select(prompt, "adaptive", 0.3, {"position_prior": 1.0})
     with pytest.raises(ValueError, match="calibrated at critical layers"):
-        eng.steps.select(prompt, "adaptive", 0.3, {"critical_layers": [5]})
+        eng._steps.select(prompt, "adaptive", 0.3, {"critical_layers": [5]})
     # layers from the engine's config, not the profile: no profile options, also when a call
     # passes options without layers
-    from qcfuse_core.engine.api import EngineConfig
-    configured = QCFuseEngine(adapter, config=EngineConfig(selection_options={"critical_layers": [5, 8]}))
+    from qcfuse_core import EngineConfig, QCFuseOptions
+    configured = QCFuseEngine(adapter, config=EngineConfig(selection=QCFuseOptions(critical_layers=(5, 8))))
     for opts in (None, {"spread": 0}):
-        sel = configured.steps.select(prompt, "qcfuse", 0.3, opts).selection
+        sel = configured._steps.select(prompt, "qcfuse", 0.3, opts).selection
         assert sel.details["position_prior"] == 0.0 and sel.details["layers_source"] == "option"
         assert torch.equal(sel.rows, rows(critical_layers=[5, 8]))
 

@@ -1,4 +1,4 @@
-"""Disk reads promoted into memory (`EngineConfig.promote_disk_reads`, `TieredStore.promote`):
+"""Disk reads promoted into memory (`CacheConfig.promote_disk_reads`, `TieredStore.promote`):
 after a request streamed chunks from the disk tier, they are copied into the host tier in the
 background, so the next request reads memory; the answers do not change. Off (the default),
 the disk tier is read every time. Tiny random model on the CPU; every wait is bounded."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qcfuse_core import EngineConfig
+from qcfuse_core import CacheConfig, EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.retrieval.texts import ChunkTextIndex
@@ -36,11 +36,11 @@ def _built(adapter, root):
     eng = QCFuseEngine(adapter, store=st, text_index=TEXTS)
     eng.build_chunks(DOCS)
     st.close()
-    return [eng.chunk_tokens(d)[1] for d in DOCS]
+    return [eng.caches.chunk_tokens(d)[1] for d in DOCS]
 
 
 def _in_memory(engine, keys) -> list[bool]:
-    return [engine.store.in_memory(k) for k in keys]
+    return [engine.caches.store.in_memory(k) for k in keys]
 
 
 def _wait(cond, timeout=30.0):
@@ -57,23 +57,23 @@ def _prompt(docs):
 @pytest.mark.parametrize("promote", [True, False])
 def test_a_disk_read_is_promoted_into_memory_only_when_asked(adapter, tmp_path, promote):
     keys = _built(adapter, tmp_path)
-    cfg = EngineConfig(promote_disk_reads=promote)
+    cfg = EngineConfig(cache=CacheConfig(promote_disk_reads=promote))
     eng = QCFuseEngine(adapter, store=_store(tmp_path), config=cfg, text_index=TEXTS)
     assert _in_memory(eng, keys) == [False] * 3
     asked: list = []  # the promotions handed to the background thread (from the request's own thread)
-    real = eng.prefetcher.promote
-    eng.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
+    real = eng.caches.prefetcher.promote
+    eng.caches.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
     first = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert (first.cache_hits, first.cache_misses) == (2, 0)
     if promote:
         _wait(lambda: _in_memory(eng, keys) == [True, True, False])  # only the chunks this request read
     else:  # nothing was handed over, so nothing can arrive later
         assert asked == [] and _in_memory(eng, keys) == [False] * 3
-    disk_reads = eng.store.disk.stats.bytes_read
+    disk_reads = eng.caches.store.disk.stats.bytes_read
     second = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert second.token_ids == first.token_ids  # memory or disk: the same bytes, the same answer
-    assert (eng.store.disk.stats.bytes_read > disk_reads) == (not promote)
-    eng.store.close()
+    assert (eng.caches.store.disk.stats.bytes_read > disk_reads) == (not promote)
+    eng.caches.store.close()
 
 
 def test_promote_reads_only_what_is_on_disk_and_not_in_memory(adapter, tmp_path):

@@ -44,15 +44,58 @@ def test_every_public_name_resolves_to_what_it_names():
     assert typed == {(m, a, n) for n, (m, a) in qcfuse_core._PUBLIC.items()}
 
 
+ENGINE_FACE = {
+    "answer", "stream", "aanswer", "astream", "complete", "acomplete", "build_chunks", "stats", "close",
+    "config", "adapter", "tokenizer", "frame", "caches",
+}
+
+
+def test_the_engine_face_is_the_verbs_users_need():
+    """QCFuseEngine's public names: the request verbs, ingestion, stats and close, and five
+    read-only properties; everything else is private, the cache manager's or the steps'."""
+    from qcfuse_core import QCFuseEngine
+
+    assert {n for n in dir(QCFuseEngine) if not n.startswith("_")} == ENGINE_FACE
+    for name in ("config", "adapter", "tokenizer", "frame", "caches"):
+        prop = getattr(QCFuseEngine, name)
+        assert isinstance(prop, property) and prop.fset is None and prop.__doc__
+
+
 def test_unknown_selection_options_raise_naming_the_valid_ones():
     from qcfuse_core import EngineConfig, QCFuseOptions
 
     with pytest.raises(ValueError, match=r"unknown selection options \['ancor_share'\]; valid: .*anchor_share"):
-        EngineConfig(selection_options={"ancor_share": 0.2})
-    cfg = EngineConfig(selection_options=QCFuseOptions(anchor_share=0.25))
-    assert cfg.selection_options == {"anchor_share": 0.25} and cfg.options.anchor_share == 0.25
-    with pytest.raises(TypeError, match="selection_options must be a dict or QCFuseOptions"):
-        EngineConfig(selection_options=[("anchor_share", 0.2)])  # type: ignore[arg-type]
+        EngineConfig(selection={"ancor_share": 0.2})  # type: ignore[arg-type]
+    cfg = EngineConfig(selection=QCFuseOptions(anchor_share=0.25))
+    assert cfg.selection.to_options() == {"anchor_share": 0.25}
+    assert EngineConfig(selection={"anchor_share": 0.25}).selection == cfg.selection  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="selection must be a dict or QCFuseOptions"):
+        EngineConfig(selection=[("anchor_share", 0.2)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\['epic_k'\] belong to other selectors"):
+        EngineConfig(selection={"epic_k": 3})  # type: ignore[arg-type]
+
+
+def test_the_config_is_split_by_concern_and_each_part_is_frozen_and_checked():
+    import dataclasses
+
+    from qcfuse_core import CacheConfig, EngineConfig, FrameConfig, SchedulerConfig
+
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_running=4), cache=CacheConfig(kv_memory_share=0.5))
+    assert (cfg.scheduler.max_running, cfg.scheduler.max_queue, cfg.cache.kv_memory_share) == (4, 256, 0.5)
+    assert cfg.frame == FrameConfig() and "{question}" in cfg.frame.question_template
+    for part in (cfg, cfg.frame, cfg.scheduler, cfg.cache, cfg.selection):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            part.seed = 1  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="question_template must contain"):
+        FrameConfig(question_template="no slot")
+    with pytest.raises(ValueError, match="max_running must be a positive int"):
+        SchedulerConfig(max_running=0)
+    with pytest.raises(ValueError, match="batched_prefill must be True or False"):
+        SchedulerConfig(batched_prefill=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_cache_bytes must be a positive int or None"):
+        CacheConfig(kv_cache_bytes=-1)
+    with pytest.raises(TypeError, match="scheduler must be a SchedulerConfig, got dict"):
+        EngineConfig(scheduler={"max_running": 4})  # type: ignore[arg-type]
 
 
 def _core_requirements() -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 
 from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.store import MemoryStore
 
 DOCS = [
@@ -65,7 +66,7 @@ def test_langchain_chat_model(engine, want):
     from qcfuse_integrations.langchain import ChatQCFuse
 
     chat = ChatQCFuse.from_engine(engine, max_tokens=NEW, temperature=0.0)
-    msg = chat.invoke([SystemMessage(engine.config.system_prompt), HumanMessage(_prompt())])
+    msg = chat.invoke([SystemMessage(engine.config.frame.system_prompt), HumanMessage(_prompt())])
     assert msg.content == want.text
     stats = msg.response_metadata["qcfuse"]
     assert stats["cache_hits"] == 3 and stats["cache_misses"] == 0
@@ -105,7 +106,7 @@ def test_the_studio_api(engine, tmp_path):
     from qcfuse_core.studio.service import StudioConfig, StudioService
 
     svc = StudioService(StudioConfig(store=tmp_path / "studio", dtype="fp32", warmup=False),
-                        engine=engine.replace(store=MemoryStore()))
+                        engine=internals(engine).replace(store=MemoryStore()))
     with TestClient(create_app(svc)) as client:
         files = [("files", (f"{i}.md", text.encode(), "text/markdown")) for i, text in zip(IDS, DOCS)]
         res = client.post("/api/ingest", files=files)

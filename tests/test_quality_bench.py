@@ -143,7 +143,7 @@ def test_run_example_records_and_variants(smol_engine, target):
     assert recs[3]["kl_first_token"] > 1e-4  # naive concatenation differs from full prefill
     assert 0.25 < recs[1]["recompute_share"] < 0.45
     if target == "full":
-        assert full["gold_tokens"] == len(smol_engine.tokenize(full["answer"]))
+        assert full["gold_tokens"] == len(smol_engine.caches.tokenize(full["answer"]))
     with pytest.raises(ValueError, match="target"):
         run_example(smol_engine, _toy_example(), ["full"], [], {}, max_new=4, target="answer")
 
@@ -245,8 +245,8 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
 def _prompt_g(engine, ex):
     from qcfuse_core.model.fusion import FusedPrompt, Segment
 
-    prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)), caches=False)
-    return FusedPrompt(prompt.segments + [Segment("suffix", engine.tokenize(ex.answers[0])[:64])])
+    prompt, _, _ = engine._steps.fuse_pieces(engine.frame.rag_pieces(ex.question, list(ex.passages)), caches=False)
+    return FusedPrompt(prompt.segments + [Segment("suffix", engine.caches.tokenize(ex.answers[0])[:64])])
 
 
 def test_merge_rerun_replaces_methods_and_checks_full_prefill():

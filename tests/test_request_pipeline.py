@@ -28,7 +28,7 @@ def engine(tiny, tmp_path):
     eng = QCFuseEngine(tiny, store=open_store(kv_dir(tmp_path), use_cuda=False))
     eng.build_chunks(DOCS, [f"n{i}" for i in range(len(DOCS))])
     yield eng
-    eng.store.close()
+    eng.caches.store.close()
 
 
 @pytest.mark.parametrize("method", ["qcfuse", "cacheblend", "epic", "naive", "full"])
@@ -55,14 +55,14 @@ def test_a_request_after_a_failed_one_succeeds(engine, monkeypatch):
     got = engine.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=6)
     assert got.token_ids == want.token_ids
     assert got.cache_hits == 3 and got.cache_misses == 0
-    assert len(engine.prefetcher._free) == 1  # every session gave its buffers back
+    assert len(engine.caches.prefetcher._free) == 1  # every session gave its buffers back
 
 
 def test_an_abandoned_stream_releases_its_session(engine):
     stream = engine.stream(Q, DOCS, method="naive", max_new_tokens=8)
     next(stream)
     stream.close()  # the caller walked away mid-answer: the request leaves the scheduler
-    assert len(engine.prefetcher._free) == 1
+    assert len(engine.caches.prefetcher._free) == 1
     assert engine.answer(Q, DOCS, method="naive", max_new_tokens=2).cache_hits == 3
 
 
@@ -81,8 +81,8 @@ def test_hot_path_reads_no_index_and_tokenizes_chunks_once(engine, monkeypatch):
     for name in ("_query", "transaction", "lookup", "lookup_sidecar", "count_and_bytes"):
         monkeypatch.setattr(manifest.Manifest, name, count_sql)
     monkeypatch.setattr(critical_layers, "lookup", lambda *a: calls.__setitem__("lookup", calls["lookup"] + 1))
-    tok = engine.tokenize
-    monkeypatch.setattr(engine, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
+    tok = engine.caches.tokenize
+    monkeypatch.setattr(engine.caches, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
     r = engine.answer(Q, DOCS, node_ids=["n0", "n1", "n2"], method="qcfuse", ratio=0.3, max_new_tokens=1)
     assert r.cache_hits == 3 and calls["sql"] == 0 and calls["lookup"] == 0
     assert not set(calls["tokenize"]) & set(DOCS)  # only glue and the question are tokenised
@@ -92,22 +92,22 @@ def test_hot_path_reads_no_index_and_tokenizes_chunks_once(engine, monkeypatch):
 def test_batched_ingestion_answers_like_one_by_one(tiny, tmp_path):
     one = QCFuseEngine(tiny, store=open_store(kv_dir(tmp_path / "one"), use_cuda=False))
     for d in DOCS:
-        one.build_chunk(d)
+        one.build_chunks([d])
     many = QCFuseEngine(tiny, store=open_store(kv_dir(tmp_path / "many"), use_cuda=False))
     keys = many.build_chunks(DOCS + DOCS[:1], ["a", "b", "c", "d"])  # a repeated text is stored once
     assert keys[0] == keys[3] and len(set(keys)) == 3
     for k in keys[:3]:
-        a, b = one.store.get(k), many.store.get(k)
+        a, b = one.caches.store.get(k), many.caches.store.get(k)
         torch.testing.assert_close(a.k, b.k, rtol=0, atol=1e-5)
         torch.testing.assert_close(a.v, b.v, rtol=0, atol=1e-5)
-    assert many.store.resolve("d") == keys[0]
+    assert many.caches.store.resolve("d") == keys[0]
     ra = one.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=6)
     rb = many.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=6)
     assert ra.token_ids == rb.token_ids and rb.cache_hits == 3
     with pytest.raises(ValueError, match="differ in length"):
         many.build_chunks(DOCS, ["x"])
-    one.store.close()
-    many.store.close()
+    one.caches.store.close()
+    many.caches.store.close()
 
 
 def test_bench_ttft_times_engine_answer(tmp_path, monkeypatch, capsys):
@@ -187,9 +187,9 @@ def test_a_prompt_without_a_cached_chunk_is_answered_by_full_prefill(engine, met
     from qcfuse_core.types import Piece
 
     turn = [Piece("suffix", "<|user|>Say hi to the island of Veloria.<|assistant|>")]
-    full = engine.stream_pieces(turn, method="full", max_new_tokens=6)
+    full = engine._stream(turn, method="full", max_new_tokens=6)
     want = [*full] and full.result
-    stream = engine.stream_pieces(turn, method=method, ratio=0.3, max_new_tokens=6)
+    stream = engine._stream(turn, method=method, ratio=0.3, max_new_tokens=6)
     for _ in stream:
         pass
     got = stream.result

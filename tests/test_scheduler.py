@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from qcfuse_core import EngineBusy, EngineConfig
+from qcfuse_core import CacheConfig, EngineBusy, SchedulerConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore, kv_dir, open_store
-from tests.qc_fixtures import hold_worker
+from tests.qc_fixtures import engine_config, hold_worker
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(10)) for i in range(4)]
 METHODS = ("qcfuse", "full", "naive", "cacheblend")
@@ -28,7 +28,7 @@ def tiny():
 
 
 def _engine(tiny, store=None, **cfg) -> QCFuseEngine:
-    eng = QCFuseEngine(tiny, store=store if store is not None else MemoryStore(), config=EngineConfig(**cfg))
+    eng = QCFuseEngine(tiny, store=store if store is not None else MemoryStore(), config=engine_config(**cfg))
     eng.build_chunks(DOCS)
     return eng
 
@@ -81,7 +81,7 @@ def test_threads_answer_as_one_at_a_time(tiny):
         th.join(240)
     assert not errors, errors
     assert got == want
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.submitted, s.finished, s.failed, s.aborted, s.running, s.waiting) == (128, 128, 0, 0, 0, 0)
     assert s.max_batch_seen > 1
 
@@ -120,7 +120,7 @@ def test_asyncio_tasks_answer_as_one_at_a_time(tiny, deterministic):
     got, ticks = asyncio.run(main())
     assert got == want
     assert ticks > 5
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert s.finished == 24 and s.failed == 0 and s.max_batch_seen > 1
 
 
@@ -129,7 +129,7 @@ def test_a_batch_forms_from_requests_submitted_together(tiny):
     streams = [eng.stream(q, d, method=m, ratio=0.3, max_new_tokens=NEW) for q, d, m in _requests(8, seed=3)]
     for s in streams:
         list(s)
-    assert eng.scheduler.stats().max_batch_seen == 8
+    assert eng.stats().scheduler.max_batch_seen == 8
 
 
 def test_a_closed_stream_frees_its_resources(tiny, tmp_path, monkeypatch):
@@ -143,16 +143,16 @@ def test_a_closed_stream_frees_its_resources(tiny, tmp_path, monkeypatch):
     stream = eng.stream("Which one?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=40)
     next(stream)
     stream.close()
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert s.aborted == 1
     assert len([c for c in given if c is not None]) == 1
-    assert len(eng.prefetcher._free) == 1  # every load session gave its buffers back
+    assert len(eng.caches.prefetcher._free) == 1  # every load session gave its buffers back
     r = [*other] and other.result  # the other request is unaffected
     assert r is not None and r.finish_reason in ("length", "stop")
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.finished, s.aborted, s.running) == (1, 1, 0)
     assert len([c for c in given if c is not None]) == 2
-    eng.store.close()
+    eng.caches.store.close()
 
 
 def test_a_cancelled_task_aborts_its_request(tiny):
@@ -165,15 +165,15 @@ def test_a_cancelled_task_aborts_its_request(tiny):
 
         task = asyncio.create_task(reader())
         await asyncio.sleep(0)
-        while eng.scheduler.stats().steps < 3:  # it is decoding
+        while eng.stats().scheduler.steps < 3:  # it is decoding
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
-    _wait_for(lambda: eng.scheduler.stats().aborted == 1)
-    s = eng.scheduler.stats()
+    _wait_for(lambda: eng.stats().scheduler.aborted == 1)
+    s = eng.stats().scheduler
     assert s.running == 0 and s.finished == 0
 
 
@@ -183,7 +183,7 @@ def test_a_full_queue_raises_engine_busy(tiny):
     eng = _engine(tiny, max_queue=2, max_running=1)
     gate = hold_worker(eng)  # the first request's lookup: the worker waits there, the queue fills
     first = eng.stream("Which?", DOCS, method="naive", max_new_tokens=2)
-    _wait_for(lambda: eng.scheduler.stats().running == 1)
+    _wait_for(lambda: eng.stats().scheduler.running == 1)
     queued = [eng.stream("Which?", DOCS, method="naive", max_new_tokens=2) for _ in range(2)]
     with pytest.raises(EngineBusy, match="max_queue=2"):
         eng.stream("Which?", DOCS, method="naive", max_new_tokens=2)
@@ -192,10 +192,10 @@ def test_a_full_queue_raises_engine_busy(tiny):
     for s in [first, *queued]:
         list(s)
         assert s.result is not None
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.submitted, s.finished) == (3, 3)
     with pytest.raises(ValueError, match="max_queue"):
-        EngineConfig(max_queue=0)
+        SchedulerConfig(max_queue=0)
 
 
 def test_a_bad_request_raises_on_the_callers_thread(tiny):
@@ -209,15 +209,15 @@ def test_a_bad_request_raises_on_the_callers_thread(tiny):
         "question is empty": lambda: eng.stream("  ", DOCS),
         "ratio": lambda: eng.stream("Which?", DOCS, ratio=1.5),
         "unknown method": lambda: eng.stream("Which?", DOCS, method="magic"),
-        "at least one piece": lambda: eng.stream_pieces([]),
-        "of kind": lambda: eng.stream_pieces([Piece("question", "Which?")]),
+        "at least one piece": lambda: eng._stream([]),
+        "of kind": lambda: eng._stream([Piece("question", "Which?")]),
     }
     for message, call in bad.items():
         with pytest.raises(ValueError, match=message):
             call()
     with pytest.raises(TypeError, match="as data"):
-        eng.stream_pieces(lambda: eng.rag_pieces("Which?", DOCS))
-    s = eng.scheduler.stats()
+        eng._stream(lambda: eng.frame.rag_pieces("Which?", DOCS))
+    s = eng.stats().scheduler
     assert (s.submitted, s.waiting, s.running) == (0, 0, 0)
 
 
@@ -240,7 +240,7 @@ def test_a_request_whose_chunk_read_fails_fails_alone(tiny):
     good, bad = DOCS[:3], DOCS[1:]
     reqs = [(f"Which {i}?", bad if i % 4 == 1 else good, "qcfuse") for i in range(8)]
     want = _alone(tiny, [r for i, r in enumerate(reqs) if i % 4 != 1])
-    store.bad = eng.chunk_tokens(DOCS[3])[1]
+    store.bad = eng.caches.chunk_tokens(DOCS[3])[1]
     streams = [eng.stream(q, d, method=m, ratio=0.3, max_new_tokens=NEW) for q, d, m in reqs]
     got = []
     for i, s in enumerate(streams):
@@ -252,7 +252,7 @@ def test_a_request_whose_chunk_read_fails_fails_alone(tiny):
             assert s.result is not None
             got.append(s.result.token_ids)
     assert got == want
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.finished, s.failed, s.running) == (6, 2, 0)
     assert s.max_batch_seen > 1
 
@@ -265,10 +265,10 @@ def test_a_stream_closed_while_waiting_leaves_the_queue_at_once(tiny):
     next(long)
     queued = eng.stream("Which one?", DOCS, method="full", max_new_tokens=2)
     queued.close()
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.aborted, s.running, s.waiting) == (1, 1, 0)
     long.close()
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert (s.aborted, s.running, s.finished) == (2, 0, 0)
 
 
@@ -281,7 +281,7 @@ def test_the_one_request_driver_answers_as_the_scheduler(tiny, deterministic):
     eng = _engine(tiny, deterministic=deterministic)
     for q, d, m in _requests(4, seed=4):
         r = eng.answer(q, d, method=m, ratio=0.3, max_new_tokens=NEW)
-        gen = eng.steps.run(eng.rag_pieces(q, d), m, 0.3, GenerationConfig(max_new_tokens=NEW), False)
+        gen = eng._steps.run(eng.frame.rag_pieces(q, d), m, 0.3, GenerationConfig(max_new_tokens=NEW), False)
         deltas = []
         try:
             while True:
@@ -312,7 +312,7 @@ def test_admission_waits_for_kv_room_and_answers_as_alone(tiny):
 
     got = asyncio.run(main())
     assert [r.token_ids for r in got] == want
-    s = eng.scheduler.stats()
+    s = eng.stats().scheduler
     assert s.finished == 8 and s.failed == 0
     assert s.deferred > 0 and 1 <= s.max_batch_seen <= 2
     names = ("queue_ms", "lookup_ms", "plan_ms", "load_start_ms", "select_ms", "prefill_ms", "first_token_ms")
@@ -332,11 +332,11 @@ def test_a_request_larger_than_the_kv_budget_fails_alone(tiny):
     with pytest.raises(KVBudgetError, match=r"KV cache \(\d+ tokens, [\d.]+ \w+\) exceeds the engine's KV budget"):
         eng.answer(q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=NEW)
     assert eng.complete("Hi", max_new_tokens=4).token_ids == short.token_ids
-    assert eng.scheduler.stats().failed == 1
+    assert eng.stats().scheduler.failed == 1
     with pytest.raises(ValueError, match="kv_cache_bytes"):
-        EngineConfig(kv_cache_bytes=0)
+        CacheConfig(kv_cache_bytes=0)
     with pytest.raises(ValueError, match="kv_memory_share"):
-        EngineConfig(kv_memory_share=1.5)
+        CacheConfig(kv_memory_share=1.5)
 
 
 def test_shutdown_aborts_what_runs_and_refuses_new_requests(tiny):
@@ -348,7 +348,7 @@ def test_shutdown_aborts_what_runs_and_refuses_new_requests(tiny):
     eng = _engine(tiny)
     stream = eng.stream("Which document mentions word1x2?", DOCS, max_new_tokens=400)
     next(iter(stream))
-    sched = eng.scheduler
+    sched = eng._scheduler
     assert sched in scheduler_mod._LIVE
     worker = sched._thread
     assert worker is not None and worker.is_alive()
@@ -358,6 +358,43 @@ def test_shutdown_aborts_what_runs_and_refuses_new_requests(tiny):
     assert not worker.is_alive() and sched._thread is None
     with pytest.raises(RuntimeError, match="shut down"):
         eng.answer("Which document mentions word1x2?", DOCS, max_new_tokens=2)
+
+
+def test_stats_and_close(tiny, tmp_path):
+    """`stats()` reads the scheduler's counters (zero before the first request, starting
+    nothing), the store's counters and the cache manager's counts; `close()` stops the
+    worker, aborting what runs, closes the store and the text index, and is idempotent; a
+    request after it raises. `with` closes the engine."""
+    from qcfuse_core import EngineStats
+
+    import sqlite3
+
+    store = open_store(kv_dir(tmp_path), use_cuda=False)
+    eng = _engine(tiny, store=store)
+    closed: list[int] = []
+    real_close = store.close
+    store.close = lambda: (closed.append(1), real_close())[1]  # type: ignore[method-assign]
+    before = eng.stats()
+    assert isinstance(before, EngineStats) and before.scheduler.submitted == 0 and eng._sched is None
+    assert before.chunk_texts == len(DOCS) and before.store["backend"] == "tiered"
+    eng.answer("Which document mentions word1x2?", DOCS, max_new_tokens=2)
+    after = eng.stats()
+    assert (after.scheduler.submitted, after.scheduler.finished, after.kv_reserved_bytes) == (1, 1, 0)
+    stream = eng.stream("Which document mentions word1x2?", DOCS, max_new_tokens=400)
+    next(iter(stream))
+    worker = eng._sched._thread
+    eng.close()
+    assert eng._sched.stats().aborted == 1 and not worker.is_alive() and closed == [1]
+    with pytest.raises(sqlite3.ProgrammingError):
+        len(eng.caches.texts)  # the chunk-text index is closed too
+    eng.close()  # idempotent
+    assert closed == [1]
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.answer("Which document mentions word1x2?", DOCS, max_new_tokens=2)
+    with _engine(tiny) as held:
+        held.answer("Which document mentions word1x2?", DOCS, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="closed"):
+        held.complete("Hi", max_new_tokens=2)
 
 
 def test_the_interpreter_exits_cleanly_with_a_stream_left_open(tmp_path):
@@ -406,4 +443,4 @@ def test_greedy_rows_are_chosen_together_and_answer_as_alone(tiny, monkeypatch):
     monkeypatch.setattr(pipeline.Decoding, "take_token", lambda self, t: picked.append(t) or real(self, t))
     eng = _engine(tiny)
     assert run(eng, together=True) == want
-    assert eng.scheduler.stats().max_batch_seen == 6 and len(picked) >= 3 * (NEW - 1) - 3
+    assert eng.stats().scheduler.max_batch_seen == 6 and len(picked) >= 3 * (NEW - 1) - 3

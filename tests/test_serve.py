@@ -16,11 +16,11 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore
+from tests.qc_fixtures import engine_config
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -39,7 +39,7 @@ def tiny():
 
 
 def _engine(tiny, **cfg) -> QCFuseEngine:
-    eng = QCFuseEngine(tiny, store=MemoryStore(), config=EngineConfig(**cfg))
+    eng = QCFuseEngine(tiny, store=MemoryStore(), config=engine_config(**cfg))
     eng.build_chunks(DOCS, [f"doc-{i}" for i in range(len(DOCS))])
     return eng
 
@@ -62,7 +62,7 @@ def _prompt(question: str = "Which document mentions word1x3?", docs=(DOCS[0], D
 def _chat_messages(engine, prompt: str) -> list[dict]:
     """A chat whose rendering is the engine's completion frame around `prompt` (the same system
     prompt), so the chat route's answer must be `engine.complete(prompt)`'s."""
-    return [{"role": "system", "content": engine.config.system_prompt}, {"role": "user", "content": prompt}]
+    return [{"role": "system", "content": engine.config.frame.system_prompt}, {"role": "user", "content": prompt}]
 
 
 def _sse(lines) -> list[dict | str]:
@@ -190,10 +190,10 @@ def test_kv_budget_is_a_400(tiny):
 def test_a_full_queue_is_a_429(tiny):
     eng = _engine(tiny, max_queue=1, max_running=1)
     long = dict(max_new_tokens=3000, temperature=0.0)
-    running = eng.stream_complete(_prompt(), **long)
+    running = eng.complete(_prompt(), stream=True, **long)
     try:
-        _wait(lambda: eng.scheduler.stats().running == 1)
-        waiting = eng.stream_complete(_prompt("b"), **long)  # fills the queue of one
+        _wait(lambda: eng.stats().scheduler.running == 1)
+        waiting = eng.complete(_prompt("b"), stream=True, **long)  # fills the queue of one
         try:
             with TestClient(create_app(eng)) as c:
                 res = c.post("/v1/completions", json={"prompt": _prompt("c"), "max_tokens": 4})
@@ -308,17 +308,17 @@ def test_a_disconnecting_client_aborts_its_request(tiny):
     server = LiveServer(create_app(eng, config=ServeConfig(disconnect_poll_s=0.05)))
     try:
         for stream in (True, False):
-            aborted = eng.scheduler.stats().aborted
+            aborted = eng.stats().scheduler.aborted
             body = json.dumps({"prompt": _prompt(), "max_tokens": 3000, "temperature": 0, "stream": stream}).encode()
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            _wait(lambda: eng.scheduler.stats().running == 1)  # decoding 3000 tokens: seconds
+            _wait(lambda: eng.stats().scheduler.running == 1)  # decoding 3000 tokens: seconds
             sock.close()
             t0 = time.monotonic()
-            _wait(lambda: eng.scheduler.stats().aborted == aborted + 1, timeout=10)
+            _wait(lambda: eng.stats().scheduler.aborted == aborted + 1, timeout=10)
             assert time.monotonic() - t0 < 5  # at once, not after the 3000 tokens
-            _wait(lambda: eng.scheduler.stats().running == 0)
+            _wait(lambda: eng.stats().scheduler.running == 0)
         text = httpx.get(server.url + "/metrics").text
         assert _metric(text, 'qcfuse_requests_total{outcome="aborted",route="completions"}') == 2
     finally:
@@ -330,7 +330,7 @@ def test_concurrent_requests_share_decode_steps(tiny):
     server = LiveServer(create_app(eng))
     prompts = [_prompt(f"Question number {i}?") for i in range(8)]
     want = [eng.complete(p, max_new_tokens=24, temperature=0.0).text for p in prompts]
-    start = eng.scheduler.stats()
+    start = eng.stats().scheduler
     got: list[str | None] = [None] * 8
     errors: list[BaseException] = []
     gate = threading.Barrier(8)
@@ -353,7 +353,7 @@ def test_concurrent_requests_share_decode_steps(tiny):
             t.join(180)
         assert not errors, errors
         assert got == want
-        stats = eng.scheduler.stats()
+        stats = eng.stats().scheduler
         assert stats.finished - start.finished == 8 and stats.max_batch_seen > 1
     finally:
         server.close()
@@ -395,7 +395,7 @@ def test_langchain_chat_openai(live, engine):
                      max_retries=0)
     prompt = _prompt("What does word1x2 belong to?")
     want = engine.complete(prompt, max_new_tokens=NEW, temperature=0.0).text
-    messages = [("system", engine.config.system_prompt), ("human", prompt)]
+    messages = [("system", engine.config.frame.system_prompt), ("human", prompt)]
     msg = llm.invoke(messages)
     assert msg.content == want
     assert msg.usage_metadata["output_tokens"] == NEW
@@ -413,7 +413,7 @@ def test_llama_index_openai_like(live, engine):
     completion = OpenAILike(**common, is_chat_model=False)
     assert completion.complete(prompt).text == want
     chat = OpenAILike(**common, is_chat_model=True)
-    reply = chat.chat([ChatMessage(role="system", content=engine.config.system_prompt),
+    reply = chat.chat([ChatMessage(role="system", content=engine.config.frame.system_prompt),
                        ChatMessage(role="user", content=prompt)])
     assert reply.message.content == want
 

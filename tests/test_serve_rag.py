@@ -24,14 +24,13 @@ from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.chat import render
 from qcfuse_core.model.testing import tiny_model
-from qcfuse_core.retrieval.texts import split_prompt
 from qcfuse_core.serve.app import create_app
 from qcfuse_core.store import MemoryStore
 
 NEW = 10  # max_tokens of every answer
 MODEL = "tiny-rag"
 TIMEOUT_S = 60.0  # every HTTP call
-SYSTEM = EngineConfig().system_prompt  # the engine's frame: a chat with it renders as `engine.complete`'s prompt
+SYSTEM = EngineConfig().frame.system_prompt  # the engine's frame: a chat with it renders as `engine.complete`'s prompt
 
 # LangChain's corpus: the keyword retriever ranks ferry > saffron for Q1 and saffron > ferry for Q2
 LC_DOCS = {
@@ -94,12 +93,7 @@ def _engine_chat(engine: QCFuseEngine, messages: list[dict]) -> str:
     """The engine's greedy answer to `messages` in process: rendered in the chat template, its
     registered chunk texts found by content (what the chat route does before it submits)."""
     prompt = render(engine.tokenizer, messages)
-    found = engine.texts.find(prompt)
-    stream = engine.stream_pieces(split_prompt(prompt, found), max_new_tokens=NEW, temperature=0.0)
-    for _ in stream:
-        pass
-    assert stream.result is not None
-    return stream.result.text
+    return engine.complete(prompt, framed=False, max_new_tokens=NEW, temperature=0.0).text
 
 
 # ---------------------------------------------------------------------------- LangChain

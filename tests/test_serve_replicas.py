@@ -194,9 +194,9 @@ def test_closing_the_stream_early_aborts_the_request(tiny_engine):
 
     asyncio.run(run())
     end = time.monotonic() + 30
-    while tiny_engine.scheduler.stats().running and time.monotonic() < end:
+    while tiny_engine.stats().scheduler.running and time.monotonic() < end:
         time.sleep(0.05)
-    assert tiny_engine.scheduler.stats().running == 0
+    assert tiny_engine.stats().scheduler.running == 0
 
 
 # ---------------------------------------------------------------------------- on Ray Serve

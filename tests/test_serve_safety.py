@@ -153,7 +153,7 @@ def test_node_ids_never_become_paths(tiny, tmp_path, monkeypatch):
             assert res.status_code == 200, res.text
             assert [d["id"] for d in res.json()["data"]] == ids
             for i, t in zip(ids, texts):
-                assert store.resolve(i) is not None and store.resolve(i) == eng.chunk_tokens(t)[1]
+                assert store.resolve(i) is not None and store.resolve(i) == eng.caches.chunk_tokens(t)[1]
             got = c.post("/v1/completions", json={"prompt": "Context:\n" + "\n\n".join(texts[:3]), "max_tokens": 2,
                                                   "qcfuse": {"node_ids": ids[:3]}})
             assert got.status_code == 200, got.text
@@ -254,7 +254,7 @@ engine.build_chunks(texts, [f"doc-{i}" for i in range(len(texts))])
 sock = listen("127.0.0.1", 0)
 print(sock.getsockname()[1], flush=True)
 run_server(create_app(engine, owns_engine=True), sock, grace)
-s = engine.scheduler.stats()
+s = engine.stats().scheduler
 print(f"stopped: running={s.running} waiting={s.waiting} finished={s.finished} aborted={s.aborted}", flush=True)
 """
 

@@ -61,11 +61,11 @@ def _answer(engine):
 def test_damaged_caches_are_recomputed_same_answer(tmp_path, adapter):
     eng = _engine(adapter, tmp_path)
     for i, d in enumerate(DOCS):
-        eng.build_chunk(d, node_id=f"doc-{i}")
+        eng.build_chunks([d], [f"doc-{i}"])
     before = _answer(eng)
     assert before.cache_hits == 3 and before.cache_misses == 0 and before.token_ids
-    paths = [entry_file(eng.store, eng.store.resolve(f"doc-{i}")) for i in range(3)]
-    eng.store.close()
+    paths = [entry_file(eng.caches.store, eng.caches.store.resolve(f"doc-{i}")) for i in range(3)]
+    eng.caches.store.close()
     with open(paths[0], "r+b") as f:  # bit rot in the middle
         f.seek(os.path.getsize(paths[0]) // 2)
         f.write(b"\xff\xfe\xfd\xfc")
@@ -79,16 +79,16 @@ def test_damaged_caches_are_recomputed_same_answer(tmp_path, adapter):
     assert after.store_stats["corrupt"] == 3
     again = _answer(eng)  # recomputed caches were written back
     assert again.cache_misses == 0 and again.token_ids == before.token_ids
-    eng.store.close()
+    eng.caches.store.close()
     eng = _engine(adapter, tmp_path)
     assert _answer(eng).cache_hits == 3
-    eng.store.close()
+    eng.caches.store.close()
 
 
 def test_disk_full_still_answers(tmp_path, adapter, monkeypatch):
     eng = _engine(adapter, tmp_path)
     reference = _answer(eng)
-    eng.store.close()
+    eng.caches.store.close()
 
     def full(fd, buffers):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -100,4 +100,4 @@ def test_disk_full_still_answers(tmp_path, adapter, monkeypatch):
     assert first.store_stats["degraded"] and first.store_stats["write_failures"] >= 3
     second = _answer(eng)  # served from the host tier
     assert second.token_ids == reference.token_ids and second.cache_hits == 3
-    eng.store.close()
+    eng.caches.store.close()

@@ -82,15 +82,15 @@ def test_ingestion_writes_each_sidecar_once_and_it_serves_the_probe(tmp_path, mo
     monkeypatch.setattr(DiskTier, "write_sidecar", counting)
     keys = eng.build_chunks(DOCS, [f"n{i}" for i in range(len(DOCS))])
     assert sorted(map(str, writes)) == sorted(map(str, keys))  # one write per chunk
-    crit = eng.critical_layers
+    crit = eng.caches.critical_layers
     depth = max(crit) + 1
-    method = eng.config.options.anchor_method
+    method = eng.config.selection.anchor_method
     for key in keys:
-        side = eng.store.disk.read_sidecar(key)
+        side = eng.caches.store.disk.read_sidecar(key)
         assert _sidecar_ok(side, depth, crit, method)
     r = eng.answer("Which document mentions word1x3?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=2)
     assert r.cache_hits == len(DOCS) and r.cache_misses == 0
-    eng.store.close()
+    eng.caches.store.close()
 
 
 def test_bulk_puts_fill_the_host_tier_but_never_evict(tmp_path):

@@ -87,7 +87,7 @@ def test_search_ranks_the_right_chunk_first_with_tokens_and_anchors(client, serv
     assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
     for c in top:
         assert "".join(c["tokens"]) == c["text"]  # the pieces are the chunk's own tokens, in order
-        ids, key = service.engine.chunk_tokens(c["text"])
+        ids, key = service.engine.caches.chunk_tokens(c["text"])
         assert len(c["tokens"]) == ids.numel()
         assert c["cached"] and c["anchors"] == sorted(set(c["anchors"]))
         assert c["anchors"][:4] == [0, 1, 2, 3]  # the chunk-local sinks come first
@@ -241,9 +241,9 @@ def test_repeats_give_the_median_and_quality_is_against_full_prefill(client, ser
 def test_caches_are_built_before_any_mode_is_timed(client, service, top):
     """A chunk whose cache this model lacks is built in the run's build step (timed on its
     own), so the first mode gets a hit like every other."""
-    _, key = service.engine.chunk_tokens(top[2]["text"])
-    service.engine.store.delete(key)
-    assert not service.engine.store.contains(key)
+    _, key = service.engine.caches.chunk_tokens(top[2]["text"])
+    service.engine.caches.store.delete(key)
+    assert not service.engine.caches.store.contains(key)
     card = client.post("/api/chunks", json={"ids": [top[2]["id"]]}).json()["chunks"][0]
     assert card["id"] == top[2]["id"] and not card["cached"]
     body = {"question": Q, "chunk_ids": [top[2]["id"]], "modes": [{"method": "qcfuse", "ratio": 0.15}],
@@ -405,8 +405,8 @@ def test_upload_is_chunked_embedded_cached_and_found(client, service):
     hits = client.post("/api/search", json={"question": "Who built the Quillon Observatory?", "top_k": 2}).json()["chunks"]
     assert hits[0]["source"] == "quillon.md" and hits[0]["id"] == done["result"]["chunk_ids"][0]
     assert hits[0]["cached"]  # its cache was built by the job
-    key = service.engine.chunk_tokens(hits[0]["text"])[1]
-    assert service.engine.store.contains(key)
+    key = service.engine.caches.chunk_tokens(hits[0]["text"])[1]
+    assert service.engine.caches.store.contains(key)
     again = _wait(client, client.post("/api/ingest", files=[("files", ("quillon.md", text.encode()))]).json()["id"])
     assert again["result"]["new_in_chroma"] == 0  # the same file again changes nothing
     assert client.get("/api/status").json()["chunks"] == 13

@@ -38,7 +38,7 @@ def service(tmp_path_factory):
     svc = StudioService(StudioConfig(store=tmp_path_factory.mktemp("studio-two-models"), max_new_tokens=NEW_TOKENS))
     svc.ingest_files(DOCS)
     yield svc
-    svc.engine.store.close()
+    svc.engine.caches.store.close()
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +102,8 @@ def _caches(service, ids: list[str]) -> dict[str, tuple]:
     """Every stored cache of the run's chunks for the current model: key -> (L, Hkv, D, k sum)."""
     out = {}
     for text in (t for _, t in DOCS):
-        _, key = service.engine.chunk_tokens(text)
-        chunk = service.engine.store.get(key)
+        _, key = service.engine.caches.chunk_tokens(text)
+        chunk = service.engine.caches.store.get(key)
         assert chunk is not None, f"no cache of {text!r} for {service.model.id}"
         out[str(key)] = (*chunk.k.shape[:1], *chunk.k.shape[2:], chunk.k.float().sum().item(), chunk.v.clone())
     return out
@@ -143,7 +143,7 @@ def test_switch_answers_on_each_model_from_its_own_caches(client, service):
     model = final["result"]["model"]
     assert model["id"] == "gemma3-270m" and model["layers"] == 18 and model["fingerprint"] != smol_fp
     frame = model["prompt_frame"]
-    cfg = service.engine.config
+    cfg = service.engine.config.frame
     assert frame["kind"] == "plain" and "no chat template" in frame["label"] and frame["stop"] == ["\nQuestion:", "\nAnswer:"]
     assert frame["text"] == ("<bos>" + cfg.system_prompt + "\n\n" + cfg.context_header + "{document 1}" + cfg.glue
                              + "{document 2}" + cfg.question_template.format(question="{question}") + "\nAnswer:")
@@ -192,7 +192,7 @@ def test_started_on_gemma_by_name(tmp_path):
         assert st["model"]["prompt_frame"]["kind"] == "plain"
         assert [m["id"] for m in svc.models()["models"]][:2] == ["smollm2-135m", "gemma3-270m"]
     finally:
-        svc.engine.store.close()
+        svc.engine.caches.store.close()
 
 
 def test_a_first_use_converts_with_its_message(service, tmp_path, monkeypatch):

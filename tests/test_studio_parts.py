@@ -30,7 +30,7 @@ def engine(tiny, tmp_path):
     eng = QCFuseEngine(tiny, store=open_store(kv_dir(tmp_path), use_cuda=False))
     eng.build_chunks(DOCS, [f"n{i}" for i in range(len(DOCS))])
     yield eng
-    eng.store.close()
+    eng.caches.store.close()
 
 
 def test_token_pieces_join_to_the_text_and_hold_partial_characters():
@@ -91,7 +91,7 @@ def test_fused_prefill_records_each_row_set(engine, method, sets):
     ctx = {p for s in r.spans if s.kind in ("chunk", "text") for p in range(s.start, s.end)}
     assert len(set(r.selection.rows.tolist()) & ctx) == r.recomputed_tokens
     assert [(s.start, s.end) for s in r.spans if s.kind == "chunk"] == [
-        (st, st + len(engine.chunk_tokens(d)[0])) for st, d in zip(
+        (st, st + len(engine.caches.chunk_tokens(d)[0])) for st, d in zip(
             [s.start for s in r.spans if s.kind == "chunk"], DOCS)]
     assert r.spans[0].start == 0 and r.spans[-1].end == T and r.spans[-1].kind == "suffix"
     assert all(a.end == b.start for a, b in zip(r.spans, r.spans[1:]))
@@ -172,7 +172,7 @@ def test_switching_models_loads_one_and_runs_on_it(tmp_path):
     assert svc.details(tiny_run["run_id"], 0)["num_layers"] == 3  # earlier runs keep their details
     with pytest.raises(NotFound, match="unknown model"):
         svc.select_model("nope")
-    svc.engine.store.close()
+    svc.engine.caches.store.close()
 
 
 def test_a_failed_model_switch_keeps_the_loaded_model(tmp_path, monkeypatch):
@@ -205,8 +205,8 @@ def test_a_failed_model_switch_keeps_the_loaded_model(tmp_path, monkeypatch):
     ids = [c["id"] for c in svc.search("When does the ferry leave?", 1)]
     run = svc.run(RunSpec("When does the ferry leave?", tuple(ids), (Mode("full"),), max_new_tokens=1, reference=False))
     assert run["model"] == "tiny-model"
-    assert run["results"][0]["context_tokens"] == len(svc.engine.tokenize("The ferry leaves at six."))
-    svc.engine.store.close()
+    assert run["results"][0]["context_tokens"] == len(svc.engine.caches.tokenize("The ferry leaves at six."))
+    svc.engine.caches.store.close()
 
 
 def test_cli_refuses_bad_options_and_names_a_missing_extra(monkeypatch, capsys):

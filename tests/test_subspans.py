@@ -24,38 +24,38 @@ QUESTION = "When is the Lantern Festival?"
 @pytest.fixture(scope="module")
 def engine(smol):
     eng = QCFuseEngine(smol)
-    eng.build_chunk(STORED, "doc-1")
+    eng.build_chunks([STORED], ["doc-1"])
     return eng
 
 
 def pieces(engine, rendering, source=STORED):
     chunk = Piece("chunk", rendering, "doc-1", source=source)
-    return engine.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", [chunk])
+    return engine.frame.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", [chunk])
 
 
 def test_a_prefix_slice_is_the_alone_cache_of_its_tokens(engine):
-    stored = engine.store.get(engine.chunk_tokens(STORED)[1])
+    stored = engine.caches.store.get(engine.caches.chunk_tokens(STORED)[1])
     for n in (5, 17, stored.num_tokens - 3):
-        piece = subspans.slice_chunk(stored, 0, n, engine.fingerprint)
+        piece = subspans.slice_chunk(stored, 0, n, engine.caches.fingerprint)
         k, v = engine.caches.prefill_alone(stored.token_ids[:n])
         assert torch.equal(piece.token_ids, stored.token_ids[:n]) and piece.exact
         assert torch.allclose(piece.k, k, atol=1e-4) and torch.allclose(piece.v, v, atol=1e-4)
-        assert piece.key == ChunkKey.for_tokens(engine.fingerprint, stored.token_ids[:n])  # what it is
-    inner = subspans.slice_chunk(stored, 7, 20, engine.fingerprint)
+        assert piece.key == ChunkKey.for_tokens(engine.caches.fingerprint, stored.token_ids[:n])  # what it is
+    inner = subspans.slice_chunk(stored, 7, 20, engine.caches.fingerprint)
     k, _ = engine.caches.prefill_alone(stored.token_ids[7:27])
     assert not torch.allclose(inner.k, k, atol=1e-2)  # an inner slice is not its tokens' alone-cache ...
-    assert inner.key not in (stored.key, ChunkKey.for_tokens(engine.fingerprint, inner.token_ids))  # ... nor keyed so
+    assert inner.key not in (stored.key, ChunkKey.for_tokens(engine.caches.fingerprint, inner.token_ids))  # ... nor keyed so
     with pytest.raises(ValueError, match="outside a chunk"):
-        subspans.slice_chunk(stored, stored.num_tokens - 2, 5, engine.fingerprint)
+        subspans.slice_chunk(stored, stored.num_tokens - 2, 5, engine.caches.fingerprint)
 
 
 @pytest.mark.parametrize("rendering", [TRUNCATED, NORMALISED], ids=["truncated", "normalised"])
 def test_a_rendering_is_served_from_the_stored_chunk_at_its_own_tokens(engine, rendering):
-    entries = len(list(engine.store.keys()))
-    looked = engine.steps.lookup(pieces(engine, rendering), "qcfuse", streaming=False)
-    plain = engine.steps.lookup(engine.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", []), "full")
-    stored = engine.store.get(engine.chunk_tokens(STORED)[1])
-    own = engine.chunk_tokens(rendering)[0]
+    entries = len(list(engine.caches.store.keys()))
+    looked = engine._steps.lookup(pieces(engine, rendering), "qcfuse", streaming=False)
+    plain = engine._steps.lookup(engine.frame.completion_pieces(f"Context:\n{rendering}\n\nQuestion: {QUESTION}", []), "full")
+    stored = engine.caches.store.get(engine.caches.chunk_tokens(STORED)[1])
+    own = engine.caches.chunk_tokens(rendering)[0]
     # the prompt's tokens are those of the rendering, whatever was served
     assert torch.equal(torch.cat([p.ids for p in looked.parts]), torch.cat([p.ids for p in plain.parts]))
     pos = next(i for i, p in enumerate(looked.parts) if p.kind == "chunk")
@@ -79,13 +79,13 @@ def test_a_rendering_is_served_from_the_stored_chunk_at_its_own_tokens(engine, r
     else:  # the first paragraph exactly, the second from inside the stored chunk
         assert len(served) == 2 and not served[1].chunk.exact
     assert looked.misses == 0  # nothing built, no slice stored (the only new entry is the prompt's prefix)
-    assert not engine.store.contains(engine.chunk_tokens(rendering)[1])
-    assert all(not engine.store.contains(p.key) for p in served) and len(list(engine.store.keys())) <= entries + 1
+    assert not engine.caches.store.contains(engine.caches.chunk_tokens(rendering)[1])
+    assert all(not engine.caches.store.contains(p.key) for p in served) and len(list(engine.caches.store.keys())) <= entries + 1
 
 
 @pytest.mark.parametrize("rendering", [TRUNCATED, NORMALISED], ids=["truncated", "normalised"])
 def test_fused_prefill_with_every_row_recomputed_equals_hf_on_a_served_prompt(engine, smol, rendering):
-    prompt, hits, misses = engine.steps.fuse_pieces(pieces(engine, rendering))
+    prompt, hits, misses = engine._steps.fuse_pieces(pieces(engine, rendering))
     assert hits >= 1 and misses == 0 and subspans.served_tokens(prompt.segments) > 0
     ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)
@@ -95,7 +95,7 @@ def test_fused_prefill_with_every_row_recomputed_equals_hf_on_a_served_prompt(en
 def test_answers_count_the_served_tokens_and_fall_back_without_a_source(engine):
     got = engine.complete(f"Context:\n{TRUNCATED}\n\nQuestion: {QUESTION}",
                           [Piece("chunk", TRUNCATED, "doc-1", source=STORED)], max_new_tokens=2)
-    n = engine.chunk_tokens(TRUNCATED)[0].numel()
+    n = engine.caches.chunk_tokens(TRUNCATED)[0].numel()
     assert got.cache_hits == 1 and got.cache_misses == 0 and n - 2 <= got.subspan_tokens < n
     assert got.to_dict()["subspan_tokens"] == got.subspan_tokens
     other = TRUNCATED.replace("Port Halden", "Port Haldne")
@@ -103,7 +103,7 @@ def test_answers_count_the_served_tokens_and_fall_back_without_a_source(engine):
                             [Piece("chunk", other, "doc-2", source="a text that was never stored, so no cache")],
                             max_new_tokens=2)
     assert plain.cache_misses == 1 and plain.subspan_tokens == 0  # computed whole, as without a source
-    assert engine.store.contains(engine.chunk_tokens(other)[1])
+    assert engine.caches.store.contains(engine.caches.chunk_tokens(other)[1])
 
 
 def test_runs_obey_their_minimum_lengths(monkeypatch):
@@ -117,7 +117,7 @@ def test_runs_obey_their_minimum_lengths(monkeypatch):
 
 def test_a_text_served_in_several_runs_counts_as_one_chunk(engine):
     """NORMALISED is served in two runs (its paragraphs); the statistics count one chunk, a hit."""
-    looked = engine.steps.lookup(pieces(engine, NORMALISED), "qcfuse", streaming=False)
+    looked = engine._steps.lookup(pieces(engine, NORMALISED), "qcfuse", streaming=False)
     assert sum(isinstance(p.chunk, subspans.SliceChunk) for p in looked.parts) == 2
     assert (looked.hits, looked.misses) == (1, 0)
     got = engine.complete(f"Context:\n{NORMALISED}\n\nQuestion: {QUESTION}",

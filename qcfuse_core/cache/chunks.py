@@ -2,6 +2,8 @@
 
     lookup        a request's pieces -> what is cached and where, misses built now
                   (`ChunkCaches.lookup` -> `LookedUp`, cache/lookup.py)
+    store, texts  the chunk store and the chunk-text index (which registered chunk texts a
+                  rendered prompt holds: `texts.find`, what `engine.complete` serves from)
     token cache   chunk text -> (token ids, ChunkKey), tokenised and hashed once (LRU)
     links         node id -> key, written to the store once per process
     prefixes      prompt-template caches kept on the compute device (exact for every request)
@@ -34,6 +36,7 @@ from qcfuse_core.cache.prefetch import ChunkView, PrefetchConfig, Prefetcher, en
 from qcfuse_core.ingest import prefill as ingest
 from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.model.fusion import KVCache
+from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.selection import profiles
 from qcfuse_core.selection.anchors import ensure_anchors
 from qcfuse_core.selection.options import QCFuseOptions
@@ -50,7 +53,7 @@ WRITERS = 8  # store-writer threads of ingestion on CUDA (a write is mostly wait
 
 class KVBudgetError(ValueError):
     """A request's KV cache (its prompt plus max_new_tokens) is larger than the engine's whole
-    KV budget (`EngineConfig.kv_cache_bytes` / `kv_memory_share`): it could never be admitted.
+    KV budget (`CacheConfig.kv_cache_bytes` / `kv_memory_share`): it could never be admitted.
     Shorten the prompt or max_new_tokens, or raise the budget."""
 
 
@@ -67,12 +70,13 @@ def _size(n: int) -> str:
 
 
 class ChunkCaches:
-    """Token ids, keys, prefix caches, the KV pool and cache building of one engine.
+    """The store, the chunk-text index, token ids, keys, prefix caches, the KV pool and cache
+    building of one engine (`engine.caches`).
 
     `options` returns the engine's current selection options (anchors and critical layers
     of the probe sidecars follow them); `sink`: token ids chunks are cached after
-    (`EngineConfig.chunk_sink`), or None. kv_cache_bytes / kv_memory_share: the KV budget
-    (`EngineConfig`'s; see `reserve`).
+    (`CacheConfig.chunk_sink`), or None. kv_cache_bytes / kv_memory_share: the KV budget
+    (`CacheConfig`'s; see `reserve`). texts: the chunk-text index (default: one in memory).
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class ChunkCaches:
         *,
         kv_cache_bytes: int | None = None,
         kv_memory_share: float = 0.8,
+        texts: ChunkTextIndex | None = None,
     ) -> None:
         self.adapter, self.store, self._options, self.sink = adapter, store, options, sink
+        self.texts = texts if texts is not None else ChunkTextIndex()
         self.kv_cache_bytes, self.kv_memory_share = kv_cache_bytes, kv_memory_share
         # layer-wise loading needs a store that keeps probe sidecars (the tiered store)
         self.prefetcher = Prefetcher(adapter, store, prefetch or PrefetchConfig()) if store.streams_layers else None
@@ -180,6 +186,11 @@ class ChunkCaches:
             while len(self._tokens) > TOKEN_CACHE:
                 self._tokens.popitem(last=False)
         return got
+
+    def is_stored(self, text: str) -> bool:
+        """Whether the store holds the cache of a chunk text (never for a text of no tokens)."""
+        key = self.chunk_tokens(text)[1]
+        return key is not None and self.store.contains(key)
 
     def link(self, node_id: str | None, key: ChunkKey) -> None:
         """Link a node id to a key once per process (a manifest write, not per request)."""
@@ -365,6 +376,12 @@ class ChunkCaches:
         with self._lock:
             self._pool = [cache] + self._pool[: KV_POOL - 1]
 
+    def close(self) -> None:
+        """Release the store (its memory tiers, files and manifest) and the chunk-text index."""
+        self.drop_pooled_kv()
+        self.store.close()
+        self.texts.close()
+
     def forget_unreadable(self, key: ChunkKey) -> None:
         """A stored cache could not be read: delete it (the next lookup builds it again)."""
         self.store.delete(key)
@@ -388,7 +405,7 @@ class ChunkCaches:
             if need > budget:
                 raise KVBudgetError(
                     f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
-                    f"({_size(budget)}: EngineConfig.kv_cache_bytes / kv_memory_share)"
+                    f"({_size(budget)}: CacheConfig.kv_cache_bytes / kv_memory_share)"
                 )
             held = self.reserved_kv_bytes()
             if held + self.pooled_kv_bytes() + need > budget:

@@ -63,7 +63,8 @@ def require_utf8(text: str, what: str) -> str:
 
 
 def _engine(args, *, read_only: bool | None = None):
-    from qcfuse_core.engine.api import EngineConfig, open_engine
+    from qcfuse_core.engine.api import open_engine
+    from qcfuse_core.engine.config import EngineConfig
 
     cfg_kw = {}
     if getattr(args, "method", None):
@@ -177,7 +178,7 @@ def kv_bytes_per_token(engine) -> int:
     from qcfuse_core.store.codec import stored_dtype
 
     shape = engine.adapter.shape
-    storage = getattr(getattr(engine.store, "config", None), "storage_dtype", "auto")
+    storage = getattr(getattr(engine.caches.store, "config", None), "storage_dtype", "auto")
     itemsize = stored_dtype(storage, engine.adapter.dtype).itemsize
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * itemsize
 
@@ -243,10 +244,10 @@ class KVPlan:
 def plan_kv(engine, chunks: list[Chunk], max_kv_bytes: int | None = None) -> KVPlan:
     """The KV an ingest of `chunks` would write. `max_kv_bytes` (and the disk tier's
     capacity, when it has one) caps it: chunks past the cap, in order, are left uncached."""
-    store = engine.store
-    todo = tuple(c for c in chunks if not store.contains(engine.chunk_tokens(c.text)[1]))
+    store = engine.caches.store
+    todo = tuple(c for c in chunks if not store.contains(engine.caches.chunk_tokens(c.text)[1]))
     per = kv_bytes_per_token(engine)
-    sizes = {c.id: int(engine.chunk_tokens(c.text)[0].numel()) * per for c in todo}
+    sizes = {c.id: int(engine.caches.chunk_tokens(c.text)[0].numel()) * per for c in todo}
     caps = [b for b in (max_kv_bytes, getattr(getattr(store, "disk", None), "capacity_bytes", None)) if b is not None]
     capped, used = set(), 0
     if caps:
@@ -304,7 +305,7 @@ def ingest_chunks(
             f"no chunk cache written); free space, then run `qcfuse store verify --repair --store "
             f"{where}` and the same ingest again"
         ) from None
-    store = engine.store
+    store = engine.caches.store
     disk = getattr(store, "disk", None)
     todo_ids = {c.id for c in plan.todo} - plan.capped
     if plan.todo:
@@ -316,7 +317,7 @@ def ingest_chunks(
         )
     for c in chunks:  # over the cap: findable in prompts, computed when asked
         if c.id in plan.capped:
-            engine.texts.add(c.text, c.id)
+            engine.caches.texts.add(c.text, c.id)
     built, not_stored = 0, 0
     with tqdm(total=len(chunks), desc="chunk caches", unit="chunk", disable=not progress) as bar:
         for i in range(0, len(chunks), CACHE_BATCH):
@@ -498,7 +499,7 @@ def cmd_ask(args) -> int:
     if not args.question.strip():
         raise ValueError("the question is empty")
     engine = _engine(args, read_only=True if args.read_only else None)
-    read_only = args.read_only or engine.store.disk.read_only
+    read_only = args.read_only or engine.caches.store.disk.read_only
     ids, docs = retrieve(_collection(args.store, read_only=read_only), args.question, args.top_k, args.store)
     limit = engine.adapter.max_positions or args.max_context
     if args.max_context:
@@ -511,7 +512,7 @@ def cmd_ask(args) -> int:
                 f"{limit:,}-token context ({fit.prompt_tokens:,} prompt + {args.max_new_tokens} new tokens kept)"
             )
             ids, docs = ids[: fit.kept], docs[: fit.kept]
-    kw = dict(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens, stop=engine.frame_stops)
+    kw = dict(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens, stop=engine.frame.stops)
     if args.json:
         result = engine.answer(args.question, docs, node_ids=ids, **kw)
         print(json.dumps({"question": args.question, **result.to_dict(), "sources": ids}))
@@ -547,7 +548,7 @@ def cmd_demo(args) -> int:
     print(f"sample corpus: {stats['chunks']} chunks ({stats['caches_built']} caches built now) in {args.store}\n")
     method = args.method or engine.config.method
     ratio = engine.config.ratio if args.ratio is None else args.ratio
-    kw = dict(max_new_tokens=args.max_new_tokens, stop=engine.frame_stops)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop=engine.frame.stops)
     _, warm_docs = retrieve(collection, DEMO_QUESTIONS[0], args.top_k)
     engine.answer("warm-up", warm_docs, method="full", max_new_tokens=1)
     engine.answer("warm-up", warm_docs, method=method, ratio=ratio, max_new_tokens=1)

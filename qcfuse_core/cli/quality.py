@@ -37,7 +37,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--chunk-sink",
         action="store_true",
         help="cache every chunk after the tokenizer's BOS token, dropped from the cache "
-        "(EngineConfig.chunk_sink: another cache format, with its own keys)",
+        "(CacheConfig.chunk_sink: another cache format, with its own keys)",
     )
 
 
@@ -169,13 +169,14 @@ def _selection_option(text: str) -> dict:
 def _open(args):
     import torch
 
-    from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.engine.config import CacheConfig, EngineConfig
+    from qcfuse_core.model.adapter import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return QCFuseEngine.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, config=EngineConfig(chunk_sink=args.chunk_sink)
-    )
+    config = EngineConfig(cache=CacheConfig(chunk_sink=args.chunk_sink))
+    return QCFuseEngine(load_model(args.model, dtype=args.dtype, device=args.device), config=config)
 
 
 def _options(args) -> dict:

@@ -6,12 +6,26 @@
     for delta in engine.stream(question, documents): ...  # the same, as text deltas
     result = await engine.aanswer(question, documents)    # asyncio: the same, awaited
     async for delta in engine.astream(question, documents): ...
+    result = engine.complete(prompt)                      # any rendered prompt, chunks found in it
+    for delta in engine.complete(prompt, stream=True): ...
+    result = await engine.acomplete(prompt)               # and for asyncio
+    async for delta in engine.acomplete(prompt, stream=True): ...
+    engine.stats()                                        # EngineStats: scheduler, store, caches
+    engine.close()                                        # or `with open_engine(...) as engine:`
 
-The engine holds what every request shares - the model adapter, the store, the chunk-cache
-manager (cache/chunks.py), the prompt frame - and its scheduler (engine/scheduler.py): one
-worker thread that owns the device, runs each request through the six steps of
-engine/pipeline.py and decodes all running requests together. It keeps no state of any one
-request, so many threads and tasks may call it; a full queue raises `EngineBusy`.
+Read-only: `config` (EngineConfig), `adapter` (the model: name, device, max_positions, ...),
+`tokenizer`, `frame` (the prompt frame: `rag_pieces`, `completion_pieces`, `stops`) and
+`caches` (the chunk-cache manager, cache/chunks.py: the store, the chunk-text index, token
+ids and keys).
+
+The engine holds what every request shares - the model adapter, the chunk-cache manager,
+the prompt frame, the request's steps (engine/pipeline.py) - and its scheduler
+(engine/scheduler.py): one worker thread that owns the device, runs each request through
+the six steps and decodes all running requests together. Every request verb goes through
+one submission path (`_submit`): the request is checked on the caller's thread and handed
+to the scheduler as data; the sync and async forms differ only in how its deltas come back
+(a thread-safe queue, or the event loop's own). It keeps no state of any one request, so
+many threads and tasks may call it; a full queue raises `EngineBusy`.
 """
 
 from __future__ import annotations
@@ -20,36 +34,56 @@ import asyncio
 import dataclasses
 import queue
 import threading
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Any, Literal, overload
 
 import torch
 
 from qcfuse_core.cache.chunks import ChunkCaches
 from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path
-from qcfuse_core.cache.prefetch import PrefetchConfig, Prefetcher
+from qcfuse_core.cache.prefetch import PrefetchConfig
 from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import PromptFrame
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Steps
 from qcfuse_core.engine.request import Prompt
 from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
+from qcfuse_core.engine.scheduler import Job, Scheduler, SchedulerStats
 from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
-from qcfuse_core.engine.scheduler import Scheduler
 from qcfuse_core.engine.streams import AsyncTokenStream, TokenStream
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.adapter import ModelAdapter, load_model
 from qcfuse_core.paths import cache_dir
-from qcfuse_core.retrieval.texts import ChunkTextIndex
+from qcfuse_core.retrieval.texts import ChunkTextIndex, split_prompt
 from qcfuse_core.selection import SELECTORS
 from qcfuse_core.store import ChunkStore, MemoryStore, kv_dir, open_store, writable
 from qcfuse_core.types import ChunkKey, FusionResult, Piece
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine (`engine.stats()`)."""
+
+    scheduler: SchedulerStats  # the scheduler's counters (all zero before the first request)
+    store: dict[str, Any]  # the store's counters in this process (`ChunkStore.counters()`)
+    chunk_texts: int  # texts in the chunk-text index: what `complete` finds inside a prompt
+    kv_reserved_bytes: int  # the KV budget the running requests hold
+    kv_pooled_bytes: int  # idle KV buffers kept for the next request (CUDA)
+
+
+_CLOSED = "this engine is closed"
+_IDLE = SchedulerStats(**{f.name: 0 for f in dataclasses.fields(SchedulerStats)})
+
+
 class QCFuseEngine:
-    """Ingestion and answering over one model and one store (see the module docstring)."""
+    """Ingestion and answering over one model and one store (see the module docstring).
+
+    adapter: the model (`open_engine` loads one); store: the chunk store (default: in
+    memory); text_index: the chunk-text index (default: in memory); rates: measured load and
+    compute rates, with which the planner decides load or recompute per chunk."""
 
     def __init__(
         self,
@@ -59,92 +93,58 @@ class QCFuseEngine:
         text_index: ChunkTextIndex | None = None,
         rates: Rates | None = None,
     ) -> None:
-        self.adapter = adapter
-        self.config = config or EngineConfig()
-        self.rates = rates  # measured load/compute rates: enable the load-or-recompute planner
-        self.texts = text_index if text_index is not None else ChunkTextIndex()
-        sink = _chunk_sink(adapter) if self.config.chunk_sink else None
-        self.caches = ChunkCaches(
+        self._adapter = adapter
+        self._config = cfg = config or EngineConfig()
+        sink = _chunk_sink(adapter) if cfg.cache.chunk_sink else None
+        self._caches = ChunkCaches(
             adapter,
             store if store is not None else MemoryStore(),
-            lambda: self.config.options,
+            lambda: self._config.selection,
             sink,
-            PrefetchConfig(promote_disk_reads=self.config.promote_disk_reads),
-            kv_cache_bytes=self.config.kv_cache_bytes,
-            kv_memory_share=self.config.kv_memory_share,
+            PrefetchConfig(promote_disk_reads=cfg.cache.promote_disk_reads),
+            kv_cache_bytes=cfg.cache.kv_cache_bytes,
+            kv_memory_share=cfg.cache.kv_memory_share,
+            texts=text_index,
         )
-        self.frame = PromptFrame(adapter.tokenizer, self.config)
-        self.steps = Steps(self)
-        self._scheduler: Scheduler | None = None  # started by the first request
-        self._scheduler_lock = threading.Lock()
-        chosen = configure_cpu_threads(adapter.device, threads=self.config.threads)["threads"]
+        self._frame = PromptFrame(adapter.tokenizer, cfg.frame)
+        chosen = configure_cpu_threads(adapter.device, threads=cfg.threads)["threads"]
         # CPU threads per request: the config's count; else, in the deterministic mode, the
         # count chosen now for the engine's life; else chosen per request (None)
-        self.request_threads: int | None = self.config.threads or (chosen if self.config.deterministic else None)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model: str | None = None,
-        *,
-        store: ChunkStore | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str = "cpu",
-        config: EngineConfig | None = None,
-        text_index: ChunkTextIndex | None = None,
-    ) -> QCFuseEngine:
-        return cls(load_model(model, dtype=dtype, device=device), store=store, config=config, text_index=text_index)
-
-    def replace(
-        self,
-        *,
-        store: ChunkStore | None = None,
-        config: EngineConfig | None = None,
-        rates: Rates | None | Literal[True] = True,
-    ) -> QCFuseEngine:
-        """A new engine on the same model (and text index), with another store, config or
-        rates (`rates=None`: no planner; the default keeps this engine's)."""
-        return QCFuseEngine(
-            self.adapter,
-            store=store if store is not None else self.store,
-            config=config if config is not None else self.config,
-            text_index=self.texts,
-            rates=self.rates if rates is True else rates,
-        )
+        self._steps = Steps(self, rates, cfg.threads or (chosen if cfg.deterministic else None))
+        self._sched: Scheduler | None = None  # started by the first request
+        self._lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ what it holds
     @property
-    def store(self) -> ChunkStore:
-        return self.caches.store
+    def config(self) -> EngineConfig:
+        """The engine's settings (frozen; a request's arguments override method and ratio)."""
+        return self._config
 
     @property
-    def prefetcher(self) -> Prefetcher | None:
-        return self.caches.prefetcher
-
-    @property
-    def fingerprint(self) -> str:
-        """The namespace of this engine's chunk keys (the model's, or its own for sink caches)."""
-        return self.caches.fingerprint
-
-    @property
-    def critical_layers(self) -> list[int]:
-        return self.caches.critical_layers
+    def adapter(self) -> ModelAdapter:
+        """The model: its name, device, dtype, shape, max_positions and tokenizer."""
+        return self._adapter
 
     @property
     def tokenizer(self) -> Any:
-        if self.adapter.tokenizer is None:
+        """The model's tokenizer (token counts, chat templates)."""
+        if self._adapter.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids to the low-level fusion API")
-        return self.adapter.tokenizer
+        return self._adapter.tokenizer
 
     @property
-    def frame_stops(self) -> tuple[str, ...]:
-        return self.frame.stops
+    def frame(self) -> PromptFrame:
+        """The prompt frame: how `answer` lays out a question and its documents
+        (`rag_pieces`), how `complete` frames a prompt (`completion_pieces`), and the stop
+        strings a base model's plain frame calls for (`stops`)."""
+        return self._frame
 
-    def tokenize(self, text: str) -> torch.Tensor:
-        return self.caches.tokenize(text)
-
-    def chunk_tokens(self, text: str) -> tuple[torch.Tensor, ChunkKey | None]:
-        return self.caches.chunk_tokens(text)
+    @property
+    def caches(self) -> ChunkCaches:
+        """The chunk-cache manager (cache/chunks.py): `store`, the chunk-text index `texts`,
+        `chunk_tokens(text)` (token ids and ChunkKey), `tokenize`, `fingerprint`."""
+        return self._caches
 
     # ------------------------------------------------------------------ ingestion
     def build_chunks(
@@ -152,117 +152,171 @@ class QCFuseEngine:
     ) -> list[ChunkKey]:
         """Ingestion of many chunks: the caches of those not stored yet are prefilled many per
         forward pass and written to the store off the compute thread; every text is linked
-        to its node id and (register) added to the text index so `complete` finds it."""
+        to its node id and (register) added to the chunk-text index so `complete` finds it."""
         ids = list(node_ids) if node_ids is not None else [None] * len(texts)
         if len(ids) != len(texts):
             raise ValueError("node_ids and texts differ in length")
-        keys = self.caches.build_texts(texts, ids)
+        keys = self._caches.build_texts(texts, ids)
         if register:
             for t, nid in zip(texts, ids):
-                self.texts.add(t, nid)
+                self._caches.texts.add(t, nid)
         return keys
-
-    def build_chunk(self, text: str, node_id: str | None = None) -> ChunkKey:
-        """Ingestion of one chunk (see `build_chunks`)."""
-        return self.build_chunks([text], [node_id])[0]
-
-    # ------------------------------------------------------------------ prompts
-    def rag_pieces(
-        self, question: str, documents: Sequence[str], node_ids: Sequence[str | None] | None = None
-    ) -> list[Piece]:
-        return self.frame.rag_pieces(question, documents, node_ids)
-
-    def completion_pieces(self, prompt: str, chunks: Sequence[Piece] = ()) -> list[Piece]:
-        return self.frame.completion_pieces(prompt, chunks)
-
-    def selection_options(self, method: str, options: dict | None = None) -> dict:
-        return self.steps.selection_options(method, options)
 
     # ------------------------------------------------------------------ answering
     def answer(self, question: str, documents: Sequence[str], **kw: Any) -> FusionResult:
-        """Answer `question` from `documents` (their caches fused): steps 1-6 -> FusionResult."""
+        """Answer `question` from `documents` (their caches fused): steps 1-6 -> FusionResult.
+
+        Keywords of every request verb: node_ids (answer, stream: one per document), method,
+        ratio (default: the config's), generation (a GenerationConfig) or its fields
+        (max_new_tokens, temperature, stop, seed, ...), sync_stages (stage timings with the
+        GPU synchronised), started (`time.perf_counter()` when the caller began work for
+        the request: its clock, and so its TTFT, starts there instead of at submission).
+        A malformed prompt, an unknown method or option, a ratio outside [0, 1] raises before
+        anything is queued; a full queue raises EngineBusy."""
         return _drain(self.stream(question, documents, **kw))
 
     def stream(
-        self,
-        question: str,
-        documents: Sequence[str],
-        *,
-        node_ids: Sequence[str | None] | None = None,
-        method: str | None = None,
-        ratio: float | None = None,
-        generation: GenerationConfig | None = None,
-        sync_stages: bool = False,
-        **gen_kw: Any,
+        self, question: str, documents: Sequence[str], *, node_ids: Sequence[str | None] | None = None, **kw: Any
     ) -> TokenStream:
-        """`answer` as text deltas; the stream's `.result` is the FusionResult."""
-        return self.stream_pieces(
-            self.rag_pieces(question, documents, node_ids),
-            method=method,
-            ratio=ratio,
-            generation=generation,
-            sync_stages=sync_stages,
-            **gen_kw,
-        )
+        """`answer` as text deltas; the stream's `.result` is the FusionResult, `.close()` ends
+        the request early."""
+        return self._stream(self._frame.rag_pieces(question, documents, node_ids), **kw)
 
-    def complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw: Any) -> FusionResult:
-        """Answer a raw completion prompt; known chunk texts inside it are found by content."""
-        return _drain(self.stream_complete(prompt, chunks, **kw))
+    @overload
+    def complete(
+        self, prompt: str, chunks: Sequence[Piece] | None = None, *, stream: Literal[False] = False, **kw: Any
+    ) -> FusionResult: ...
 
-    def stream_complete(self, prompt: str, chunks: Sequence[Piece] | None = None, **kw: Any) -> TokenStream:
-        found = self.texts.find(prompt) if chunks is None else chunks
-        return self.stream_pieces(self.completion_pieces(prompt, found), **kw)
+    @overload
+    def complete(
+        self, prompt: str, chunks: Sequence[Piece] | None = None, *, stream: Literal[True], **kw: Any
+    ) -> TokenStream: ...
 
-    def stream_pieces(
+    def complete(
         self,
-        prompt: Prompt | Sequence[Piece],
+        prompt: str,
+        chunks: Sequence[Piece] | None = None,
         *,
-        method: str | None = None,
-        ratio: float | None = None,
-        generation: GenerationConfig | None = None,
-        sync_stages: bool = False,
-        started: float | None = None,
-        **gen_kw: Any,
-    ) -> TokenStream:
-        """The request of `prompt` (a Prompt, or its pieces), checked here - a malformed prompt,
-        an unknown method or option, a ratio outside [0, 1] raises before anything is queued -
-        and handed to the scheduler as data. Its clock (its TTFT) starts now, or at `started`
-        (`time.perf_counter()` when the caller began work for it). Raises EngineBusy when the
-        scheduler's queue is full."""
-        prompt, method, ratio, gen = self._request_args(prompt, method, ratio, generation, gen_kw)
-        box: queue.SimpleQueue[object] = queue.SimpleQueue()
-        scheduler = self.scheduler
-        job = scheduler.submit(prompt, method, ratio, gen, box.put, sync_stages=sync_stages, started=started)
-        return TokenStream(scheduler.deltas(job, box.get), lambda wait: scheduler.abort(job, wait=wait))
+        framed: bool = True,
+        stream: bool = False,
+        **kw: Any,
+    ) -> FusionResult | TokenStream:
+        """Answer a rendered prompt. chunks: its chunk texts in order of appearance
+        (`Piece("chunk", text, node_id)`); None: every registered text inside it, found by
+        content. framed: the prompt is wrapped in the engine's frame (the chat template's
+        head and tail); False: it is taken as the model reads it (a chat already rendered in
+        the model's template). stream: the text deltas (a TokenStream) instead of the
+        FusionResult. Other keywords: as `answer`."""
+        got = self._stream(self._completion_pieces(prompt, chunks, framed), **kw)
+        return got if stream else _drain(got)
 
     # ------------------------------------------------------------------ asyncio
     async def aanswer(self, question: str, documents: Sequence[str], **kw: Any) -> FusionResult:
         """`answer` for asyncio: awaits the scheduler without blocking the event loop;
         cancelling the awaiting task aborts the request."""
-        stream = self.astream(question, documents, **kw)
-        try:
-            async for _ in stream:
-                pass
-        finally:
-            stream.close()
-        assert stream.result is not None
-        return stream.result
+        return await _adrain(self.astream(question, documents, **kw))
 
     def astream(
-        self,
-        question: str,
-        documents: Sequence[str],
-        *,
-        node_ids: Sequence[str | None] | None = None,
-        **kw: Any,
+        self, question: str, documents: Sequence[str], *, node_ids: Sequence[str | None] | None = None, **kw: Any
     ) -> AsyncTokenStream:
         """`stream` for asyncio (call it inside a running event loop): `async for delta in
         engine.astream(...)`; the stream's `.result` is the FusionResult."""
-        return self.astream_pieces(self.rag_pieces(question, documents, node_ids), **kw)
+        return self._astream(self._frame.rag_pieces(question, documents, node_ids), **kw)
 
-    def astream_pieces(
+    @overload
+    def acomplete(
+        self, prompt: str, chunks: Sequence[Piece] | None = None, *, stream: Literal[False] = False, **kw: Any
+    ) -> Coroutine[Any, Any, FusionResult]: ...
+
+    @overload
+    def acomplete(
+        self, prompt: str, chunks: Sequence[Piece] | None = None, *, stream: Literal[True], **kw: Any
+    ) -> AsyncTokenStream: ...
+
+    def acomplete(
+        self,
+        prompt: str,
+        chunks: Sequence[Piece] | None = None,
+        *,
+        framed: bool = True,
+        stream: bool = False,
+        **kw: Any,
+    ) -> Coroutine[Any, Any, FusionResult] | AsyncTokenStream:
+        """`complete` for asyncio: `await engine.acomplete(prompt)`, or with stream=True
+        `async for delta in engine.acomplete(prompt, stream=True)` (inside a running event
+        loop). The prompt is checked and submitted at the call."""
+        got = self._astream(self._completion_pieces(prompt, chunks, framed), **kw)
+        return got if stream else _adrain(got)
+
+    # ------------------------------------------------------------------ the engine's life
+    def stats(self) -> EngineStats:
+        """The scheduler's counters, the store's counters and the cache manager's counts."""
+        with self._lock:
+            sched = self._sched
+        caches = self._caches
+        return EngineStats(
+            scheduler=sched.stats() if sched is not None else _IDLE,
+            store=caches.store.counters(),
+            chunk_texts=len(caches.texts),
+            kv_reserved_bytes=caches.reserved_kv_bytes(),
+            kv_pooled_bytes=caches.pooled_kv_bytes(),
+        )
+
+    def close(self) -> None:
+        """Stop the scheduler's worker (requests still waiting or running are aborted), then
+        close the store and the chunk-text index. Idempotent; a request after it raises
+        RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sched = self._sched
+        if sched is not None:
+            sched.shutdown()
+        self._caches.close()
+
+    def __enter__(self) -> QCFuseEngine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ private
+    @property
+    def _scheduler(self) -> Scheduler:
+        """The engine's scheduler (engine/scheduler.py), started at the first request."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(_CLOSED)
+            if self._sched is None:
+                self._sched = Scheduler(self._steps)
+            return self._sched
+
+    def _completion_pieces(self, prompt: str, chunks: Sequence[Piece] | None, framed: bool) -> list[Piece]:
+        if self._closed:  # its chunk-text index is closed too
+            raise RuntimeError(_CLOSED)
+        found = self._caches.texts.find(prompt) if chunks is None else chunks
+        if framed:
+            return self._frame.completion_pieces(prompt, found)
+        return split_prompt(prompt, found)
+
+    def _stream(self, prompt: Prompt | Sequence[Piece], **kw: Any) -> TokenStream:
+        """The request of `prompt`, its deltas through a thread-safe queue."""
+        box: queue.SimpleQueue[object] = queue.SimpleQueue()
+        scheduler, job = self._submit(prompt, box.put, **kw)
+        return TokenStream(scheduler.deltas(job, box.get), lambda wait: scheduler.abort(job, wait=wait))
+
+    def _astream(self, prompt: Prompt | Sequence[Piece], **kw: Any) -> AsyncTokenStream:
+        """The request of `prompt`, its deltas through the running event loop's own queue."""
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue[object] = asyncio.Queue()
+        scheduler, job = self._submit(prompt, lambda item: loop.call_soon_threadsafe(box.put_nowait, item), **kw)
+        return AsyncTokenStream(box, lambda wait: scheduler.abort(job, wait=wait))
+
+    def _submit(
         self,
         prompt: Prompt | Sequence[Piece],
+        emit: Callable[[object], object],
         *,
         method: str | None = None,
         ratio: float | None = None,
@@ -270,49 +324,17 @@ class QCFuseEngine:
         sync_stages: bool = False,
         started: float | None = None,
         **gen_kw: Any,
-    ) -> AsyncTokenStream:
-        """`stream_pieces` for asyncio (call it inside a running event loop)."""
-        prompt, method, ratio, gen = self._request_args(prompt, method, ratio, generation, gen_kw)
-        loop = asyncio.get_running_loop()
-        box: asyncio.Queue[object] = asyncio.Queue()
-        scheduler = self.scheduler
-        job = scheduler.submit(
-            prompt,
-            method,
-            ratio,
-            gen,
-            lambda item: loop.call_soon_threadsafe(box.put_nowait, item),
-            sync_stages=sync_stages,
-            started=started,
-        )
-        return AsyncTokenStream(box, lambda wait: scheduler.abort(job, wait=wait))
-
-    # ------------------------------------------------------------------ the scheduler
-    @property
-    def scheduler(self) -> Scheduler:
-        """The engine's scheduler (engine/scheduler.py), started at the first request."""
-        with self._scheduler_lock:
-            if self._scheduler is None:
-                self._scheduler = Scheduler(self)
-            return self._scheduler
-
-    def _request_args(
-        self,
-        prompt: Prompt | Sequence[Piece],
-        method: str | None,
-        ratio: float | None,
-        generation: GenerationConfig | None,
-        gen_kw: dict[str, Any],
-    ) -> tuple[Prompt, str, float, GenerationConfig]:
-        """A request's prompt, method, ratio and generation config, checked on the caller's
-        thread, before it is queued."""
+    ) -> tuple[Scheduler, Job]:
+        """The one submission path: the request of `prompt` (a Prompt, or its pieces) checked
+        here, on the caller's thread, and handed to the scheduler as data -> (the scheduler,
+        its job). Raises EngineBusy when the scheduler's queue is full."""
         if callable(prompt):
             raise TypeError("a request takes its prompt as data: pass the pieces (or a Prompt), not a function")
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(tuple(prompt))
-        method = method or self.config.method
+        method = method or self._config.method
         if method not in SELECTORS:
             raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
-        ratio = self.config.ratio if ratio is None else ratio
+        ratio = self._config.ratio if ratio is None else ratio
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         gen = generation or GenerationConfig()
@@ -322,7 +344,8 @@ class QCFuseEngine:
             if unknown:
                 raise TypeError(f"unknown generation options {unknown}; valid: {', '.join(sorted(valid))}")
             gen = replace(gen, **gen_kw)
-        return prompt, method, ratio, gen
+        scheduler = self._scheduler
+        return scheduler, scheduler.submit(prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started)
 
 
 def _drain(stream: TokenStream) -> FusionResult:
@@ -332,8 +355,20 @@ def _drain(stream: TokenStream) -> FusionResult:
     return stream.result
 
 
+async def _adrain(stream: AsyncTokenStream) -> FusionResult:
+    """The FusionResult of an async stream read to its end (closed however this ends: a
+    cancelled task aborts the request)."""
+    try:
+        async for _ in stream:
+            pass
+    finally:
+        stream.close()
+    assert stream.result is not None
+    return stream.result
+
+
 def _chunk_sink(adapter: ModelAdapter) -> torch.Tensor:
-    """The token ids chunks are cached after with `EngineConfig.chunk_sink`: the BOS token."""
+    """The token ids chunks are cached after with `CacheConfig.chunk_sink`: the BOS token."""
     bos = getattr(adapter.tokenizer, "bos_token_id", None)
     if bos is None:
         raise ValueError(

@@ -27,14 +27,16 @@ class Fit:
 def fit_documents(engine, question: str, documents: Sequence[str], new_tokens: int, limit: int) -> Fit:
     """The longest prefix of `documents` (best ranked first) whose RAG prompt, plus
     `new_tokens`, fits in `limit` positions. Raises ValueError when even none fit."""
-    pieces = engine.rag_pieces(question, [])
+    pieces = engine.frame.rag_pieces(question, [])
     frame = 0
     for p in pieces:
-        frame += int((engine.chunk_tokens(p.text)[0] if p.kind == "prefix" else engine.tokenize(p.text)).numel())
-    glue = int(engine.tokenize(engine.config.glue).numel())
+        frame += int(
+            (engine.caches.chunk_tokens(p.text)[0] if p.kind == "prefix" else engine.caches.tokenize(p.text)).numel()
+        )
+    glue = int(engine.caches.tokenize(engine.config.frame.glue).numel())
     total, kept = frame, 0
     for i, doc in enumerate(documents):
-        n = int(engine.chunk_tokens(doc)[0].numel()) + (glue if i else 0)
+        n = int(engine.caches.chunk_tokens(doc)[0].numel()) + (glue if i else 0)
         if total + n + new_tokens > limit:
             break
         total, kept = total + n, kept + 1

@@ -12,15 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qcfuse_core.engine.config import EngineConfig
+from qcfuse_core.engine.config import FrameConfig
 from qcfuse_core.retrieval.texts import split_prompt
 from qcfuse_core.types import Piece
 
 
 class PromptFrame:
-    """The engine's prompt layout for one tokenizer and config (immutable after construction)."""
+    """The engine's prompt layout for one tokenizer and frame config (immutable after
+    construction): `rag_pieces` (a question and its documents), `completion_pieces` (a
+    rendered prompt around its chunks), `stops` (the stop strings the frame calls for)."""
 
-    def __init__(self, tokenizer: Any, config: EngineConfig) -> None:
+    def __init__(self, tokenizer: Any, config: FrameConfig) -> None:
         self.tokenizer, self.config = tokenizer, config
         self.head, self.tail = chat_frame(tokenizer, config.system_prompt)
 

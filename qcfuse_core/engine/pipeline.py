@@ -16,13 +16,15 @@
 
 Steps 1-5 run together as `Steps.prefill` (`request_lookup`, `prepare`, `prefill_batch`:
 the scheduler reserves a request's KV cache between the first two), step 6 as a `Decoding`
-per request; two drivers chain them: the engine's scheduler (engine/scheduler.py: many requests, one batched decode
-step for all) and `Steps.run` (one request alone, in the calling thread). Both own the
-request's `Request` and close it however it ends, and both build the FusionResult with
-`fusion_result`. A chunk whose layers cannot be read during step 5 raises `Unreadable`;
-`prefill` deletes it and runs steps 1-5 again (the chunk is then a miss, computed afresh) -
-never answered from a hole. The steps keep no request state: everything of one request is
-in its objects.
+per request. The engine's scheduler (engine/scheduler.py) drives every request the engine
+runs - many at once, one batched decode step for all; `Steps.run` chains the same steps for
+one request alone in the calling thread, the reference the tests hold the scheduler to.
+Both own the request's `Request` and close it however it ends, and both build the
+FusionResult with `fusion_result`. A chunk whose layers cannot be read during step 5 raises
+`Unreadable`; `prefill` deletes it and runs steps 1-5 again (the chunk is then a miss,
+computed afresh) - never answered from a hole. The steps keep no request state: everything
+of one request is in its objects; what they hold is the engine's (read at each call), the
+measured rates of the planner and the CPU thread count of every request.
 """
 
 from __future__ import annotations
@@ -97,24 +99,30 @@ class FuseJob:
 class Engine(Protocol):
     """What the steps read of the engine that runs them (its current values, at each call)."""
 
-    adapter: ModelAdapter
-    config: EngineConfig
-    rates: Rates | None
-    caches: ChunkCaches
-    request_threads: int | None
+    @property
+    def adapter(self) -> ModelAdapter: ...
 
     @property
-    def store(self) -> Any: ...
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def caches(self) -> ChunkCaches: ...
 
     @property
     def tokenizer(self) -> Any: ...
 
 
 class Steps:
-    """The request's steps over one engine's model, caches and config."""
+    """The request's steps over one engine's model, caches and config.
 
-    def __init__(self, engine: Engine) -> None:
+    rates: measured load/compute rates (the planner decides load or recompute per chunk from
+    them; None: every cached chunk is loaded). request_threads: CPU intra-op threads per
+    request (None: chosen per request from the machine's load, engine/threads.py)."""
+
+    def __init__(self, engine: Engine, rates: Rates | None = None, request_threads: int | None = None) -> None:
         self.engine = engine
+        self.rates = rates
+        self.request_threads = request_threads
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
@@ -133,7 +141,7 @@ class Steps:
         selector = get_selector(method)
         if selector.fused and not any(p.key is not None for p in looked.chunks):
             return Planned("full", frozenset())
-        rates = self.engine.rates
+        rates = self.rates
         if rates is None or not selector.fused or not looked.chunks:
             return Planned(method, frozenset())
         chunks = looked.chunks
@@ -239,11 +247,12 @@ class Steps:
 
     def _options(self, method: str, options: dict | None) -> tuple[dict, str | None]:
         engine, selector = self.engine, get_selector(method)
-        opts = dict(engine.config.selection_options if options is None else options)
+        configured = engine.config.selection
+        opts = dict(configured.to_options() if options is None else options)
         source = None  # the model profile's source, where the layers filled in come from it
         if selector.probes and opts.get("critical_layers") is None:
             opts["critical_layers"] = engine.caches.critical_layers
-            if not engine.config.options.critical_layers:
+            if not configured.critical_layers:
                 profile = engine.caches.profile()
                 source = profile.source
                 if selector.profiled:
@@ -522,7 +531,7 @@ class Steps:
         (engine/scheduler.py), which calls the same `prefill`, `Decoding` and `fusion_result`."""
         engine = self.engine
         # CPU threads are chosen per request, in the request's thread (a machine's load changes)
-        threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
+        threads = configure_cpu_threads(engine.adapter.device, threads=self.request_threads)["threads"]
         req = Request(method, ratio, gen, StageClock(engine.adapter.device, sync_stages))
         req.threads = threads
         try:
@@ -618,7 +627,7 @@ def fusion_result(engine: Engine, pre: Prefilled, request: Request, dec: Decodin
         finish_reason=dec.finish or "length",
         timings_ms={**clock.stages, **request.extra},
         selection=pre.selection,
-        store_stats=engine.store.counters(),
+        store_stats=engine.caches.store.counters(),
         plan=request.plan,
         load=pre.load_report,
         threads=request.threads,

@@ -1,27 +1,11 @@
-"""One request, as explicit steps with named, immutable results.
+"""What one request is: what it asks, what it owns, and the immutable results of its steps.
 
-There is exactly one implementation of a request: the engine's steps below. `engine.answer`
-and `engine.stream` (and so both integrations and the CLI) chain them; `bench ttft` times
-`engine.answer` itself; `bench quality` and `profile-layers` call the same steps, with the
-teacher-forcing hook of `fuse` where a benchmark needs it.
-
-    step            engine method          result       what it does
-    1 lookup        engine.lookup          LookedUp     tokens per piece (cached per chunk
-                                                        text), chunk keys, the tier holding
-                                                        each chunk; misses built and stored
-    2 plan          engine.plan            Planned      load or recompute each chunk (the
-                                                        planner, from measured rates) before
-                                                        anything is loaded
-    3 start loading engine.start_loading   Loading      sidecars of the loaded chunks, the
-                                                        fused prompt, a LoadSession streaming
-                                                        layer 0, 1, 2, ... (tiered stores)
-    4 select        engine.select          Selected     the method's rows (probe on a GPU)
-    5 fuse          engine.fuse            Prefilled    layer-wise fused prefill (or HF's own
-                                                        forward for `full`); closes the session
-    6 decode        engine.decode          text deltas  first token (TTFT), then the rest
-
-The results of steps 2-5 are defined here; step 1's, `LookedUp`, is the cache manager's
-answer (cache/lookup.py, `ChunkCaches.lookup`).
+The steps themselves, and their table, are in engine/pipeline.py (`Steps`: 1 lookup, 2 plan,
+3 start loading, 4 select, 5 fuse, 6 decode); the scheduler (engine/scheduler.py) drives
+them for every request of the engine's API. Defined here: the results of steps 2-5
+(`Planned`, `Loading`, `Selected`, `Prefilled`; step 1's, `LookedUp`, is the cache manager's
+answer, cache/lookup.py), what a request asks (`Prompt`) and what it owns (`Request`, its
+`Status` and `StageClock`).
 
 What a request asks is data: a `Prompt` (its pieces), built and checked on the caller's
 thread - an empty question, a bad ratio or an unknown method raises there, before anything

@@ -35,7 +35,7 @@ The scheduler decides what runs and keeps each request's state; the model runner
 rows' argmax together; the cache manager (`cache.chunks.ChunkCaches`) answers the lookup and
 holds the KV budget.
 
-With `EngineConfig.batched_prefill`, requests admitted in one step are prefilled together: the
+With `SchedulerConfig.batched_prefill`, requests admitted in one step are prefilled together: the
 chunks they share are loaded once per layer, their probes run as one pass over the critical
 layers, and their recomputed rows go through each layer together - one product per weight
 over all rows, one ragged sparse-attention launch (model/fusion.py `fused_prefill_batch`).
@@ -54,14 +54,14 @@ of a batched product are too small to flip a token (docs/determinism.md), and wi
 `deterministic_tile` rows, bit for bit as alone.
 
 KV budget: a request is admitted only once its KV cache (prompt + max_new_tokens) fits
-beside the running requests' within `EngineConfig.kv_cache_bytes` (on a GPU by default
+beside the running requests' within `CacheConfig.kv_cache_bytes` (on a GPU by default
 `kv_memory_share` of the memory free at the first admission): `ChunkCaches.reserve` gives it
 a reservation, released when it ends, or None - then it waits at the head of the queue
 (counted as deferred) and admission ends for that step, so nothing runs out of memory under
 load. One larger than the whole budget fails alone with KVBudgetError.
 
 On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.GraphDecoder`,
-`EngineConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
+`SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
 rows, so a sequence's bits do not depend on its batch there either.
 
 Not yet: chunked prefill of long prompts (one admitted prompt is prefilled in one step).
@@ -76,25 +76,17 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
 from qcfuse_core.cache.chunks import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
-from qcfuse_core.engine.pipeline import Decoding, Engine, Steps, fusion_result
+from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
 from qcfuse_core.engine.request import Loading, Prefilled, Prompt, Request, StageClock, Status
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.runner import ModelRunner
 from qcfuse_core.types import FusionResult
-
-
-class ScheduledEngine(Engine, Protocol):
-    """What the scheduler reads of its engine: the steps' view of it, and the steps."""
-
-    steps: Steps
-
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +104,7 @@ ABORT_WAIT_S = 1.0  # how often a caller waiting for an abort checks that the wo
 
 
 class EngineBusy(RuntimeError):
-    """The engine's queue is full: `EngineConfig.max_queue` requests already wait to be
+    """The engine's queue is full: `SchedulerConfig.max_queue` requests already wait to be
     admitted. Raised when a request is submitted; nothing of it ran. Retry later, or raise
     `max_queue` (a deeper queue only makes each request wait longer)."""
 
@@ -159,10 +151,13 @@ class Job:
 
 
 class Scheduler:
-    """Continuous batching of one engine's requests on one worker thread (module docstring)."""
+    """Continuous batching of one engine's requests on one worker thread (module docstring):
+    the requests run through `steps` (engine/pipeline.py), over their engine's model, caches
+    and config."""
 
-    def __init__(self, engine: ScheduledEngine) -> None:
-        self.engine = engine
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self.engine = steps.engine
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()  # guarded by _cv
         self._running: list[Job] = []  # the worker's own; admitted jobs, prefilling or decoding
@@ -183,8 +178,10 @@ class Scheduler:
             ),
             0,
         )
-        cfg = engine.config
-        self.runner = ModelRunner(engine.adapter, cuda_graphs=cfg.cuda_graphs, deterministic=cfg.deterministic)
+        cfg = self.engine.config
+        self.runner = ModelRunner(
+            self.engine.adapter, cuda_graphs=cfg.scheduler.cuda_graphs, deterministic=cfg.deterministic
+        )
 
     # ------------------------------------------------------------------ callers' side
     def submit(
@@ -205,11 +202,13 @@ class Scheduler:
         job = Job(Request(method, ratio, gen, clock), prompt, emit)
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the engine's scheduler has shut down (the interpreter is exiting)")
-            if len(self._waiting) >= engine.config.max_queue:
+                raise RuntimeError(
+                    "the engine's scheduler has shut down (engine.close(), or the interpreter is exiting)"
+                )
+            max_queue = engine.config.scheduler.max_queue
+            if len(self._waiting) >= max_queue:
                 raise EngineBusy(
-                    f"{len(self._waiting)} requests already wait (EngineConfig.max_queue="
-                    f"{engine.config.max_queue}); retry later"
+                    f"{len(self._waiting)} requests already wait (SchedulerConfig.max_queue={max_queue}); retry later"
                 )
             self._waiting.append(job)
             self._counts["submitted"] += 1
@@ -329,7 +328,7 @@ class Scheduler:
         one at a time, so its prefill and first token come before the next one's lookup, or
         with `batched_prefill` all together at the end. A job whose KV cache does not fit yet
         waits at the queue's head, and admission ends for this step."""
-        cfg = self.engine.config
+        cfg = self.engine.config.scheduler
         budget = cfg.step_prefill_tokens
         admitted: list[Job] = []
         while budget > 0 and len(self._running) < cfg.max_running:
@@ -373,11 +372,11 @@ class Scheduler:
         req.status = Status.PREFILLING
         try:
             # CPU threads chosen per request, in the thread that runs it (engine/threads.py)
-            req.threads = configure_cpu_threads(engine.adapter.device, threads=engine.request_threads)["threads"]
-            looked = engine.steps.request_lookup(job.prompt.pieces, req)
+            req.threads = configure_cpu_threads(engine.adapter.device, threads=self.steps.request_threads)["threads"]
+            looked = self.steps.request_lookup(job.prompt.pieces, req)
             job.reservation = engine.caches.reserve(looked.num_tokens + req.generation.max_new_tokens)
             if job.reservation is not None:
-                job.loading = engine.steps.prepare(looked, req)
+                job.loading = self.steps.prepare(looked, req)
         except Exception as e:
             self._release(job, Status.FAILED, e)
             return
@@ -400,11 +399,11 @@ class Scheduler:
     def _run_prefill(self, admitted: list[Job]) -> list[Prefilled | Exception]:
         """Steps 3-5 of jobs admitted in this step, together (`Steps.prefill_batch`: shared chunk
         loads, one batched probe, one ragged fused prefill) -> per job its Prefilled or its
-        error. With `EngineConfig.batched_prefill` off, each job alone as soon as it is prepared."""
+        error. With `SchedulerConfig.batched_prefill` off, each job alone as soon as it is prepared."""
         batch = [(job.prompt.pieces, job.request, job.loading) for job in admitted]
         if len(batch) == 1:
-            return self.engine.steps.prefill_batch(batch)  # type: ignore[arg-type]
-        results = self.engine.steps.prefill_batch(batch, exact=self.engine.config.deterministic)  # type: ignore[arg-type]
+            return self.steps.prefill_batch(batch)  # type: ignore[arg-type]
+        results = self.steps.prefill_batch(batch, exact=self.engine.config.deterministic)  # type: ignore[arg-type]
         with self._cv:
             self._counts["batched_prefills"] += 1
             self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(batch))

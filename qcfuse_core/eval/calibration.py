@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from qcfuse_core.eval.datasets import load_dataset
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.selection.adaptive import calibration_dir, ranking_options
 from qcfuse_core.selection.options import QCFuseOptions
@@ -29,16 +30,18 @@ def question_masses(engine, dataset: str, *, limit: int | None, offset: int = 0,
     scores are the ones a selection with these options ranks and counts by."""
     # what the adaptive budget counts on: the ranking's scores (the mass, weighted by the
     # profile's position prior where it has one), with the options an adaptive selection gets
-    adaptive_opts = engine.selection_options("adaptive", options or {})
+    adaptive_opts = internals(engine).selection_options("adaptive", options or {})
     ranking = QCFuseOptions.from_options(dict(adaptive_opts, budget="adaptive"))  # refuses chunk_sinks
     fixed = dict(adaptive_opts, budget="fixed")
     out = []
     for ex in tqdm(load_dataset(dataset, limit=limit, offset=offset), desc="calibrate", unit="question", disable=None):
-        engine = engine.replace(store=MemoryStore())
-        prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(ex.question, list(ex.passages)))
-        sel = engine.steps.select(prompt, "qcfuse", 0.15, options=fixed)
+        engine = internals(engine).replace(store=MemoryStore())
+        steps = internals(engine).steps
+        prompt, _, _ = steps.fuse_pieces(engine.frame.rag_pieces(ex.question, list(ex.passages)))
+        scored = steps.select(prompt, "qcfuse", 0.15, options=fixed).selection.scores
+        assert scored is not None  # qcfuse scores every context token
         mass = torch.zeros(prompt.num_tokens)
-        mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.selection.scores.float().cpu()
+        mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = scored.float().cpu()
         cand = torch.nonzero(prompt.mask("chunk")).flatten()
         scores = ranking_scores(prompt, mass, ranking)
         out.append((scores[cand], prompt.context_tokens, int(prompt.mask("text").sum())))
@@ -99,7 +102,7 @@ def calibrate(
         targets[f"{s:g}"] = round(t, 6)
         achieved[f"{s:g}"] = round(mean_share(masses, round(t, 6), floor, ceiling), 5)
     adapter = engine.adapter
-    used = QCFuseOptions.from_options(engine.selection_options("adaptive", options or {}))
+    used = QCFuseOptions.from_options(internals(engine).selection_options("adaptive", options or {}))
     assert used.critical_layers is not None  # selection_options fills them in for a probing method
     return {
         "model": adapter.name,

@@ -37,7 +37,7 @@ serve`; load_http.py): the pool is sent to its /v1/chunks, each request is a str
 Requests/s and output tokens/s are the finished requests' over the point's wall time.
 
 Each (point, method, ratio) runs on a fresh engine over the same model and store
-(`engine.replace()`), after one warm-up request: its scheduler's counters (max_batch_seen,
+(`hooks.internals(engine).replace()`), after one warm-up request: its scheduler's counters (max_batch_seen,
 the most sequences one decode step ran) are that run's alone.
 """
 
@@ -409,10 +409,14 @@ def run_point(
     base_engine, pool: Workload, reqs: list[LoadRequest], point: LoadPoint, method: Method, args, batched: bool = True
 ) -> dict:
     """One (point, method) on a fresh engine over the same model and store -> the row's
-    measured fields. batched: EngineConfig.batched_prefill."""
-    engine = base_engine.replace(config=dataclasses.replace(base_engine.config, batched_prefill=batched))
+    measured fields. batched: SchedulerConfig.batched_prefill."""
+    from qcfuse_core.eval.hooks import internals
+
+    cfg = base_engine.config
+    config = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, batched_prefill=batched))
+    engine = internals(base_engine).replace(config=config)
     for text in pool.texts:  # token ids and keys of every pool chunk, as a long-running server has them
-        engine.chunk_tokens(text)
+        engine.caches.chunk_tokens(text)
     warm = reqs[-1]
     engine.answer(
         warm.question,
@@ -429,7 +433,7 @@ def run_point(
 
     traces, capped, wall = asyncio.run(run_loop(send, reqs[: point.requests], point, args))
     _wait_idle(engine)
-    stats = engine.scheduler.stats()
+    stats = engine.stats().scheduler
     return {
         **summarize(traces, wall),
         "capped": capped,
@@ -457,7 +461,7 @@ def _wait_idle(engine) -> None:
     """Until the engine has dropped every cancelled request (the next point starts clean)."""
     end = time.monotonic() + IDLE_WAIT_S
     while True:
-        s = engine.scheduler.stats()
+        s = engine.stats().scheduler
         if s.running == 0 and s.waiting == 0:
             return
         if time.monotonic() > end:
@@ -486,7 +490,8 @@ def pool_and_requests(tokenizer, args, points: list[LoadPoint]) -> tuple[Workloa
 def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Every load point x (method, ratio) -> rows (written to --json as they come)."""
     from qcfuse_core.cache.planner import load_rates
-    from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.engine.config import EngineConfig, FrameConfig, SchedulerConfig
 
     methods = methods_of(args)
     points = load_points(args)
@@ -501,10 +506,14 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     kv_root = root / f"kv-load-{args.tier}"
     nbytes = kv_bytes_per_token(adapter) * args.pool_chunks * args.chunk_tokens
     store = open_tier_store(kv_root, args.tier, nbytes, adapter.device.type == "cuda", args.storage_dtype)
-    cfg_kw = {"max_running": args.max_running} if args.max_running else {}
+    sched_kw = {"max_running": args.max_running} if args.max_running else {}
     if args.step_prefill_tokens:
-        cfg_kw["step_prefill_tokens"] = args.step_prefill_tokens
-    cfg = EngineConfig(system_prompt=pool.system, threads=args.threads or None, **cfg_kw)
+        sched_kw["step_prefill_tokens"] = args.step_prefill_tokens
+    cfg = EngineConfig(
+        threads=args.threads or None,
+        frame=FrameConfig(system_prompt=pool.system),
+        scheduler=SchedulerConfig(**sched_kw),
+    )
     rates = load_rates(Path(args.rates)) if args.rates else None
     if args.rates and rates is None:
         raise ValueError(f"--rates {args.rates}: no rates there (write them with `qcfuse bench ttft --rates FILE`)")

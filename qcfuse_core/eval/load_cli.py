@@ -73,7 +73,7 @@ def add_load_parser(bench_sub) -> None:
         "--batched-prefill",
         default="off",
         choices=["on", "off", "both"],
-        help="EngineConfig.batched_prefill: requests admitted together prefilled together; both: each point twice",
+        help="SchedulerConfig.batched_prefill: requests admitted together prefilled together; both: each point twice",
     )
     p.add_argument("--open-requests", type=positive_int, default=32, help="open loop: requests submitted per rate")
     p.add_argument(
@@ -90,12 +90,12 @@ def add_load_parser(bench_sub) -> None:
     )
     p.add_argument("--methods", nargs="+", default=["full", "qcfuse"], help="methods, each on the same requests")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15], help="recompute ratios")
-    p.add_argument("--max-running", type=int, default=0, help="EngineConfig.max_running (0: its default)")
+    p.add_argument("--max-running", type=int, default=0, help="SchedulerConfig.max_running (0: its default)")
     p.add_argument(
         "--step-prefill-tokens",
         type=int,
         default=0,
-        help="EngineConfig.step_prefill_tokens: prompt tokens one scheduler step admits (0: its default)",
+        help="SchedulerConfig.step_prefill_tokens: prompt tokens one scheduler step admits (0: its default)",
     )
     p.add_argument(
         "--rates", default=None, help="planner rates JSON (from `bench ttft`); None: every stored chunk is loaded"

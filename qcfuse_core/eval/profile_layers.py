@@ -29,6 +29,7 @@ import torch
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.eval import metrics as M
 from qcfuse_core.eval.datasets import load_dataset
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.model.fusion import FusedPrompt, fused_prefill
 from qcfuse_core.selection.anchors import AnchorConfig, ensure_anchors, repeat_prompt_ids
 from qcfuse_core.selection.base import SelectionContext
@@ -57,8 +58,8 @@ def prepare_example(
 ) -> PreparedExample:
     """Prompt, full-prefill reference and one probe through every layer in `layers`."""
     adapter = engine.adapter
-    engine = engine.replace(store=MemoryStore())
-    prompt, _, _ = engine.steps.fuse_pieces(engine.rag_pieces(question, list(passages)))
+    engine = internals(engine).replace(store=MemoryStore())
+    prompt, _, _ = internals(engine).steps.fuse_pieces(engine.frame.rag_pieces(question, list(passages)))
     ref, _ = adapter.hf_forward(prompt.token_ids, keep=1)
     depth = max(layers) + 1
     repeat_ids = repeat_prompt_ids(adapter) if anchors.method == "repeat" else None

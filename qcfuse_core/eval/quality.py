@@ -44,6 +44,7 @@ from qcfuse_core.engine.request import Loading, Planned, Selected
 from qcfuse_core.eval import metrics as M
 from qcfuse_core.eval import oracle as _oracle  # noqa: F401  (registers the `oracle` bound for --methods)
 from qcfuse_core.eval.datasets import Example, dataset_name, load_dataset
+from qcfuse_core.eval.hooks import internals
 from qcfuse_core.model import batched as lockstep
 from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, decode_step, fill_from_hf, fused_prefill
 from qcfuse_core.selection.base import SELECTORS, get_selector
@@ -112,7 +113,7 @@ def teacher_fused(
     length with room for `capacity` more tokens, recomputed context tokens).
 
     The teacher rows are recomputed and never seen by the selection; causal attention keeps
-    everything before them as in `engine.steps.fuse`, so the first row is the prompt's
+    everything before them as in `Steps.fuse`, so the first row is the prompt's
     first-token distribution (tests/test_quality_bench.py checks both)."""
     if loading.session is not None:
         raise ValueError("teacher forcing needs the prompt's caches in memory (lookup with streaming=False)")
@@ -246,9 +247,10 @@ def run_example(
         raise ValueError(f"target must be 'gold' or 'full', got {target!r}")
     if reference is not None and target != "gold":
         raise ValueError("a stored full-prefill reference holds the gold target only (target='gold')")
-    engine = engine.replace(
+    engine = internals(engine).replace(
         store=MemoryStore()
-    )  # chunk caches of this example only (an fp32 6K-token context is ~300 MB)
+    )  # chunk caches of this example only (fp32 6K tokens: ~300 MB)
+    steps = internals(engine).steps
     if variants is None:
         variants = [
             (m, m, r, options)
@@ -257,23 +259,24 @@ def run_example(
             for r in (ratios if get_selector(m).uses_ratio else [None])
         ]
     t0 = time.perf_counter()  # full prefill alone needs no chunk caches
-    pieces = engine.rag_pieces(ex.question, list(ex.passages))
-    looked = engine.steps.lookup(pieces, "naive" if variants else "full", streaming=False)
-    loading = engine.steps.start_loading(looked, Planned("naive", frozenset()))
+    pieces = engine.frame.rag_pieces(ex.question, list(ex.passages))
+    looked = steps.lookup(pieces, "naive" if variants else "full", streaming=False)
+    loading = steps.start_loading(looked, Planned("naive", frozenset()))
     prompt = loading.prompt
     build_ms = (time.perf_counter() - t0) * 1e3
     T = prompt.num_tokens
-    full_sel = engine.steps.select(prompt, "full", 1.0)
+    full_sel = steps.select(prompt, "full", 1.0)
     full_answer = None
     full_seq = full_seq_logits = None
     if target == "full":  # full prefill's greedy answer first: it is the teacher-forced target
-        pre = engine.steps.fuse(loading, full_sel, "full", capacity=max_new)
+        pre = steps.fuse(loading, full_sel, "full", capacity=max_new)
         ids, full_seq, lg = _greedy_seq(engine, pre.cache, pre.logits[-1], max_new, keep_logits=True)
         full_answer, full_seq_logits = engine.tokenizer.decode(ids, skip_special_tokens=True).strip(), torch.stack(lg)
         del pre
-        gold = engine.tokenize(full_answer)[:gold_tokens] if full_answer else engine.tokenize(ex.answers[0])[:1]
+        tokenize = engine.caches.tokenize
+        gold = tokenize(full_answer)[:gold_tokens] if full_answer else tokenize(ex.answers[0])[:1]
     else:
-        gold = engine.tokenize(ex.answers[0])[:gold_tokens]
+        gold = engine.caches.tokenize(ex.answers[0])[:gold_tokens]
     G = int(gold.numel())
     prompt_g = FusedPrompt(prompt.segments + [Segment("suffix", gold)])
     common = dict(
@@ -285,8 +288,8 @@ def run_example(
         build_ms=build_ms,
         target=target,
     )
-    if engine.config.chunk_sink:
-        common["chunk_sink"] = True  # the chunk caches' format (EngineConfig.chunk_sink)
+    if engine.config.cache.chunk_sink:
+        common["chunk_sink"] = True  # the chunk caches' format (CacheConfig.chunk_sink)
     # 2. full prefill: the reference (read from `reference` when an earlier run stored it)
     key = _reference_key(engine, prompt_g, max_new) if reference is not None else None
     ref = _load_reference(reference, key) if reference is not None and key is not None else None
@@ -339,7 +342,7 @@ def run_example(
     for label, method, ratio, opts in variants:
         t2 = time.perf_counter()
         # the engine's own steps; the selection never sees the gold tokens (teacher-forced after it)
-        selected = engine.steps.select(prompt, method, ratio or 0.0, options=opts)
+        selected = steps.select(prompt, method, ratio or 0.0, options=opts)
         select_ms = (time.perf_counter() - t2) * 1e3
         tail, cache, recomputed = teacher_fused(engine, fuse_loading, selected, method, gold, capacity=max_new)
         ttft = (time.perf_counter() - t2) * 1e3

@@ -152,19 +152,15 @@ def build_pool(store: Path, texts: list[str], model: str | None, dtype: str) -> 
     """Build the pool's caches into `store` (disk tier + text index) -> mean bytes of an entry
     in memory (the chunks are of nearly one length)."""
     from qcfuse_core.engine.api import open_engine
-    from qcfuse_core.serve.app import close_engine
 
-    engine = open_engine(store, model=model, dtype=dtype)
-    try:
+    with open_engine(store, model=model, dtype=dtype) as engine:
         engine.build_chunks(texts, [f"pool-{i}" for i in range(len(texts))])
-        host = engine.store.stats()["tiers"]["host"]
+        host = engine.caches.store.stats()["tiers"]["host"]
         if host["entries"] != len(texts):
             raise RuntimeError(
                 f"the pool does not fit the builder's memory tier ({host['entries']} of {len(texts)} chunks)"
             )
         return -(-host["bytes_used"] // host["entries"])
-    finally:
-        close_engine(engine)
 
 
 def wait_ready(url: str, timeout_s: float = 300.0) -> None:

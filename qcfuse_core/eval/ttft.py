@@ -184,12 +184,13 @@ def measure_tier_gbps(engine, work: Workload, drop: Path | None, repeats: int = 
     """Bandwidth of loading every layer of every chunk through the prefetcher (no compute)."""
     from qcfuse_core.model.fusion import FusedPrompt, Segment
 
-    pf = engine.prefetcher
+    caches = engine.caches
+    pf = caches.prefetcher
     segs = []
     for text in work.texts:
-        ids, key = engine.chunk_tokens(text)
+        ids, key = caches.chunk_tokens(text)
         segs.append(Segment("chunk", ids, pf.view(key, ids)))
-    prompt = FusedPrompt(segs + [Segment("suffix", engine.tokenize(work.question))])
+    prompt = FusedPrompt(segs + [Segment("suffix", caches.tokenize(work.question))])
     like = torch.empty(0, device=engine.adapter.device, dtype=engine.adapter.dtype)
     times = []
     for _ in range(repeats + 1):
@@ -259,7 +260,9 @@ def run(args) -> tuple[list[dict], dict | None]:
 
 def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[int, int]) -> list[dict]:
     from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path, save_rates
-    from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.engine.config import EngineConfig, FrameConfig
+    from qcfuse_core.eval.hooks import internals
     from qcfuse_core.selection.base import get_selector
 
     device = adapter.device
@@ -269,7 +272,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     nbytes = kv_bytes_per_token(adapter) * size[0] * size[1]
     store = open_tier_store(kv_root, tier, nbytes, cuda, getattr(args, "storage_dtype", "auto"))
     engine = QCFuseEngine(
-        adapter, store=store, config=EngineConfig(system_prompt=work.system, threads=args.threads or None)
+        adapter, store=store, config=EngineConfig(threads=args.threads or None, frame=FrameConfig(work.system))
     )
     t0 = time.perf_counter()
     keys = engine.build_chunks(work.texts, work.node_ids)
@@ -336,8 +339,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     configs += [(label, r, opts) for label, opts in (getattr(args, "variant", None) or []) for r in args.ratios]
 
     def use(opts) -> None:
-        engine.config = dataclasses.replace(engine.config, selection_options=dict(opts or {}))
-        engine.rates = None if args.no_planner else rates
+        internals(engine).use(selection=dict(opts or {}), rates=None if args.no_planner else rates)
 
     def method_of(label: str, opts) -> str:
         return "qcfuse" if opts is not None else label
@@ -401,7 +403,8 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     """`engine.build_chunks` on fresh chunks of the largest size into a store with the default
     configuration (a 2 GiB host tier, the disk under --store), store writes included, against
     the best full-prefill tokens/s measured above."""
-    from qcfuse_core.engine.api import EngineConfig, QCFuseEngine
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.engine.config import EngineConfig
     from qcfuse_core.store import StoreConfig, open_store
 
     chunks, n = args.ingest_chunks, max(sizes_of(args), key=lambda s: s[0] * s[1])[1]
@@ -418,7 +421,7 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     shutil.rmtree(root / "kv-ingest", ignore_errors=True)
     from qcfuse_core.ingest.prefill import default_batch_tokens, plan_batches, prefill_alone_batch
 
-    ids = [engine.chunk_tokens(t)[0] for t in work.texts[1:]]  # the same prefills, no store: compute alone
+    ids = [engine.caches.chunk_tokens(t)[0] for t in work.texts[1:]]  # the same prefills, no store: compute alone
     sync(adapter.device)
     t1 = time.perf_counter()
     for batch in plan_batches([len(i) for i in ids], default_batch_tokens(adapter.device)):

@@ -88,7 +88,7 @@ def prefill_alone(
 
     sink: token ids the chunk is prefilled after (its own tokens then sit at positions
     s..s+n-1); their rows are dropped, so the cache still holds the chunk's tokens only
-    (`EngineConfig.chunk_sink`: no chunk token is ever a sequence start).
+    (`CacheConfig.chunk_sink`: no chunk token is ever a sequence start).
     """
     (n,) = _check_chunks([ids])
     s0 = _check_sink(sink)

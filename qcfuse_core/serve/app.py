@@ -17,7 +17,8 @@ names, max_tokens (400). Node ids are opaque keys (rows of the store's SQLite ta
 part of a path. A body that is not JSON, has the wrong types or holds strings no tokenizer
 can encode is a 400; nothing a client sends stops the server.
 
-Every generation is one request of the engine's async API (`engine.astream_pieces`): requests
+Every generation is one request of the engine's async API (`engine.acomplete(prompt, chunks,
+stream=True)`; a chat, rendered in the model's template, with `framed=False`): requests
 arriving together are decoded together by the scheduler. The prompt's chunks are found by
 content (`ChunkTextIndex.find`, as `engine.complete` does) unless the request names them in
 `qcfuse: {documents | node_ids}`; the answer carries the fusion statistics in `qcfuse`.
@@ -58,7 +59,6 @@ from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
-from qcfuse_core.retrieval.texts import split_prompt
 from qcfuse_core.serve.metrics import ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
@@ -110,12 +110,15 @@ class ClientGone(Exception):
 
 @dataclass
 class Generation:
-    """One generation request, ready to submit: its pieces, settings and, once done, result."""
+    """One generation request, ready to submit: its prompt and chunks, settings and, once
+    done, result. framed: the prompt goes in the engine's frame (/v1/completions); a chat is
+    rendered in the model's template already."""
 
     route: str
     kind: Kind
-    pieces: list[Piece]
-    chunk_ids: list[str | None]
+    prompt: str
+    chunks: list[Piece]
+    framed: bool
     method: str | None
     ratio: float | None
     gen: GenerationConfig
@@ -124,6 +127,10 @@ class Generation:
     include_usage: bool = False
     stream: bool = False
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def chunk_ids(self) -> list[str | None]:
+        return [c.node_id for c in self.chunks]
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, **headers: str) -> JSONResponse:
@@ -140,13 +147,6 @@ def _refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse
     return _error(status, message, "invalid_request_error", **headers)
 
 
-def close_engine(engine: QCFuseEngine) -> None:
-    """Stop the engine's scheduler (what still waits or runs is aborted) and close its store
-    (the disk tier's files and manifest flushed and closed)."""
-    engine.scheduler.shutdown()
-    engine.store.close()
-
-
 def create_app(
     engine: QCFuseEngine,
     *,
@@ -156,7 +156,8 @@ def create_app(
 ) -> FastAPI:
     """The server's app over `engine` (served under `model_name`, default the model's name).
     owns_engine: the app's shutdown (uvicorn's, on SIGTERM or Ctrl-C, after its open
-    connections have ended or been cancelled) also stops the scheduler and closes the store."""
+    connections have ended or been cancelled) also closes the engine (`engine.close()`: its
+    scheduler stopped, its store and chunk-text index closed)."""
     cfg = config or ServeConfig()
     name = model_name or engine.adapter.name
     metrics = ServeMetrics(engine)
@@ -168,7 +169,7 @@ def create_app(
         yield
         builder.shutdown(wait=True, cancel_futures=True)
         if owns_engine:
-            close_engine(engine)
+            engine.close()  # the scheduler stopped (what still waits or runs is aborted), the store closed
             log.info("qcfuse serve: scheduler stopped and store closed")
 
     app = FastAPI(title="QCFuse (OpenAI-compatible)", lifespan=lifespan)
@@ -206,7 +207,7 @@ def create_app(
     # -- reading ----------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        s = engine.scheduler.stats()
+        s = engine.stats().scheduler
         return {"status": "ok", "model": name, "running": s.running, "waiting": s.waiting}
 
     @app.get("/v1/models")
@@ -293,14 +294,14 @@ def _locate(engine: QCFuseEngine, prompt: str, body: ChatRequest | CompletionReq
     of `qcfuse.node_ids` (each must be found in the prompt)."""
     q = body.qcfuse
     if q is None or (q.documents is None and q.node_ids is None):
-        return engine.texts.find(prompt)
+        return engine.caches.texts.find(prompt)
     if q.node_ids is not None:
-        found = [p for p in engine.texts.find(prompt) if p.node_id in set(q.node_ids)]
+        found = [p for p in engine.caches.texts.find(prompt) if p.node_id in set(q.node_ids)]
         missing = sorted(set(q.node_ids) - {p.node_id for p in found})
         if missing:
             raise ApiError(400, f"node ids not found in the prompt: {missing}", param="qcfuse.node_ids")
         return found
-    known = {p.text: p.node_id for p in engine.texts.find(prompt)}
+    known = {p.text: p.node_id for p in engine.caches.texts.find(prompt)}
     spans = []
     for i, doc in enumerate(q.documents or ()):
         at = prompt.find(doc)
@@ -345,8 +346,9 @@ async def _chat(engine: QCFuseEngine, body: ChatRequest, cfg: ServeConfig) -> Ge
     return Generation(
         "chat",
         "chat",
-        split_prompt(prompt, chunks),
-        [c.node_id for c in chunks],
+        prompt,
+        chunks,
+        False,
         s["method"],
         s["ratio"],
         s["gen"],
@@ -386,16 +388,16 @@ async def _check_prompt_tokens(engine: QCFuseEngine, text: str, cfg: ServeConfig
 async def _completion(engine: QCFuseEngine, body: CompletionRequest, cfg: ServeConfig) -> Generation:
     prompt = body.prompt
     assert isinstance(prompt, str)  # the validator made it one
-    s = _settings(engine, body, cfg, stops=engine.frame_stops)  # `qcfuse ask`'s stops for a base model
+    s = _settings(engine, body, cfg, stops=engine.frame.stops)  # `qcfuse ask`'s stops for a base model
     chunks = _locate(engine, prompt, body)
-    pieces = engine.completion_pieces(prompt, chunks)
-    framed = "".join(p.text for p in pieces)
+    framed = "".join(p.text for p in engine.frame.completion_pieces(prompt, chunks))
     await _check_prompt_tokens(engine, framed, cfg, "prompt")
     return Generation(
         "completions",
         "text",
-        pieces,
-        [c.node_id for c in chunks],
+        prompt,
+        chunks,
+        True,
         s["method"],
         s["ratio"],
         s["gen"],
@@ -448,7 +450,9 @@ async def _respond(
     engine: QCFuseEngine, g: Generation, request: Request, model: str, metrics: ServeMetrics, cfg: ServeConfig
 ):
     try:
-        stream = engine.astream_pieces(g.pieces, method=g.method, ratio=g.ratio, generation=g.gen)
+        stream = engine.acomplete(
+            g.prompt, g.chunks, framed=g.framed, stream=True, method=g.method, ratio=g.ratio, generation=g.gen
+        )
     except EngineBusy as e:
         metrics.outcome(g.route, "busy")
         return _error(429, str(e), "rate_limit_error", **{"Retry-After": str(cfg.retry_after_s)})

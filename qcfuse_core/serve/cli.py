@@ -136,7 +136,8 @@ def cmd_serve(args) -> int:
     from qcfuse_core.serve import require_extra
 
     require_extra()
-    from qcfuse_core.engine.api import EngineConfig, open_engine
+    from qcfuse_core.engine.api import open_engine
+    from qcfuse_core.engine.config import CacheConfig, EngineConfig
     from qcfuse_core.serve.app import ServeConfig, create_app
 
     if args.shutdown_timeout_s < 0:
@@ -151,7 +152,9 @@ def cmd_serve(args) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        config=EngineConfig(promote_disk_reads=True),  # a chunk read from disk stays in memory for the next request
+        config=EngineConfig(
+            cache=CacheConfig(promote_disk_reads=True)
+        ),  # a chunk read from disk stays in memory for the next request
     )
     context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
     config = ServeConfig(
@@ -165,7 +168,7 @@ def cmd_serve(args) -> int:
     port = sock.getsockname()[1]
     print(
         f"QCFuse serving {args.model_name or engine.adapter.name} on http://{args.host}:{port}/v1 "
-        f"({len(engine.texts)} chunk texts in {args.store}; {'bearer auth on' if api_key else 'no auth'}; "
+        f"({len(engine.caches.texts)} chunk texts in {args.store}; {'bearer auth on' if api_key else 'no auth'}; "
         "Ctrl-C stops it)",
         flush=True,
     )

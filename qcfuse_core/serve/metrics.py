@@ -36,13 +36,14 @@ class _SchedulerCollector:
         self.engine = engine
 
     def collect(self):
-        s = self.engine.scheduler.stats()
+        stats = self.engine.stats()
+        s = stats.scheduler
         for name, doc, value in (
             ("qcfuse_queue_length", "requests waiting to be admitted", s.waiting),
             ("qcfuse_running_requests", "requests admitted (prefilling or decoding): the running batch", s.running),
             ("qcfuse_max_batch_seen", "the most sequences one decode step has run", s.max_batch_seen),
             ("qcfuse_max_prefill_batch", "the most requests one batched prefill has fused", s.max_prefill_batch),
-            ("qcfuse_kv_pool_idle_bytes", "KV buffers pooled for reuse", self.engine.caches.pooled_kv_bytes()),
+            ("qcfuse_kv_pool_idle_bytes", "KV buffers pooled for reuse", stats.kv_pooled_bytes),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)

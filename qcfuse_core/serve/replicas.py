@@ -234,7 +234,8 @@ class EngineReplica:
     """One engine and its OpenAI app; `forward` runs one HTTP request through the app."""
 
     def __init__(self, options: ReplicaOptions) -> None:
-        from qcfuse_core.engine.api import EngineConfig, open_engine
+        from qcfuse_core.engine.api import open_engine
+        from qcfuse_core.engine.config import CacheConfig, EngineConfig
         from qcfuse_core.serve.app import ServeConfig, create_app
 
         self.engine = open_engine(
@@ -243,7 +244,9 @@ class EngineReplica:
             dtype=options.dtype,
             device=options.device,
             memory_bytes=options.memory_bytes,
-            config=EngineConfig(promote_disk_reads=True),  # chunks read from disk stay in this replica's memory
+            config=EngineConfig(
+                cache=CacheConfig(promote_disk_reads=True)
+            ),  # chunks read from disk stay in this replica's memory
         )
         self.app = create_app(
             self.engine, model_name=options.model_name, config=ServeConfig(**options.serve_config), owns_engine=False
@@ -257,12 +260,12 @@ class EngineReplica:
         found and tokenized only when a routing key is new to this replica."""
         if any(k not in self._known for k in fwd.keys):
             try:
-                texts = request_texts(self.engine.texts, fwd.path, json.loads(fwd.body))
+                texts = request_texts(self.engine.caches.texts, fwd.path, json.loads(fwd.body))
             except ValueError:
                 texts = []
             for t in texts:
                 k = text_key(t)
-                ck = self._known.get(k) or self.engine.chunk_tokens(t)[1]
+                ck = self._known.get(k) or self.engine.caches.chunk_tokens(t)[1]
                 if ck is not None:
                     self._known[k] = ck
         keys = []
@@ -276,8 +279,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this: the text keys of the chunks this replica holds in memory."""
-        s = self.engine.scheduler.stats()
-        resident = [k for k, ck in list(self._known.items()) if self.engine.store.in_memory(ck)]
+        s = self.engine.stats().scheduler
+        resident = [k for k, ck in list(self._known.items()) if self.engine.caches.store.in_memory(ck)]
         return {"resident": resident, "running": s.running, "waiting": s.waiting}
 
     def check_health(self) -> None:
@@ -286,7 +289,7 @@ class EngineReplica:
 
     async def forward(self, fwd: Forwarded) -> AsyncIterator[dict[str, Any] | bytes]:
         """Yields {status, headers} once, then the body's bytes as the app sends them."""
-        held = sum(self.engine.store.in_memory(k) for k in self._chunk_keys(fwd))
+        held = sum(self.engine.caches.store.in_memory(k) for k in self._chunk_keys(fwd))
         extra = [
             (REPLICA_HEADER.encode(), self.name.encode()),
             (RESIDENT_HEADER.encode(), f"{held}/{len(fwd.keys)}".encode()),
@@ -299,9 +302,7 @@ class EngineReplica:
     def __del__(self) -> None:  # Ray Serve calls it on a graceful replica shutdown
         if not getattr(self, "_closed", True):
             self._closed = True
-            from qcfuse_core.serve.app import close_engine
-
-            close_engine(self.engine)
+            self.engine.close()
 
 
 async def asgi_call(app: Any, fwd: Forwarded) -> AsyncIterator[dict[str, Any] | bytes]:

@@ -299,15 +299,13 @@ class StudioService:
         return out
 
     def _chunk_view(self, text: str) -> dict:
-        from qcfuse_core.selection.options import QCFuseOptions
-
-        ids, key = self.engine.chunk_tokens(text)
+        ids, key = self.engine.caches.chunk_tokens(text)
         anchors: list[int] = []
-        store = self.engine.store
+        store = self.engine.caches.store
         cached = store.contains(key)
         if cached and hasattr(store, "get_sidecar"):
             side = store.get_sidecar(key)
-            method = QCFuseOptions.from_options(self.engine.config.selection_options).anchor_method
+            method = self.engine.config.selection.anchor_method
             a = side.anchors.get(method) if side is not None else None
             if a is not None and a.dim() == 2 and a.shape[0]:
                 anchors = [int(i) for i in a[0].tolist()]
@@ -522,8 +520,8 @@ class StudioService:
     def _build(self, engine, spec: RunSpec, docs: list[str]) -> dict:
         """Step 1: the caches of the run's chunks that this model lacks, built now (timed), so
         that no mode pays for building them."""
-        keys = [engine.chunk_tokens(d)[1] for d in docs]
-        missing = [i for i, k in enumerate(keys) if k is not None and not engine.store.contains(k)]
+        keys = [engine.caches.chunk_tokens(d)[1] for d in docs]
+        missing = [i for i, k in enumerate(keys) if k is not None and not engine.caches.store.contains(k)]
         t0 = time.perf_counter()
         if missing:
             engine.build_chunks([docs[i] for i in missing], [spec.chunk_ids[i] for i in missing])
@@ -729,7 +727,7 @@ class StudioService:
             progress("loading", f"Loading {entry.name} ({self.config.dtype} on {self.config.device})")
             engine, old = self._open_engine(entry), self.engine
             self.engine, self.model = engine, entry
-            old.store.close()
+            old.close()  # its scheduler stopped, its store and text index closed
             if self.config.warmup:
                 progress("warming up", f"Warming up {entry.name}: one tiny answer per kind of prefill")
                 self.warm_up()
@@ -815,14 +813,14 @@ def prompt_frame(engine) -> dict:
     documents: the model's chat template, or (a base model: none) the engine's plain frame.
     `stop`: where the studio's answers end besides the end-of-text token (a base model has no
     end of turn: after its answer it writes the frame's next "Question:" line)."""
-    pieces = engine.rag_pieces("{question}", ["{document 1}", "{document 2}"])
+    pieces = engine.frame.rag_pieces("{question}", ["{document 1}", "{document 2}"])
     text = "".join(p.text for p in pieces)
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     return {
         "kind": "chat" if chat else "plain",
         "label": "the model's chat template" if chat else "plain frame (base model: no chat template)",
         "text": text,
-        "stop": list(engine.frame_stops),
+        "stop": list(engine.frame.stops),
     }
 
 

@@ -4,7 +4,7 @@ LangChain hands an LLM one string; which documents went into it is lost on the w
 sources say where the chunks are, and the prompt text is the judge of both:
 
     content     every text registered at ingestion (`QCFuseCacheBuilder`) that occurs
-                verbatim in the prompt (engine.texts.find) - always on, works with any chain
+                verbatim in the prompt (engine.caches.texts.find) - always on, works with any chain
     documents=  Documents passed with the call (`llm.bind(documents=docs)` or
                 `with_documents(prompt, llm)`): each page_content must occur in the prompt;
                 a text never built is computed on this call, stored, and hit the next time
@@ -59,7 +59,7 @@ def locate_chunks(
     """
     # 1. content
     spans, pos = [], 0
-    for piece in engine.texts.find(prompt):
+    for piece in engine.caches.texts.find(prompt):
         at = prompt.find(piece.text, pos)
         spans.append(Span(at, piece.text, piece.node_id))
         pos = at + len(piece.text)
@@ -74,15 +74,18 @@ def locate_chunks(
                 "(once per document); pass the documents that the chain's formatter put into the prompt"
             )
         claimed.append(span)
-        engine.texts.add(text, doc_id)
+        engine.caches.texts.add(text, doc_id)
     spans = sorted(claimed + [s for s in spans if not any(s.overlaps(c) for c in claimed)], key=lambda s: s.start)
     # 3. doc_ids
     if isinstance(doc_ids, str):
         raise TypeError("doc_ids must be a list of id strings, not one string")
     if doc_ids:
-        by_key = {ChunkKey.for_tokens(engine.fingerprint, engine.tokenize(s.text)): i for i, s in enumerate(spans)}
+        by_key = {
+            ChunkKey.for_tokens(engine.caches.fingerprint, engine.caches.tokenize(s.text)): i
+            for i, s in enumerate(spans)
+        }
         for doc_id in doc_ids:
-            key = engine.store.resolve(NodeId(doc_id))
+            key = engine.caches.store.resolve(NodeId(doc_id))
             if key is None:
                 raise ValueError(
                     f"doc id {doc_id!r}: no chunk was built under this id; build it with QCFuseCacheBuilder "

@@ -189,6 +189,6 @@ class QCFuseLLM(EngineFields, EngineBacked, BaseLLM):
         return {
             "model": self.model or "embedded",
             "model_name": self._model_name(),
-            "fingerprint": self.engine.fingerprint,
+            "fingerprint": self.engine.caches.fingerprint,
             "token_usage": usage,
         }

@@ -98,7 +98,7 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
                 raise ValueError(f"render() gave no text for document {doc_id!r}")
             ids.append(doc_id)
             texts.append(text)
-        new = {t for t in texts if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)}
+        new = {t for t in texts if not engine.caches.is_stored(t)}
         keys = engine.build_chunks(texts, ids)  # many chunks per forward pass
         built, reused = len(new), len(texts) - len(new)  # a repeated text is built once
         out = [

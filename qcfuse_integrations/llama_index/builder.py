@@ -91,7 +91,7 @@ class QCFuseCacheBuilder(TransformComponent):
         batches = [todo[i : i + BUILD_BATCH] for i in range(0, len(todo), BUILD_BATCH)]
         for batch in get_tqdm_iterable(batches, kwargs.get("show_progress", False), "Building QCFuse chunk caches"):
             texts, ids = [t for t, _ in batch], [i for _, i in batch]
-            new = {t for t in texts if (k := engine.chunk_tokens(t)[1]) is None or not engine.store.contains(k)}
+            new = {t for t in texts if not engine.caches.is_stored(t)}
             engine.build_chunks(texts, ids)  # many chunks per forward pass; the stored ones are linked
             built, reused = built + len(new), reused + len(texts) - len(new)  # a repeated text is built once
         log.info("chunk caches: %d built, %d already stored, %d too short to cache", built, reused, short)

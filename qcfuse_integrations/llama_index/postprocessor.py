@@ -112,9 +112,9 @@ class QCFuseNodePostprocessor(BaseNodePostprocessor):
     def _prefetch(self, node_ids: list[str]) -> None:
         """Resolve node ids to chunk keys and warm the store (its own `prefetch` if it has one)."""
         engine = self.engine
-        store = engine.store
+        store = engine.caches.store
         keys = [k for k in (store.resolve(NodeId(i)) for i in node_ids) if k is not None]
-        keys = [k for k in keys if k.fingerprint == engine.fingerprint]  # another model's cache is useless
+        keys = [k for k in keys if k.fingerprint == engine.caches.fingerprint]  # another model's cache is useless
         log.debug("prefetch: %d of %d nodes have a stored cache", len(keys), len(node_ids))
         if not keys or isinstance(store, MemoryStore):  # nothing to load: already in memory
             return
