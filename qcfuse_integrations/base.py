@@ -292,13 +292,14 @@ class Call:
         through the event loop's own queue (no thread per call). One step is synchronous
         work: compiling a JSON schema (llguidance walks the tokenizer's vocabulary the first
         time), done with `asyncio.to_thread` so the loop keeps running; unconstrained calls
-        never leave the loop. Matching the prompt's chunks (`open`) runs on the loop: where it
-        waits for a background build of a text the prompt contains, the loop waits too."""
+        never leave the loop. Matching the prompt's chunks runs on the loop, and its wait for
+        a background build of a text the prompt contains is awaited (`Learner.amatch`): other
+        tasks run meanwhile."""
         from qcfuse_integrations.learning import learner_for
 
         options = await asyncio.to_thread(self._compiled, engine) if self.constrained else self.options
         started = time.perf_counter()
-        self._take(learner_for(engine).match(self.prompt, self.explicit))
+        self._take(await learner_for(engine).amatch(self.prompt, self.explicit))
         return engine.acomplete(
             self.prompt, self.chunks, framed=not self.chat, stream=True, started=started, **options.engine_kwargs()
         )

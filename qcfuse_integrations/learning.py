@@ -6,7 +6,8 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
     see(texts)      a retriever returned these texts (LlamaIndex: the retrieval-end event;
                     LangChain: `on_retriever_end`): they are registered in the content index
                     and, where no cache is stored yet, built in a background thread
-    match(prompt)   the chunk pieces of a prompt: registered texts found verbatim (a text
+    match(prompt)   the chunk pieces of a prompt (`amatch`: the same for asyncio): registered
+                    texts found verbatim (a text
                     inside a longer rendering - a metadata header before it - counts); then
                     recently retrieved texts that the prompt renders differently:
 
@@ -23,6 +24,10 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
                     built in the background (`build`), a full hit next time. A cache is only
                     ever served for the exact tokens it holds (runs are matched on token ids),
                     so nothing is attributed to a text it was not computed from.
+    waits           a prompt that holds a text whose background build is under way waits for
+                    it (no double work; counted in `Match.wait_ms`, inside its TTFT), at most
+                    BUILD_WAIT_S; `amatch` awaits those builds as futures
+                    (`asyncio.wrap_future`), so the event loop runs meanwhile
     built           a cache a background build computed for a retrieval counts, in the first
                     prompt that uses it, as built during that request (`Match.built`), not as
                     a hit: the request waited for it, or it was computed for this query since
@@ -34,13 +39,15 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import re
 import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -51,6 +58,9 @@ log = logging.getLogger(__name__)
 RECENT = 256  # retrieved texts kept for matching re-rendered prompts
 MIN_SPAN = 2 * MIN_CHUNK_CHARS  # shortest re-rendered span worth a cache of its own (characters)
 RECENT_S = 300.0  # a retrieval this recent makes a prompt "look like it carries context"
+# the longest a prompt waits for the background builds of texts it holds; past it, the texts
+# not built yet are not matched (computed as plain prompt text)
+BUILD_WAIT_S = 120.0
 _CONTEXT_HEADER = re.compile(r"\b(context|documents?|sources?|passages?)\b\s*(information|:)", re.IGNORECASE)
 _WS = re.compile(r"\s+")
 
@@ -180,16 +190,45 @@ class Learner:
     # ------------------------------------------------------------------ prompts
     def match(self, prompt: str, explicit: Mapping[str, str] | None = None) -> Match:
         """The chunk pieces of `prompt` (module docstring); explicit: {text: node id} a caller
-        knows is in the prompt (a postprocessor's nodes): treated like retrieved texts."""
+        knows is in the prompt (a postprocessor's nodes): treated like retrieved texts. Waits
+        (in this thread) for the background builds of the texts the prompt holds."""
+        steps = self._matching(prompt, explicit)
+        try:
+            while True:
+                _late(concurrent.futures.wait(next(steps), timeout=BUILD_WAIT_S).not_done)
+        except StopIteration as stop:
+            return stop.value
+
+    async def amatch(self, prompt: str, explicit: Mapping[str, str] | None = None) -> Match:
+        """`match` for asyncio: the background builds it waits for are awaited as futures, so
+        the event loop runs other tasks meanwhile (no thread is used for the wait)."""
+        steps = self._matching(prompt, explicit)
+        try:
+            while True:
+                futures = [asyncio.wrap_future(f) for f in next(steps)]
+                _late((await asyncio.wait(futures, timeout=BUILD_WAIT_S))[1])
+        except StopIteration as stop:
+            return stop.value
+
+    def _matching(self, prompt: str, explicit: Mapping[str, str] | None) -> Generator[set[Future], None, Match]:
+        """`match` as steps: it yields each set of background builds to wait for (the caller
+        waits for them, on its thread or its event loop) and returns the Match."""
         engine = self.engine
         explicit = dict(explicit or {})
         t0 = time.perf_counter()
-        waited = self._await_builds(prompt)
+        waited = self._builds_in(prompt)
+        if waited:
+            yield waited
         chunks = engine.caches.texts.find(prompt, node_ids=explicit or None)
         learned = self._learn(prompt, chunks, explicit)
         if learned:
             chunks = engine.caches.texts.find(prompt, node_ids=explicit or None)
-        chunks, more = self._with_sources(chunks)
+        with self._lock:
+            sources = {c.text: self._sources.get(c.text) for c in chunks}
+            more = {self._pending[s] for s in sources.values() if s in self._pending}
+        if more:  # chunks that re-render a retrieved text: its build first (its cache serves them)
+            yield more
+        chunks = [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks]
         wait_ms = (time.perf_counter() - t0) * 1e3 if waited or more else 0.0
         unmatched = not chunks and self._carries_context(prompt)
         with self._lock:
@@ -216,25 +255,11 @@ class Learner:
             )
         return Match(chunks, learned, unmatched, built, wait_ms)
 
-    def _await_builds(self, prompt: str) -> bool:
-        """Wait for the background builds of retrieved texts this prompt contains (no double
-        work); whether there were any."""
+    def _builds_in(self, prompt: str) -> set[Future]:
+        """The background builds under way of retrieved texts this prompt contains (waited
+        for: no double work)."""
         with self._lock:
-            futures = {f for t, f in self._pending.items() if t in prompt}
-        for f in futures:
-            f.result()
-        return bool(futures)
-
-    def _with_sources(self, chunks: list[Piece]) -> tuple[list[Piece], bool]:
-        """Chunks that re-render a retrieved text carry it as their source (its stored cache
-        serves their shared token runs); its background build is awaited first. Also: whether
-        there was one to wait for."""
-        with self._lock:
-            sources = {c.text: self._sources.get(c.text) for c in chunks}
-            futures = {self._pending[s] for s in sources.values() if s in self._pending}
-        for f in futures:
-            f.result()
-        return [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks], bool(futures)
+            return {f for t, f in self._pending.items() if t in prompt}
 
     def _learn(self, prompt: str, found: Sequence[Piece], explicit: Mapping[str, str | None]) -> int:
         """Register the prompt's renderings of retrieved texts it does not contain verbatim."""
@@ -282,6 +307,15 @@ class Learner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _late(builds: Collection[object]) -> None:
+    if builds:
+        log.warning(
+            "%d background cache build(s) still running after %.0f s; the prompt goes on without them",
+            len(builds),
+            BUILD_WAIT_S,
+        )
 
 
 # ---------------------------------------------------------------------- span helpers

@@ -350,3 +350,54 @@ async def test_a_closed_llama_index_astream_aborts_its_request(engine):
     await _until(lambda: engine.stats().scheduler.aborted == 3)
     assert engine.stats().scheduler.finished == 0
 
+
+# ---------------------------------------------------------------------- background builds
+
+
+async def test_an_async_call_waiting_for_a_background_build_leaves_the_loop_running(engine, monkeypatch):
+    """A prompt holding a retrieved text whose cache is still being built waits for that
+    build (no double work) - awaited, not blocking: another coroutine keeps ticking while
+    the call waits, and the call then serves the text from the cache built for it."""
+    from qcfuse_core import GenerationConfig
+    from qcfuse_integrations.base import Call, GenerationOptions
+    from qcfuse_integrations.learning import learner_for
+
+    doc = "The lighthouse of Cape Wrayth was built in 1871 and painted red in 1902."
+    monkeypatch.setattr(asyncio, "to_thread", lambda *a, **k: pytest.fail("to_thread used"))
+    monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", lambda *a, **k: pytest.fail("executor used"))
+    gate, ticks, at_release = threading.Event(), [0], []
+    build = engine.build_chunks
+
+    def slow_build(texts, node_ids=None, **kw):
+        if doc in texts:
+            gate.wait(30)
+        return build(texts, node_ids, **kw)
+
+    monkeypatch.setattr(engine, "build_chunks", slow_build)
+    learner = learner_for(engine)
+    learner.see([(doc, "lighthouse")])  # its cache is built in the background, held at the gate
+
+    def release() -> None:
+        at_release.append(ticks[0])
+        gate.set()
+
+    timer = threading.Timer(1.0, release)  # a loop blocked by the wait would still end, after it
+    timer.start()
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            ticks[0] += 1
+
+    task = asyncio.create_task(ticker())
+    try:
+        options = GenerationOptions("naive", 0.15, GenerationConfig(max_new_tokens=4))
+        call = Call(f"Context: {doc}\nWhen was it built?", False, options)
+        stream = await call.aopen(engine)
+        deltas = [d async for d in call.adeltas(engine, stream)]
+    finally:
+        task.cancel()
+        timer.cancel()
+    assert at_release and at_release[0] >= 20, "the event loop was blocked while the call waited for the build"
+    assert [(c.text, c.node_id) for c in call.chunks] == [(doc, "lighthouse")]
+    assert call.built == 1 and call.build_wait_ms >= 500 and call.result.text == "".join(deltas)
