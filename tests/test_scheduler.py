@@ -387,6 +387,8 @@ def test_stats_and_close(tiny, tmp_path):
     assert eng._sched.stats().aborted == 1 and not worker.is_alive() and closed == [1]
     with pytest.raises(sqlite3.ProgrammingError):
         len(eng.caches.texts)  # the chunk-text index is closed too
+    final = eng.stats()  # as it was when it closed
+    assert (final.chunk_texts, final.scheduler.aborted, final.scheduler.running) == (len(DOCS), 1, 0)
     eng.close()  # idempotent
     assert closed == [1]
     with pytest.raises(RuntimeError, match="closed"):

@@ -114,6 +114,7 @@ class QCFuseEngine:
         self._sched: Scheduler | None = None  # started by the first request
         self._lock = threading.Lock()
         self._closed = False
+        self._texts_at_close: int | None = None  # the chunk-text index's size when it closed
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -250,14 +251,17 @@ class QCFuseEngine:
 
     # ------------------------------------------------------------------ the engine's life
     def stats(self) -> EngineStats:
-        """The scheduler's counters, the store's counters and the cache manager's counts."""
-        with self._lock:
-            sched = self._sched
+        """The scheduler's counters, the store's counters and the cache manager's counts (once
+        closed: as they were when it closed)."""
         caches = self._caches
+        with self._lock:
+            sched, texts = self._sched, self._texts_at_close
+            if texts is None:
+                texts = len(caches.texts)
         return EngineStats(
             scheduler=sched.stats() if sched is not None else _IDLE,
             store=caches.store.counters(),
-            chunk_texts=len(caches.texts),
+            chunk_texts=texts,
             kv_reserved_bytes=caches.reserved_kv_bytes(),
             kv_pooled_bytes=caches.pooled_kv_bytes(),
         )
@@ -271,6 +275,7 @@ class QCFuseEngine:
                 return
             self._closed = True
             sched = self._sched
+            self._texts_at_close = len(self._caches.texts)
         if sched is not None:
             sched.shutdown()
         self._caches.close()
