@@ -17,7 +17,7 @@ QUERY_ROWS = 0
 (for the engine's prompt: the answer cue "short sentence." and the chat markers, whose last
 row yields the first token) were tried on the calibration split musique_train: first-token KL
 at 0.3 fell 20% on 24 questions but rose 6% on 24 others, and agreement with full's answer
-fell (docs/calibration.md, "Ranking options") - so the option stays an off-by-default ablation."""
+fell (docs/benchmarks.md, "Ranking options in the shipped profiles") - so the option stays an off-by-default ablation."""
 FIXED_BUDGET_OPTIONS = ("chunk_sinks", "deviation_pool")
 """Options only a fixed budget takes (QCFuseOptions refuses them with the adaptive one): a
 model profile's are left out where the budget is adaptive."""
