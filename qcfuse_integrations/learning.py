@@ -7,9 +7,9 @@ add an ingestion step for caches to hit. Each engine has one `Learner`:
                     LangChain: `on_retriever_end`): they are registered in the content index
                     and, where no cache is stored yet, built in a background thread
     match(prompt)   the chunk pieces of a prompt (`amatch`: the same for asyncio): registered
-                    texts found verbatim (a text
-                    inside a longer rendering - a metadata header before it - counts); then
-                    recently retrieved texts that the prompt renders differently:
+                    texts found verbatim (a text inside a longer rendering - a metadata
+                    header before it - counts); then recently retrieved texts that the
+                    prompt renders differently:
 
         stored:   "Halden lies on the north coast.\\n\\nIts harbour ..."
         prompt:   "... Halden lies on the north coast. Its harbour ..."     (whitespace)

@@ -24,6 +24,7 @@ caught.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import textwrap
@@ -94,8 +95,14 @@ def _closure(roots: Iterable[object], module: ModuleType | None) -> str:
 
 def reasons(func: Callable, fixtures: Iterable[Callable], module: ModuleType | None) -> list[str]:
     """Why a test running `func` (with these fixture functions) belongs to the slow tier."""
-    src = _closure([func, *fixtures], module)
-    return [why for why, pattern in SLOW_ONLY if pattern.search(src)]
+    return list(_reasons((func, *fixtures), module))
+
+
+@functools.cache
+def _reasons(roots: tuple[Callable, ...], module: ModuleType | None) -> tuple[str, ...]:
+    """`reasons`, read once per function and fixtures (the items of a parametrized test share it)."""
+    src = _closure(roots, module)
+    return tuple(why for why, pattern in SLOW_ONLY if pattern.search(src))
 
 
 def _fixture_funcs(item: pytest.Item) -> list[Callable]:
