@@ -20,6 +20,14 @@ picks them:
 - pins count per key, independently of presence: `unpin` of a key that was removed, or
   never pinned, does nothing; a key pinned, removed and admitted again is pinned until the
   holder lets go.
+
+A capacity that moves (the GPU tier, whose room is what the running requests' KV caches
+leave of the engine's GPU budget; cache/chunks.py): `resize` sets it, evicting unpinned
+entries by policy down to it, and refuses (changing nothing) when pinned entries and claims
+alone exceed it. Claims: room charged for an image being filled in place (a load session
+copies a chunk to the GPU as it streams it, cache/prefetch.py): `claim` charges it now
+(evicting unpinned entries as a put would), `admit` turns it into an entry without a copy,
+`unclaim` gives it back. Claimed bytes, like pinned entries, are never evicted.
 """
 
 from __future__ import annotations
@@ -101,6 +109,7 @@ class MemoryTier:
         self._bytes = 0
         self._tick = 0
         self._pins: dict[ChunkKey, int] = {}  # key -> open holders (eviction pins)
+        self._claimed = 0  # bytes of open claims (counted in _bytes)
         self._lock = threading.RLock()
 
     @property
@@ -176,22 +185,83 @@ class MemoryTier:
                 return []
             if image.key in self._images:
                 return []
-            held = sum(m.nbytes for k, m in self._meta.items() if k in self._pins)
-            if held + n > self.capacity_bytes:  # pinned entries leave no room for it
+            evicted = self._make_room(n)
+            if evicted is None:  # pinned entries and claims leave no room for it
                 self.stats.refused_pinned += 1
                 return []
-            evicted = []
-            while self._bytes + n > self.capacity_bytes:
-                victim = self.policy.victim([m for k, m in self._meta.items() if k not in self._pins])
-                self._drop(victim.key)
-                evicted.append(victim.key)
             self._tick += 1
             self._images[image.key] = local
             self._meta[image.key] = EntryMeta(image.key, n, self._tick, self._tick)
             self._bytes += n
             self.stats.bytes_written += n
-            self.stats.evictions += len(evicted)
             return evicted
+
+    def held_bytes(self) -> int:
+        """Bytes eviction cannot free now: pinned entries and open claims."""
+        with self._lock:
+            return self._claimed + sum(m.nbytes for k, m in self._meta.items() if k in self._pins)
+
+    def _make_room(self, n: int) -> list[ChunkKey] | None:
+        """Evict unpinned entries by policy until `n` more bytes fit (lock held) -> the evicted
+        keys; None, evicting nothing, when even evicting every unpinned entry would not do."""
+        if self.held_bytes() + n > self.capacity_bytes:
+            return None
+        evicted = []
+        while self._bytes + n > self.capacity_bytes:
+            victim = self.policy.victim([m for k, m in self._meta.items() if k not in self._pins])
+            self._drop(victim.key)
+            evicted.append(victim.key)
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def resize(self, capacity_bytes: int) -> list[ChunkKey] | None:
+        """Set the capacity, evicting unpinned entries by policy until what is held fits ->
+        the evicted keys; None, changing nothing, when pinned entries and claims alone hold
+        more than `capacity_bytes`."""
+        if capacity_bytes < 0:
+            raise ValueError(f"{self.name} tier capacity must be >= 0, got {capacity_bytes}")
+        with self._lock:
+            if self.held_bytes() > capacity_bytes:
+                return None
+            old, self.capacity_bytes = self.capacity_bytes, int(capacity_bytes)
+            evicted = self._make_room(0)
+            if evicted is None:  # cannot happen: checked above under the same lock
+                self.capacity_bytes = old
+            return evicted
+
+    def claim(self, nbytes: int) -> int | None:
+        """Charge room for an image of `nbytes` that its holder fills in place, evicting
+        unpinned entries by policy as `put` would -> the bytes charged (give them to `admit`
+        or `unclaim`); None, evicting nothing, when there is no such room."""
+        n = charge_bytes(nbytes, self.device.type, self.pin_memory)
+        with self._lock:
+            if self._make_room(n) is None:
+                return None
+            self._claimed += n
+            self._bytes += n
+            return n
+
+    def unclaim(self, charged: int) -> None:
+        """Give back a claim that will not be admitted."""
+        with self._lock:
+            self._claimed -= charged
+            self._bytes -= charged
+
+    def admit(self, charged: int, image: EntryImage) -> bool:
+        """Turn a claim into an entry holding `image` (on this tier's device, not copied) ->
+        True; False when the key is already held (the claim is given back either way)."""
+        if image.device != self.device:
+            raise ValueError(f"{self.name} tier holds images on {self.device}, not {image.device}")
+        with self._lock:
+            self._claimed -= charged
+            if image.key in self._images:
+                self._bytes -= charged
+                return False
+            self._tick += 1
+            self._images[image.key] = image
+            self._meta[image.key] = EntryMeta(image.key, charged, self._tick, self._tick)
+            self.stats.bytes_written += charged
+            return True
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -201,7 +271,7 @@ class MemoryTier:
         with self._lock:
             self._images.clear()
             self._meta.clear()
-            self._bytes = 0
+            self._bytes = self._claimed
 
     def _drop(self, key: ChunkKey) -> bool:
         image = self._images.pop(key, None)
@@ -216,6 +286,7 @@ class MemoryTier:
                 "device": str(self.device),
                 "pinned": self.pin_memory,
                 "pinned_entries": len(self._pins),
+                "claimed_bytes": self._claimed,
                 "policy": self.policy.name,
                 "entries": len(self._images),
                 "bytes_used": self._bytes,
