@@ -175,6 +175,7 @@ class BatchSession:
         for u, seg in zip(shared.uses[member], prompt.segments):
             kind = "none" if u is None else shared.kinds[u]
             self.report.sources[kind] = self.report.sources.get(kind, 0) + 1
+            self.report.segment_sources.append(kind)
             if isinstance(seg.chunk, ChunkView) and seg.chunk.depth:
                 self.report.order.append(f"sidecar:{seg.chunk.key.token_hash[:8]}")
         self.report.failed = shared.failed(member)

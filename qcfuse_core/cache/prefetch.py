@@ -262,6 +262,7 @@ class PrefetchReport:
     layer l after its wait, up to asking for layer l+1; load_ms[l]: loader host time."""
 
     sources: dict[str, int] = field(default_factory=dict)  # segments per source kind
+    segment_sources: list[str] = field(default_factory=list)  # each prompt segment's source kind, in order
     sidecar_ms: float = 0.0
     bytes_loaded: int = 0
     bytes_by_source: dict[str, int] = field(default_factory=dict)  # bytes_loaded per source kind
@@ -501,6 +502,7 @@ class LoadSession:
                 self.report.failed.append(i)
         for s, seg in zip(self._srcs, prompt.segments):
             self.report.sources[s.kind] = self.report.sources.get(s.kind, 0) + 1
+            self.report.segment_sources.append(s.kind)
             if isinstance(seg.chunk, ChunkView) and seg.chunk.depth:
                 self.report.order.append(f"sidecar:{seg.chunk.key.token_hash[:8]}")
         disk_T = sum(s.end - s.start for s in self._srcs if s.kind == "disk")
