@@ -425,3 +425,123 @@ def test_over_http_against_a_live_server(tmp_path, capsys):
         f"TTFT p50 over HTTP {r['ttft_ms_p50']} ms (first byte {r['first_byte_ms_p50']} ms), "
         f"in process {local['ttft_ms_p50']} ms"
     )
+
+
+def test_zipf_draws_are_seeded_skewed_and_distinct():
+    """--popularity zipf: chunk i drawn with probability proportional to 1/(i+1)^s - one draw
+    per request matches that distribution (fixed seed, total variation under 0.03 over 4000
+    draws); several per request are distinct, the head of the pool drawn far more often than
+    its tail; the same seed gives the same requests, a longer list extends a shorter one."""
+    import random
+    from collections import Counter
+
+    from qcfuse_core.eval.load import draw, zipf_weights
+    from qcfuse_core.model.testing import byte_tokenizer
+
+    assert zipf_weights(4, 1.0) == [1.0, 0.5, 1 / 3, 0.25] and zipf_weights(3, 2.0) == [1.0, 0.25, 1 / 9]
+    w = zipf_weights(20, 1.0)
+    rng = random.Random(7)
+    counts = Counter(draw(rng, range(20), 1, w)[0] for _ in range(4000))
+    expected = [x / sum(w) for x in w]
+    tv = 0.5 * sum(abs(counts[i] / 4000 - p) for i, p in enumerate(expected))
+    assert tv < 0.03, (tv, sorted(counts.items()))
+    assert counts[0] > 2 * counts[4] > 0  # rank 1 against rank 5: 5x the weight
+
+    tok = byte_tokenizer()
+    pool = Workload([f"chunk {i}" for i in range(30)], [f"n{i}" for i in range(30)], "q?", "")
+    reqs = make_requests(tok, pool, 300, 5, 6, seed=3, popularity="zipf", zipf_s=1.0)
+    assert make_requests(tok, pool, 50, 5, 6, seed=3, popularity="zipf") == reqs[:50]
+    assert make_requests(tok, pool, 50, 5, 6, seed=4, popularity="zipf") != reqs[:50]
+    assert all(len(set(r.node_ids)) == 5 for r in reqs)
+    drawn = Counter(n for r in reqs for n in r.node_ids)
+    head = sum(drawn[f"n{i}"] for i in range(3))
+    tail = sum(drawn[f"n{i}"] for i in range(27, 30))
+    assert head > 3 * tail, (head, tail)
+    uniform = Counter(n for r in make_requests(tok, pool, 300, 5, 6, seed=3) for n in r.node_ids)
+    assert drawn["n0"] > 2 * uniform["n0"]  # uniform: 1/6 of the requests hold each chunk
+    assert any(list(r.node_ids) != sorted(r.node_ids, key=pool.node_ids.index) for r in reqs)  # shuffled
+    with pytest.raises(ValueError, match="popularity"):
+        make_requests(tok, pool, 1, 5, 6, seed=0, popularity="pareto")
+
+
+def _tier_run(tmp_path, *extra: str) -> list[dict]:
+    out = tmp_path / "tiers.json"
+    rc = main(
+        [
+            "bench",
+            "load",
+            *SMALL,
+            "--max-new-tokens",
+            "2",
+            "--clients",
+            "1",
+            "--requests-per-client",
+            "6",
+            "--methods",
+            "full",
+            "qcfuse",
+            "--ratios",
+            "0.3",
+            "--json",
+            str(out),
+            "--store",
+            str(tmp_path / "store"),
+            *extra,
+        ]
+    )
+    assert rc == 0
+    return json.loads(out.read_text())["rows"]
+
+
+def test_per_tier_hit_rates_and_bytes_are_consistent(tmp_path, capsys, monkeypatch):
+    """A host tier that holds 3 of the pool's 8 chunks, the pool built 3 at a time: qcfuse's
+    chunks come from the host and disk tiers, full prefill recomputes them all; per row the
+    shares add up to 1 over every request's chunks, and each tier's bytes per request are its
+    chunks' tokens x the KV bytes of a token; the table and the progress show the columns."""
+    from qcfuse_core.eval import load
+
+    monkeypatch.setattr(load, "BUILD_BATCH", 3)
+    rows = _tier_run(
+        tmp_path, "--host-bytes", str(3 * 24 * 1024 + 512), "--popularity", "zipf", "--plot", str(tmp_path / "t.png")
+    )
+    full, qc = rows
+    for r in rows:
+        _counts_add_up(r)
+        assert r["tier"] == "default" and r["popularity"] == "zipf" and r["zipf_s"] == 1.0
+        assert r["chunk_segments"] == r["finished"] * 3 == sum(r["chunk_segments_by_tier"].values())
+        shares = [r["hit_rate_gpu"], r["hit_rate_host"], r["hit_rate_disk"], r["recomputed_share"]]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-5)
+        for tier in ("gpu", "host", "disk"):
+            n = r["chunk_segments_by_tier"][tier]
+            assert r[f"hit_rate_{tier}"] == pytest.approx(n / r["chunk_segments"], abs=1e-6)
+            want = n * r["chunk_tokens"] * r["kv_bytes_per_token"] / r["finished"]
+            assert r[f"bytes_per_request_{tier}"] == pytest.approx(want, abs=1), tier
+        assert r["store_tiers"]["host"]["capacity_bytes"] == r["host_tier_bytes"] == 3 * 24 * 1024 + 512
+        assert "gpu" not in r["store_tiers"]  # a CPU engine: no GPU chunk tier
+    assert full["recomputed_share"] == 1.0 and full["bytes_per_request_host"] == 0
+    assert qc["recomputed_share"] == 0.0 and qc["hit_rate_disk"] > 0 and qc["hit_rate_host"] > 0, qc
+    out = capsys.readouterr()
+    assert "| chunks from GPU / host / disk / recomputed | MiB per request from GPU / host / disk |" in out.out
+    assert "| 0% / 0% / 0% / 100% | 0.0 / 0.0 / 0.0 |" in out.out  # full prefill
+    assert (
+        "chunks gpu/host/disk/recomputed" in out.err and "pool: 3/8 chunks built" in out.err and "pool: 8/8" in out.err
+    )
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tier_default_opens_the_store_as_open_engine_does(tmp_path, monkeypatch, capsys):
+    """`--tier default` (the default) sizes the host tier from available RAM as `open_engine`'s
+    store does (a faked machine here); --host-bytes / --gpu-chunk-bytes only size those tiers."""
+    from qcfuse_core.store import sizing
+
+    monkeypatch.setattr(sizing, "available_ram", lambda: 768 << 20)
+    assert build_parser().parse_args(["bench", "load"]).tier == "default"
+    rows = _tier_run(tmp_path, "--methods", "qcfuse")
+    want = sizing.host_tier_bytes(768 << 20)
+    assert want == 384 << 20
+    for r in rows:
+        assert r["tier"] == "default" and r["host_tier_bytes"] == want and r["gpu_chunk_cap_bytes"] is None
+        assert r["store_tiers"]["host"]["capacity_bytes"] == want
+        assert r["hit_rate_host"] == 1.0  # the whole pool fits
+    assert main(["bench", "load", *SMALL, "--tier", "host", "--host-bytes", "1M", "--store", str(tmp_path / "s")]) == 2
+    assert "--host-bytes and --gpu-chunk-bytes size the default tiers" in capsys.readouterr().err

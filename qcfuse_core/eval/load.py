@@ -1,6 +1,6 @@
 """`qcfuse bench load`: many clients against one engine - throughput and latency under load.
 
-    qcfuse bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier host \\
+    qcfuse bench load --shape llama-3.1-8b --device cuda --dtype bf16 \\
         --pool-chunks 50 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 \\
         --max-new-tokens 128 --clients 1 2 4 8 16 32 --requests-per-client 3 \\
         --methods full qcfuse --ratios 0.15 --duration-s 60 --json load.json --plot load.png
@@ -14,10 +14,28 @@ inter-token latency the mean time per token after the first, (total - TTFT) / (t
 text deltas are not tokens - a tokenizer holds back bytes that do not yet form text, and
 random weights over a byte-level vocabulary emit few whole characters.
 
-The workload: a pool of `--pool-chunks` chunk texts is built once into a store that holds
-them in one tier, before anything is timed. Request i draws `--chunks-per-request` of them
-with a seeded RNG, in a random order, and has its own question, so requests share some
-chunks and never their order. Every (method, ratio) runs the same requests at every point.
+The workload: a pool of `--pool-chunks` chunk texts is built once into the store, in
+batches, before anything is timed. Request i draws `--chunks-per-request` distinct ones with
+a seeded RNG and has its own question, so requests share some chunks and never their order:
+
+    --popularity uniform   every pool chunk equally likely (a fresh draw per request)
+    --popularity zipf      pool chunk i (rank i+1) drawn with probability proportional to
+                           1 / (i+1)^s (--zipf-s), among those the request has not drawn yet
+
+Every (method, ratio) runs the same requests at every point.
+
+The store: `--tier default` (the default) opens it as `open_engine` does - the host tier
+sized from available RAM, on CUDA the GPU chunk tier sharing the engine's GPU budget with the
+running requests (store/sizing.py); `--host-bytes` sizes the host tier and
+`--gpu-chunk-bytes` caps the GPU chunk cache, for a pool larger than the machine should keep.
+`--tier gpu|host|disk` keeps the pool in that one tier, sized to hold it (plus the disk copy).
+
+Where each request's chunks came from: its load report's source per prompt segment
+(`PrefetchReport.segment_sources`): a chunk segment is served from the gpu, host or disk tier
+(a stored image read), or recomputed (anything else: full prefill, the planner's choice, a
+miss built during the request). A row reports each tier's share of its requests' chunk
+segments (hit_rate_gpu + hit_rate_host + hit_rate_disk + recomputed_share = 1) and the bytes
+each tier moved to the device per request (`bytes_by_source`); over HTTP they are not known.
 
     closed loop (--clients C ...)   C clients; each sends its next request when its previous
                                     one ends; --requests-per-client each (or --requests in all)
@@ -65,6 +83,7 @@ from qcfuse_core.eval.workload import (
     kv_bytes_per_token,
     make_question,
     make_workload,
+    open_default_store,
     open_tier_store,
     text_words,
     write_json,
@@ -73,6 +92,10 @@ from qcfuse_core.eval.workload import (
 log = logging.getLogger(__name__)
 
 TIMED_CALL = "engine.astream"
+POPULARITY = ("uniform", "zipf")
+CHUNK_TIERS = ("gpu", "host", "disk", "recomputed")  # where a request's chunk segment came from
+STORED_TIERS = CHUNK_TIERS[:3]
+BUILD_BATCH = 16  # pool chunks per build_chunks call
 IDLE_WAIT_S = 60.0  # after a point, how long its engine may take to drop cancelled requests
 WARMUP_TOKENS = 4
 
@@ -89,26 +112,59 @@ class LoadRequest:
     node_ids: tuple[str, ...]
 
 
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Weights of n items by rank: item i (rank i+1) has 1 / (i+1)^s."""
+    if s < 0:
+        raise ValueError(f"--zipf-s must be >= 0, got {s}")
+    return [1.0 / (rank**s) for rank in range(1, n + 1)]
+
+
+def draw(rng: random.Random, candidates: range, k: int, weights: list[float] | None = None) -> list[int]:
+    """k distinct candidates: uniformly (`rng.sample`, in a random order), or one after another
+    each with probability proportional to its weight among those not drawn yet."""
+    if weights is None:
+        return rng.sample(candidates, k)
+    left, w = list(candidates), list(weights)
+    out = []
+    for _ in range(k):
+        i = rng.choices(range(len(left)), weights=w)[0]
+        out.append(left.pop(i))
+        w.pop(i)
+    return out
+
+
 def make_requests(
-    tokenizer, pool: Workload, n: int, per_request: int, query_tokens: int, seed: int, shared: int = 0
+    tokenizer,
+    pool: Workload,
+    n: int,
+    per_request: int,
+    query_tokens: int,
+    seed: int,
+    shared: int = 0,
+    popularity: str = "uniform",
+    zipf_s: float = 1.0,
 ) -> list[LoadRequest]:
     """n requests, each `per_request` distinct pool chunks in a random order plus its own
     question; request i is the same whatever n is (a longer list extends a shorter one).
     shared: every request holds the pool's first `shared` chunks among its own (a corpus
-    whose requests retrieve the same few chunks), the rest drawn from the others."""
+    whose requests retrieve the same few chunks), the rest drawn from the others.
+    popularity: "uniform", or "zipf" (the k-th of the chunks drawn from has weight 1/k^zipf_s;
+    see the module docstring)."""
     if not 1 <= per_request <= len(pool.texts):
         raise ValueError(f"--chunks-per-request must be in [1, --pool-chunks={len(pool.texts)}], got {per_request}")
     if not 0 <= shared <= per_request:
         raise ValueError(f"--shared-chunks must be in [0, --chunks-per-request={per_request}], got {shared}")
+    if popularity not in POPULARITY:
+        raise ValueError(f"--popularity must be one of {', '.join(POPULARITY)}, got {popularity!r}")
+    rest = range(shared, len(pool.texts))
+    weights = zipf_weights(len(rest), zipf_s) if popularity == "zipf" else None
     rng = random.Random(seed)
     words = text_words(tokenizer)
     out = []
     for _ in range(n):
-        if shared:
-            idx = list(range(shared)) + rng.sample(range(shared, len(pool.texts)), per_request - shared)
-            rng.shuffle(idx)
-        else:
-            idx = rng.sample(range(len(pool.texts)), per_request)  # distinct, in a random order
+        idx = list(range(shared)) + draw(rng, rest, per_request - shared, weights)
+        if shared or weights is not None:
+            rng.shuffle(idx)  # a random order (uniform draws alone come in one)
         question = make_question(tokenizer, query_tokens, rng, words)
         out.append(LoadRequest(question, tuple(pool.texts[i] for i in idx), tuple(pool.node_ids[i] for i in idx)))
     return out
@@ -180,6 +236,8 @@ class Trace:
     fuse: tuple[float, float] | None = None  # its fused prefill (the `prefill` stage): start, end (s)
     bytes_loaded: int = 0  # chunk-cache bytes loaded to the device on its behalf
     bytes_shared: int = 0  # bytes it read that another request of its batch had loaded
+    chunk_tiers: dict[str, int] = field(default_factory=dict)  # chunk segments per CHUNK_TIERS (in process)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)  # bytes moved to the device per stored tier
 
     @property
     def finished(self) -> bool:
@@ -238,6 +296,23 @@ async def _client_request(engine, req: LoadRequest, method: Method, new_tokens: 
     trace.prompt_tokens, trace.recomputed_tokens, trace.ran_as = r.prompt_tokens, r.recomputed_tokens, r.method
     trace.fuse = _stage_span(trace.submit, r.timings_ms, "prefill")
     trace.bytes_loaded, trace.bytes_shared = int(r.load.get("bytes_loaded", 0)), int(r.load.get("bytes_shared", 0))
+    trace.chunk_tiers = chunk_tiers(r)
+    by_source = r.load.get("bytes_by_source", {})
+    trace.bytes_by_tier = {t: int(by_source.get(t, 0)) for t in STORED_TIERS}
+
+
+def chunk_tiers(r) -> dict[str, int]:
+    """A finished request's chunk segments per CHUNK_TIERS, from its FusionResult: the load
+    report's source of each prompt segment, at the positions of its chunk spans."""
+    kinds = r.load.get("segment_sources", [])
+    if kinds and len(kinds) != len(r.spans):
+        raise RuntimeError(f"the load report names {len(kinds)} segments, the prompt has {len(r.spans)}")
+    out = dict.fromkeys(CHUNK_TIERS, 0)
+    for i, span in enumerate(r.spans):
+        if span.kind == "chunk":
+            kind = kinds[i] if kinds else "none"  # no load session: nothing was read from a tier
+            out[kind if kind in STORED_TIERS else "recomputed"] += 1
+    return out
 
 
 async def _bounded(tasks: list[asyncio.Task], deadline: float) -> bool:
@@ -387,7 +462,24 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
         "fuse_ms_busy": _ms(_covered([t.fuse for t in done if t.fuse is not None])),
         "bytes_loaded": sum(t.bytes_loaded for t in done),
         "bytes_separate": sum(t.bytes_loaded + t.bytes_shared for t in done),
+        **tier_fields(done),
     }
+
+
+def tier_fields(done: list[Trace]) -> dict:
+    """Per tier: its share of the finished requests' chunk segments and the bytes it moved to
+    the device per request (None where no request recorded them: over HTTP)."""
+    known = [t for t in done if t.chunk_tiers]
+    segs = {tier: sum(t.chunk_tiers[tier] for t in known) for tier in CHUNK_TIERS}
+    n = sum(segs.values())
+    out: dict = {"chunk_segments": n if known else None, "chunk_segments_by_tier": segs if known else None}
+    for tier in CHUNK_TIERS:
+        key = "recomputed_share" if tier == "recomputed" else f"hit_rate_{tier}"
+        out[key] = round(segs[tier] / n, 6) if n else None
+    for tier in STORED_TIERS:
+        per = [t.bytes_by_tier.get(tier, 0) for t in known]
+        out[f"bytes_per_request_{tier}"] = round(statistics.mean(per)) if per else None
+    return out
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -483,8 +575,44 @@ def pool_and_requests(tokenizer, args, points: list[LoadPoint]) -> tuple[Workloa
         args.query_tokens,
         args.seed,
         getattr(args, "shared_chunks", 0),
+        getattr(args, "popularity", "uniform"),
+        getattr(args, "zipf_s", 1.0),
     )
     return pool, reqs
+
+
+def open_bench_store(args, root: Path, adapter):
+    """The run's store at `root`: the engine's default tiers (`--tier default`, capped by
+    --host-bytes / --gpu-chunk-bytes) or one tier sized to hold the pool."""
+    cuda = adapter.device.type == "cuda"
+    host, gpu = getattr(args, "host_bytes", None), getattr(args, "gpu_chunk_bytes", None)
+    if args.tier == "default":
+        return open_default_store(root, cuda, args.storage_dtype, host, gpu)
+    if host is not None or gpu is not None:
+        raise ValueError("--host-bytes and --gpu-chunk-bytes size the default tiers (--tier default)")
+    nbytes = kv_bytes_per_token(adapter) * args.pool_chunks * args.chunk_tokens
+    return open_tier_store(root, args.tier, nbytes, cuda, args.storage_dtype)
+
+
+def build_pool(engine, pool: Workload, progress: Callable[[str], None], batch: int | None = None) -> list:
+    """Every pool chunk's cache built into the engine's store, `batch` chunks per call (a pool
+    larger than the memory tiers streams through them to disk) -> the keys."""
+    batch = batch or BUILD_BATCH
+    keys: list = []
+    t0 = time.perf_counter()
+    n = len(pool.texts)
+    for i in range(0, n, batch):
+        keys += engine.build_chunks(pool.texts[i : i + batch], pool.node_ids[i : i + batch])
+        if n > batch:
+            progress(f"  pool: {len(keys)}/{n} chunks built ({time.perf_counter() - t0:.1f} s)")
+    return keys
+
+
+def tier_state(store) -> dict:
+    """The store's memory tiers now: entries, bytes used and capacity, hits, misses, evictions."""
+    tiers = store.stats()["tiers"]
+    names = ("entries", "bytes_used", "capacity_bytes", "hits", "misses", "evictions")
+    return {name: {k: t.get(k) for k in names} for name, t in tiers.items() if name != "disk"}
 
 
 def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]:
@@ -504,8 +632,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     pool, reqs = pool_and_requests(adapter.tokenizer, args, points)
     root = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="qcfuse-load-"))
     kv_root = root / f"kv-load-{args.tier}"
-    nbytes = kv_bytes_per_token(adapter) * args.pool_chunks * args.chunk_tokens
-    store = open_tier_store(kv_root, args.tier, nbytes, adapter.device.type == "cuda", args.storage_dtype)
+    store = open_bench_store(args, kv_root, adapter)
     sched_kw = {"max_running": args.max_running} if args.max_running else {}
     if args.step_prefill_tokens:
         sched_kw["step_prefill_tokens"] = args.step_prefill_tokens
@@ -519,16 +646,22 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
         raise ValueError(f"--rates {args.rates}: no rates there (write them with `qcfuse bench ttft --rates FILE`)")
     engine = QCFuseEngine(adapter, store=store, config=cfg, rates=rates)
     t0 = time.perf_counter()
-    keys = engine.build_chunks(pool.texts, pool.node_ids)
+    keys = build_pool(engine, pool, progress)
     build_s = time.perf_counter() - t0
     progress(f"pool of {len(keys)} chunks x {args.chunk_tokens} tokens built in {build_s:.1f} s ({args.tier} tier)")
+    built = tier_state(store)
     base = dict(
         tier=args.tier,
+        host_tier_bytes=built.get("host", {}).get("capacity_bytes"),
+        gpu_chunk_cap_bytes=getattr(args, "gpu_chunk_bytes", None),
+        popularity=getattr(args, "popularity", "uniform"),
+        zipf_s=getattr(args, "zipf_s", 1.0) if getattr(args, "popularity", "uniform") == "zipf" else None,
         device=str(adapter.device),
         model=adapter.name,
         dtype=str(adapter.dtype).replace("torch.", ""),
         pool_chunks=args.pool_chunks,
         chunk_tokens=args.chunk_tokens,
+        kv_bytes_per_token=kv_bytes_per_token(adapter),
         chunks_per_request=args.chunks_per_request,
         shared_chunks=getattr(args, "shared_chunks", 0),
         query_tokens=args.query_tokens,
@@ -551,6 +684,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
                     progress(f"[{len(rows) + 1}/{total}] {method.label}{ratio}{how}: {point.describe()}")
                     got = run_point(engine, pool, reqs, point, method, args, batched)
                     row = {**base, **point_fields(point, method), "batched_prefill": batched, **got}
+                    row["store_tiers"] = tier_state(store)  # after the point: occupancy, hits, evictions
                     rows.append(row)
                     write_json(args, rows, TIMED_CALL, partial=True)  # a point's row survives a later timeout
                     progress("    " + one_line(row))
@@ -567,12 +701,29 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def tier_shares(r: dict) -> str:
+    """'gpu / host / disk / recomputed' shares of the row's chunk segments, in percent."""
+    keys = [f"hit_rate_{t}" for t in STORED_TIERS] + ["recomputed_share"]
+    if r.get(keys[0]) is None:
+        return "-"
+    return " / ".join(f"{100 * r[k]:.0f}%" for k in keys)
+
+
+def tier_bytes(r: dict) -> str:
+    """'gpu / host / disk' MiB moved to the device per request."""
+    keys = [f"bytes_per_request_{t}" for t in STORED_TIERS]
+    if r.get(keys[0]) is None:
+        return "-"
+    return " / ".join(f"{r[k] / 2**20:.1f}" for k in keys)
+
+
 def one_line(r: dict) -> str:
     capped = " (capped)" if r["capped"] else ""
     return (
         f"{r['finished']}/{r['submitted']} finished{capped}, {r['errors']} errors, {r['requests_per_s']:.2f} req/s, "
         f"{r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {_f(r['ttft_ms_p50'])} ms, "
-        f"ITL p50 {_f(r['itl_ms_p50'])} ms, max batch {r['max_batch_seen']}, {r['wall_s']:.1f} s"
+        f"ITL p50 {_f(r['itl_ms_p50'])} ms, max batch {r['max_batch_seen']}, {r['wall_s']:.1f} s, "
+        f"chunks gpu/host/disk/recomputed {tier_shares(r)}, MiB/request gpu/host/disk {tier_bytes(r)}"
     )
 
 
@@ -587,8 +738,9 @@ def markdown(rows: list[dict]) -> str:
     if loops:
         out += [
             "| mode | load | method | ratio | batched prefill | finished/submitted | errors | req/s | output tok/s "
-            "| TTFT p50 ms | TTFT p95 | TTFT p99 | ITL p50 ms | ITL p95 | E2E p50 ms | E2E p95 | max batch |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| TTFT p50 ms | TTFT p95 | TTFT p99 | ITL p50 ms | ITL p95 | E2E p50 ms | E2E p95 | max batch "
+            "| chunks from GPU / host / disk / recomputed | MiB per request from GPU / host / disk |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in loops:
         load = f"{r['clients']} client{'s' * (r['clients'] != 1)}" if r["mode"] == "closed" else f"{r['rate']:g} req/s"
@@ -601,15 +753,16 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(r['ttft_ms_p50'])} | {_f(r['ttft_ms_p95'])} | {_f(r['ttft_ms_p99'])} "
             f"| {_f(r['itl_ms_p50'], 2)} | {_f(r['itl_ms_p95'], 2)} | {_f(r['e2e_ms_p50'])} | {_f(r['e2e_ms_p95'])} "
-            f"| {r['max_batch_seen']} |"
+            f"| {r['max_batch_seen']} | {tier_shares(r)} | {tier_bytes(r)} |"
         )
     if bursts:
         if out:
             out.append("")
         out += [
             "| burst | method | ratio | batched prefill | finished | TTFT p50 ms | last TTFT ms "
-            "| fused prefill busy ms | chunk bytes to device | of separate loads | largest prefill batch |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| fused prefill busy ms | chunk bytes to device | of separate loads | largest prefill batch "
+            "| chunks from GPU / host / disk / recomputed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in bursts:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
@@ -617,14 +770,15 @@ def markdown(rows: list[dict]) -> str:
         out.append(
             f"| {r['submitted']} | {r['method']} | {ratio} | {_batched(r)} | {r['finished']}/{r['submitted']} "
             f"| {_f(r['ttft_ms_p50'])} | {_f(r['ttft_ms_max'])} | {_f(r['fuse_ms_busy'])} "
-            f"| {r['bytes_loaded'] / 2**20:.1f} MiB | {share} | {r.get('max_prefill_batch', '-')} |"
+            f"| {r['bytes_loaded'] / 2**20:.1f} MiB | {share} | {r.get('max_prefill_batch', '-')} | {tier_shares(r)} |"
         )
     return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """TTFT p50 and output tokens/s against load, one line per (method, ratio); a row of
-    two panels per mode (closed loop: x = clients; open loop: x = offered requests/s)."""
+    """TTFT p50, output tokens/s and where the chunks came from against load, one line per
+    (method, ratio) (and tier); a row of panels per mode (closed loop: x = clients; open
+    loop: x = offered requests/s)."""
     from qcfuse_core.eval.plot import Panel, plot_panels
 
     panels = []
@@ -641,4 +795,19 @@ def plot(rows: list[dict], path: Path) -> Path:
                         label += " (prefill alone)"
                     lines.setdefault(label, []).append((r["load"], r[metric]))
             panels.append(Panel(f"{title}, {mode} loop", xlabel, lines, log_x=mode == "closed"))
-    return plot_panels(panels, path)
+        panels.append(
+            Panel(f"share of chunks per tier, {mode} loop", xlabel, _tier_lines(mine), log_x=mode == "closed")
+        )
+    return plot_panels(panels, path, columns=3)
+
+
+def _tier_lines(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """'<method ratio>: <tier>' -> [(load, share of chunk segments)], for tiers some row used."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        label = r["method"] if r["ratio"] is None else f"{r['method']} {r['ratio']:g}"
+        for tier in CHUNK_TIERS:
+            share = r.get("recomputed_share" if tier == "recomputed" else f"hit_rate_{tier}")
+            if share is not None:
+                lines.setdefault(f"{label}: {tier}", []).append((r["load"], share))
+    return {k: v for k, v in lines.items() if any(y for _, y in v)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qcfuse_core.eval.load import TIMED_CALL, markdown, plot, run
+from qcfuse_core.cli.store import parse_bytes
+from qcfuse_core.eval.load import POPULARITY, TIMED_CALL, markdown, plot, run
 from qcfuse_core.eval.load_http import TIMED_HTTP, run_http
 from qcfuse_core.eval.workload import (
     add_model_options,
@@ -41,11 +42,37 @@ def cmd_load(args) -> int:
 def add_load_parser(bench_sub) -> None:
     p = bench_sub.add_parser("load", help="many concurrent clients: throughput, TTFT and inter-token latency")
     add_model_options(p)
-    p.add_argument("--tier", default="host", choices=["gpu", "host", "disk"], help="where the chunk caches are")
+    p.add_argument(
+        "--tier",
+        default="default",
+        choices=["default", "gpu", "host", "disk"],
+        help="default: the store open_engine opens (tiers sized from the machine); gpu/host/disk: the pool "
+        "in that one tier, sized to hold it",
+    )
+    p.add_argument(
+        "--host-bytes",
+        type=parse_bytes,
+        default=None,
+        help="--tier default: the host tier's size (e.g. 36e9, 32G; default: from available RAM)",
+    )
+    p.add_argument(
+        "--gpu-chunk-bytes",
+        type=parse_bytes,
+        default=None,
+        help="--tier default: at most this much chunk cache on the GPU (StoreConfig.gpu_bytes; default: what "
+        "the engine's GPU budget leaves)",
+    )
     add_storage_dtype_option(p)
     p.add_argument("--pool-chunks", type=positive_int, default=50, help="chunks in the pool requests draw from")
     p.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per chunk")
     p.add_argument("--chunks-per-request", type=positive_int, default=10, help="pool chunks per request")
+    p.add_argument(
+        "--popularity",
+        default="uniform",
+        choices=list(POPULARITY),
+        help="how a request draws its chunks: uniform, or zipf (pool chunk i with weight 1/(i+1)^s)",
+    )
+    p.add_argument("--zipf-s", type=positive_float, default=1.0, help="--popularity zipf: the exponent s")
     p.add_argument("--query-tokens", type=positive_int, default=32, help="tokens of each request's question")
     p.add_argument("--prefix-tokens", type=int, default=16, help="tokens of the system prompt (the prefix's text)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (greedy, EOS ignored)")

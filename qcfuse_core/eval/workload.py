@@ -1,6 +1,8 @@
 """What the speed benchmarks (`bench ttft`, `bench load`) share: the model, the chunk texts, a
 store that holds them in one tier, the options choosing these, and the JSON record.
 
+- The store: the engine's default tiers (`open_default_store`, what `open_engine` opens), or
+  one tier sized to hold the texts (`open_tier_store`).
 - The model: random weights of a named shape with a byte-level tokenizer (`--shape
   llama-3.1-8b`: 1 byte = 1 token, nothing downloaded), a tiny test model (`tiny-llama`),
   or a packaged / local model (`--model`, default the embedded one).
@@ -123,6 +125,19 @@ def open_tier_store(root: Path, tier: str, nbytes: int, cuda: bool, storage_dtyp
     if tier == "gpu" and not cuda:
         raise ValueError("--tier gpu needs a CUDA device")
     return open_store(root, memory_bytes=host, gpu_bytes=gpu, use_cuda=cuda, storage_dtype=storage_dtype)
+
+
+def open_default_store(
+    root: Path, cuda: bool, storage_dtype: str = "auto", host_bytes: int | None = None, gpu_bytes: int | None = None
+):
+    """The store `open_engine` opens, at `root`: tiers sized from the machine (the host tier
+    from available RAM; on CUDA the GPU tier from the engine's GPU budget, store/sizing.py).
+    host_bytes sizes the host tier instead; gpu_bytes caps the GPU chunk tier (at most that
+    much chunk cache on the GPU, within the budget)."""
+    from qcfuse_core.store import open_store
+
+    # None: the defaults open_engine leaves them at
+    return open_store(root, use_cuda=cuda, storage_dtype=storage_dtype, memory_bytes=host_bytes, gpu_bytes=gpu_bytes)
 
 
 # ----------------------------------------------------------------------------- the command line
