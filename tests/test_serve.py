@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
+from qcfuse_core.serve.protocol import cached_tokens
 from qcfuse_core.store import MemoryStore
 from tests.qc_fixtures import engine_config
 
@@ -90,6 +91,7 @@ def _error(res, status: int, *words: str) -> dict:
 
 def test_completions_are_engine_complete(client, engine):
     prompt = _prompt()
+    engine.complete(prompt, max_new_tokens=1)  # the prompt template's cache stored: a hit from now on, as over HTTP
     want = engine.complete(prompt, max_new_tokens=NEW, temperature=0.0)
     res = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": NEW, "temperature": 0})
     assert res.status_code == 200, res.text
@@ -97,8 +99,11 @@ def test_completions_are_engine_complete(client, engine):
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"][0]["text"] == want.text
     assert body["choices"][0]["finish_reason"] == "length"
+    cached = cached_tokens(want)
+    assert 0 < cached < want.prompt_tokens
     assert body["usage"] == {"prompt_tokens": want.prompt_tokens, "completion_tokens": NEW,
-                             "total_tokens": want.prompt_tokens + NEW}
+                             "total_tokens": want.prompt_tokens + NEW,
+                             "prompt_tokens_details": {"cached_tokens": cached}}
     stats = body["qcfuse"]
     assert stats["cache_hits"] == 2 and stats["cache_misses"] == 0 and stats["chunk_ids"] == ["doc-0", "doc-1"]
     assert stats["context_tokens"] == want.context_tokens and stats["method"] == engine.config.method
@@ -131,6 +136,7 @@ def test_chat_is_engine_complete_streamed_or_not(client, engine):
 
 def test_streamed_completion_with_usage(client, engine):
     prompt = _prompt("Name the second document.")
+    engine.complete(prompt, max_new_tokens=1)  # the prompt template's cache stored, as for the request below
     want = engine.complete(prompt, max_new_tokens=NEW, temperature=0.7, top_p=0.9, seed=5)
     body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0.7, "top_p": 0.9, "seed": 5, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -141,7 +147,8 @@ def test_streamed_completion_with_usage(client, engine):
     *chunks, last = events[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
     assert last["choices"] == [] and last["usage"] == {
-        "prompt_tokens": want.prompt_tokens, "completion_tokens": NEW, "total_tokens": want.prompt_tokens + NEW}
+        "prompt_tokens": want.prompt_tokens, "completion_tokens": NEW, "total_tokens": want.prompt_tokens + NEW,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(want)}}
 
 
 def test_stop_strings(client, engine):

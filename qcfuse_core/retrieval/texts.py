@@ -36,6 +36,8 @@ from pathlib import Path
 from qcfuse_core.types import Piece
 
 ANCHOR = 32
+# node ids of the texts `qcfuse serve` learned from prompts (serve/learned.py): "learned:<sha256[:16]>"
+LEARNED_PREFIX = "learned:"
 _SCHEMA = "CREATE TABLE IF NOT EXISTS chunk_text (sha TEXT PRIMARY KEY, node_id TEXT, text TEXT NOT NULL)"
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,26 @@ class ChunkTextIndex:
                 self._db.execute(sql, (sha, node_id, text))
             self._by_anchor = None
         return True
+
+    def remove(self, text: str) -> bool:
+        """Forget a registered text (it is no longer found in prompts). Returns whether it was there."""
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            try:
+                gone = self._db.execute("DELETE FROM chunk_text WHERE sha = ?", (sha,)).rowcount > 0
+                self._db.commit()
+            except sqlite3.OperationalError:  # not writable: the row stays (it is only a lost hit later)
+                self._db.rollback()
+                return False
+            self._by_anchor = None
+        return gone
+
+    def node_id(self, text: str) -> str | None:
+        """The node id a registered text carries (None: none, or not registered)."""
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            row = self._db.execute("SELECT node_id FROM chunk_text WHERE sha = ?", (sha,)).fetchone()
+        return row[0] if row else None
 
     def _switched(self, why: str) -> None:
         self.in_memory, self.problem = True, why
@@ -176,6 +198,25 @@ class ChunkTextIndex:
 
     def close(self) -> None:
         self._db.close()
+
+
+def count_learned(path: str | Path) -> tuple[int, int]:
+    """(texts, characters) the server learned from prompts in the index file at `path`, read
+    without writing ((0, 0) when there is no file)."""
+    path = Path(path)
+    if not path.is_file():
+        return 0, 0
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        row = db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(text)), 0) FROM chunk_text WHERE node_id LIKE ?",
+            (LEARNED_PREFIX + "%",),
+        ).fetchone()
+    except sqlite3.Error:
+        return 0, 0
+    finally:
+        db.close()
+    return int(row[0]), int(row[1])
 
 
 def lenient_text(raw: bytes) -> str:

@@ -3,6 +3,8 @@ never share counters). Request metrics are recorded as requests end; the schedul
 read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never stale.
 
     qcfuse_requests_total{route, outcome}       ok | aborted | busy | bad_request | error
+    qcfuse_http_responses_total{route, status}  every HTTP response by status, 4xx and 5xx included
+                                                (validation.py StatusCounts, the outermost middleware)
     qcfuse_ttft_seconds{route}                  request start -> first token (the engine's clock)
     qcfuse_e2e_seconds{route}                   request received -> last byte of the answer
     qcfuse_prompt_tokens_total, qcfuse_completion_tokens_total
@@ -17,6 +19,8 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -68,6 +72,10 @@ class ServeMetrics:
     def __init__(self, engine: QCFuseEngine) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("qcfuse_requests", "requests by route and outcome", ["route", "outcome"], registry=r)
+        self.responses = Counter(
+            "qcfuse_http_responses", "HTTP responses by route and status", ["route", "status"], registry=r
+        )
+        self.on_finished: list[Callable[[FusionResult], None]] = []  # called with each finished request's result
         self.ttft = Histogram(
             "qcfuse_ttft_seconds", "time to first token", ["route"], buckets=LATENCY_BUCKETS, registry=r
         )
@@ -88,8 +96,13 @@ class ServeMetrics:
     def outcome(self, route: str, outcome: str) -> None:
         self.requests.labels(route, outcome).inc()
 
+    def status(self, route: str, status: int) -> None:
+        self.responses.labels(route, str(status)).inc()
+
     def finished(self, route: str, result: FusionResult, seconds: float) -> None:
         self.outcome(route, "ok")
+        for listener in self.on_finished:
+            listener(result)
         self.ttft.labels(route).observe(result.ttft_ms / 1000.0)
         self.e2e.labels(route).observe(seconds)
         self.prompt_tokens.inc(result.prompt_tokens)

@@ -12,17 +12,25 @@ vLLM's `ignore_eos`). Every string of a body must be valid Unicode (a lone surro
 such as "\\ud800" is refused with a 400: no tokenizer can encode it).
 Fields OpenAI defines that change the output and QCFuse cannot honour (n > 1, logprobs,
 penalties, logit_bias, echo, best_of > 1, suffix) are refused with a 400 naming the field;
-other unknown fields are ignored, as OpenAI-compatible servers do.
+fields OpenAI does not define for the route are refused with a 400 naming them, as OpenAI
+does (validation.py).
+
+`usage.prompt_tokens_details.cached_tokens` (OpenAI's field, which ChatOpenAI reads into
+`usage_metadata["input_token_details"]["cache_read"]`): the prompt tokens whose KV came from a
+cache stored before the request - its chunks' and its prompt template's - less those
+recomputed (`cached_tokens`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qcfuse_core.serve.validation import unknown_fields
 from qcfuse_core.types import FusionResult
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -32,13 +40,19 @@ class ApiError(Exception):
     """A request the server refuses: its HTTP status and OpenAI's error fields."""
 
     def __init__(
-        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.status)
+        return error_body(self.message, self.kind, self.param, self.code or self.status)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
@@ -107,6 +121,7 @@ class _Generation(_Body):
     """The sampling fields both routes share."""
 
     model_config = ConfigDict(extra="allow")
+    route: ClassVar[str]  # "chat" or "completions": the fields OpenAI defines for it (validation.py)
 
     model: str | None = None
     stream: bool = False
@@ -131,6 +146,9 @@ class _Generation(_Body):
 
     def check_supported(self) -> None:
         """Refuse what would change the output and is not honoured (a 400 naming the field)."""
+        unknown = unknown_fields(self.route, set(self.model_extra or {}))
+        if unknown:
+            raise ApiError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
         if self.n not in (None, 1):
             raise ApiError(400, f"n={self.n} is not supported: only n=1", param="n")
         extra = self.model_extra or {}
@@ -150,6 +168,7 @@ class _Generation(_Body):
 
 
 class ChatRequest(_Generation):
+    route: ClassVar[str] = "chat"
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
@@ -219,6 +238,7 @@ def _text_content(content: Any, i: int) -> str:
 
 
 class CompletionRequest(_Generation):
+    route: ClassVar[str] = "completions"
     prompt: str | list[str]
 
     @field_validator("prompt")
@@ -278,13 +298,36 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
     }
 
 
-def usage(result: FusionResult) -> dict[str, int]:
+def usage(result: FusionResult) -> dict[str, Any]:
     completion = len(result.token_ids)
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(result)},
     }
+
+
+def cached_tokens(result: FusionResult) -> int:
+    """Prompt tokens served from caches: those of the prefix and chunk segments whose cache was
+    stored before the request (`PromptSpan.cache_hit`), less the rows selective recompute
+    computed afresh. 0 for full prefill.
+
+        prompt:    [prefix ✓][chunk A ✓][glue][chunk B ✗][suffix]     ✓ cache_hit
+        rows:           ^       ^  ^            ^^^^        ^^^^      recomputed
+        cached:    prefix + chunk A - its 3 recomputed rows
+    """
+    served = [(s.start, s.end) for s in result.spans if s.cache_hit and s.kind in ("prefix", "chunk")]
+    if not served:
+        return 0
+    mask = torch.zeros(max(e for _, e in served), dtype=torch.bool)
+    for start, end in served:
+        mask[start:end] = True
+    rows = result.selection.rows if result.selection is not None else None
+    if rows is not None and rows.numel():
+        rows = rows.detach().cpu()
+        mask[rows[rows < mask.numel()]] = False
+    return int(mask.sum())
 
 
 def envelope(rid: str, kind: Kind, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
