@@ -1,7 +1,8 @@
 """Disk reads promoted into memory (`CacheConfig.promote_disk_reads`, `TieredStore.promote`):
 after a request streamed chunks from the disk tier, they are copied into the host tier in the
-background, so the next request reads memory; the answers do not change. Off (the default),
-the disk tier is read every time. Tiny random model on the CPU; every wait is bounded."""
+background - from their first use with `admission="always"`, from their second with the
+default `"second"` - so the next request reads memory; the answers do not change. Off, the
+disk tier is read every time. Tiny random model on the CPU; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def adapter():
     return tiny_model("llama", tokenizer=True)
 
 
-def _store(root, memory_bytes=64 << 20):
-    return open_store(root, memory_bytes=memory_bytes, gpu_bytes=0, use_cuda=False)
+def _store(root, memory_bytes=64 << 20, admission="always"):
+    return open_store(root, memory_bytes=memory_bytes, gpu_bytes=0, use_cuda=False, admission=admission)
 
 
 TEXTS = ChunkTextIndex()  # the registered chunk texts, shared by every engine here
@@ -73,6 +74,27 @@ def test_a_disk_read_is_promoted_into_memory_only_when_asked(adapter, tmp_path, 
     second = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert second.token_ids == first.token_ids  # memory or disk: the same bytes, the same answer
     assert (eng.caches.store.disk.stats.bytes_read > disk_reads) == (not promote)
+    eng.caches.store.close()
+
+
+def test_by_default_a_chunk_is_promoted_from_its_second_use(adapter, tmp_path):
+    keys = _built(adapter, tmp_path)
+    eng = QCFuseEngine(adapter, store=_store(tmp_path, admission="second"), text_index=TEXTS)
+    assert eng.config.cache.promote_disk_reads is True  # on by default
+    asked: list = []
+    real = eng.caches.prefetcher.promote
+    eng.caches.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
+    first = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
+    assert asked == [] and _in_memory(eng, keys) == [False] * 3  # a first use: the disk is read, nothing admitted
+    second = eng.complete(_prompt(DOCS[1:]), max_new_tokens=6)  # DOCS[1] for the second time, DOCS[2] the first
+    assert second.cache_hits == 2
+    _wait(lambda: _in_memory(eng, keys) == [False, True, False])
+    assert asked == [[keys[1]]]
+    disk_reads = eng.caches.store.disk.stats.bytes_read
+    third = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
+    assert third.token_ids == first.token_ids
+    assert eng.caches.store.disk.stats.bytes_read > disk_reads  # DOCS[0], now on its second use, still from disk
+    _wait(lambda: _in_memory(eng, keys) == [True, True, False])
     eng.caches.store.close()
 
 

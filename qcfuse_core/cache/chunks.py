@@ -8,8 +8,11 @@
     links         node id -> key, written to the store once per process
     prefixes      prompt-template caches kept on the compute device (exact for every request)
     KV pool       fused-prompt caches of finished requests, reused on CUDA
-    KV budget     the bytes running requests' KV caches may hold together: a request is
-                  admitted with a `Reservation` (`reserve`), released when it ends
+    GPU budget    one budget for the running requests' KV caches and the store's GPU chunk
+                  tier: a request is admitted with a `Reservation` (`reserve`), released
+                  when it ends; what the reservations (and the idle KV pool) leave is the
+                  chunk tier's capacity, so chunk entries give way the moment a request
+                  needs their room
     building      caches of chunks not stored yet: prefilled many per forward pass
                   (`ingest.prefill_alone_batch`), anchors and probe sidecars added, written
                   to the store off the compute thread
@@ -41,6 +44,7 @@ from qcfuse_core.selection import profiles
 from qcfuse_core.selection.anchors import ensure_anchors
 from qcfuse_core.selection.options import QCFuseOptions
 from qcfuse_core.store import ChunkStore
+from qcfuse_core.store.sizing import gpu_budget_bytes
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId, Piece
 
 log = logging.getLogger(__name__)
@@ -110,6 +114,7 @@ class ChunkCaches:
         self._pool: list[KVCache] = []
         self._kv_budget: int | None = None  # bytes (0: no limit); sized at the first reservation
         self._reserved: list[Reservation] = []  # those of the running requests
+        self._budget_lock = threading.Lock()  # reserve / release resize the chunk tier in turn
 
     # ------------------------------------------------------------------ a request's lookup
     def lookup(self, pieces: Sequence[Piece], *, fused: bool, streaming: bool | None = None) -> LookedUp:
@@ -143,6 +148,9 @@ class ChunkCaches:
                 parts.append(Part("prefix", ids, p.node_id, key, None, chunk, hit))
             elif streaming:
                 assert self.prefetcher is not None
+                note_use = getattr(self.store, "note_use", None)
+                if note_use is not None:  # admission into faster tiers goes by use
+                    note_use(key)
                 tier = self.prefetcher.tier_of(key)
                 parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
             else:
@@ -388,57 +396,97 @@ class ChunkCaches:
         if self.prefetcher is not None:
             self.prefetcher.forget_sidecars()
 
-    # ------------------------------------------------------------------ the KV budget
+    # ------------------------------------------------------------------ the GPU budget
     def reserve(self, tokens: int) -> Reservation | None:
         """Room for a request's KV cache of `tokens` tokens (prompt + max_new_tokens) beside the
         running requests' -> its Reservation (give it back with `release` when the request
-        ends), or None while the running requests hold the room: the request waits. Raises
-        KVBudgetError for a cache larger than the whole budget.
+        ends), or None while the running requests hold the room (or chunk entries a load is
+        reading from, briefly): the request waits. Raises KVBudgetError for a cache larger than
+        the whole budget.
 
         The budget is `kv_cache_bytes`, else on a CUDA device `kv_memory_share` of the memory
-        free at the first reservation (idle pooled caches counted as free), else (a CPU) no
-        limit. Idle pooled caches give way to a request that needs their room."""
+        free at the first reservation (idle pooled caches and the chunk tier counted as
+        free), else (a CPU) no limit. It is shared: the store's GPU chunk tier holds what the
+        reservations and the idle pool leave (at most `StoreConfig.gpu_bytes`). Idle pooled
+        caches give way to a request that needs their room, then chunk entries, by the
+        tier's policy; a chunk entry never makes a request wait longer than a load reading
+        from it."""
         shape, dtype = self.adapter.shape, self.adapter.dtype
         need = 2 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype.itemsize
-        budget = self._budget()
-        if budget:
-            if need > budget:
-                raise KVBudgetError(
-                    f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
-                    f"({_size(budget)}: CacheConfig.kv_cache_bytes / kv_memory_share)"
-                )
-            held = self.reserved_kv_bytes()
-            if held + self.pooled_kv_bytes() + need > budget:
-                self.drop_pooled_kv()  # idle buffers give way first
-            if held + need > budget:
-                return None
-        reservation = Reservation(need)
-        with self._lock:
-            self._reserved.append(reservation)
-        return reservation
+        with self._budget_lock:
+            budget = self._budget()
+            if budget:
+                if need > budget:
+                    raise KVBudgetError(
+                        f"the request's KV cache ({tokens} tokens, {_size(need)}) exceeds the engine's KV budget "
+                        f"({_size(budget)}: CacheConfig.kv_cache_bytes / kv_memory_share)"
+                    )
+                held = self.reserved_kv_bytes()
+                if held + self.pooled_kv_bytes() + need > budget:
+                    self.drop_pooled_kv()  # idle buffers give way first
+                if held + need > budget:
+                    return None
+                if not self._fit_tier(budget - held - need - self.pooled_kv_bytes()):
+                    return None  # chunk entries being read hold the room until their loads end
+            reservation = Reservation(need)
+            with self._lock:
+                self._reserved.append(reservation)
+            return reservation
 
     def hold(self, reservation: Reservation, cache: KVCache) -> None:
         """The reservation now counts what the request's cache holds (a pooled cache may be
         larger than asked)."""
-        reservation.nbytes = cache.k.nbytes + cache.v.nbytes
+        with self._budget_lock:
+            reservation.nbytes = cache.k.nbytes + cache.v.nbytes
+            budget = self._budget()
+            if budget:  # a larger pooled cache: the tier gives up the difference if it can
+                self._fit_tier(budget - self.reserved_kv_bytes() - self.pooled_kv_bytes())
 
     def release(self, reservation: Reservation | None) -> None:
-        """The request of `reservation` has ended: its room is free."""
-        with self._lock:
-            self._reserved = [r for r in self._reserved if r is not reservation]
+        """The request of `reservation` has ended: its room is free (the chunk tier's)."""
+        with self._budget_lock:
+            with self._lock:
+                self._reserved = [r for r in self._reserved if r is not reservation]
+            budget = self._budget()
+            if budget:
+                self._fit_tier(budget - self.reserved_kv_bytes() - self.pooled_kv_bytes())
 
     def reserved_kv_bytes(self) -> int:
         """Bytes the running requests' reservations hold."""
         with self._lock:
             return sum(r.nbytes for r in self._reserved)
 
+    def device_tier(self):
+        """The store's chunk tier on the compute device (`TieredStore.gpu`), or None."""
+        tier = getattr(self.store, "gpu", None)
+        return tier if tier is not None and tier.device.type == self.adapter.device.type else None
+
+    def _fit_tier(self, room: int) -> bool:
+        """Size the chunk tier to `room` (at most its cap), evicting by policy -> False when
+        entries being read (pinned) or filled (claimed) hold more than that."""
+        tier = self.device_tier()
+        if tier is None:
+            return True
+        cap = self.store.gpu_cap
+        return tier.resize(max(0, room if cap is None else min(cap, room))) is not None
+
     def _budget(self) -> int:
         if self._kv_budget is None:
+            tier = self.device_tier()
+            cached = tier.bytes_used if tier is not None else 0
             if self.kv_cache_bytes is not None:
                 self._kv_budget = self.kv_cache_bytes
             elif self.adapter.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.adapter.device)
-                self._kv_budget = int(self.kv_memory_share * (free + self.pooled_kv_bytes()))
+                self._kv_budget = gpu_budget_bytes(free, self.kv_memory_share, self.pooled_kv_bytes() + cached)
             else:
                 self._kv_budget = 0  # no limit
+            if self._kv_budget:  # the chunk tier starts with all of it
+                self._fit_tier(self._kv_budget - self.reserved_kv_bytes() - self.pooled_kv_bytes())
         return self._kv_budget
+
+    def size_budget(self) -> int:
+        """Size the budget now (bytes; 0: no limit): the chunk tier has its room from here on,
+        before the first request (the engine calls this once its model is loaded)."""
+        with self._budget_lock:
+            return self._budget()

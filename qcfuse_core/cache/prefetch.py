@@ -242,9 +242,13 @@ class PrefetchConfig:
     eager_memory: bool = True
     ahead: int = 4
     # After a request streamed chunks from the disk tier, copy those chunks into the memory
-    # tiers in the background (`TieredStore.promote`), so the next request that uses them
-    # reads memory. Off by default: a benchmark of the disk tier repeats the same reads.
+    # tiers in the background (`TieredStore.promote`, chunks the store admits), so the next
+    # request that uses them reads memory. Off: a benchmark of the disk tier repeats the same reads.
     promote_disk_reads: bool = False
+    # Chunks streamed from the host tier are copied into the store's GPU tier as they load
+    # (when the store admits them and the engine's GPU budget has room), so the next request
+    # that uses them loads nothing over the bus (cache/chunks.py, the GPU budget).
+    fill_device_tier: bool = True
 
     def __post_init__(self) -> None:
         if self.ahead < 1:
@@ -299,6 +303,15 @@ class _Src:
     start: int
     end: int
     obj: Any = None  # KVChunk, EntryImage, or ChunkKey
+
+
+@dataclass
+class _Fill:
+    """A host-tier image copied onto the device tier as a request streams it."""
+
+    host: Any  # EntryImage in the host tier (pinned by the session)
+    device: Any  # EntryImage on the device, filled layer by layer
+    charged: int  # the device tier's claim
 
 
 class Prefetcher:
@@ -482,9 +495,11 @@ class LoadSession:
         self._need: list[torch.cuda.Event] | None = None  # CUDA: where the compute asked for each layer
         self._pins: list[TierPin] = []  # memory-tier entries held against eviction until close
         self.layers_loaded = 0  # layers whose loads are issued (a shared session's readers count them)
+        self._fills: list[_Fill] = []  # host images copied onto the device tier as they stream
         try:
             self._setup(prompt)
         except BaseException:
+            self._unclaim()
             self._unpin()
             raise
 
@@ -505,6 +520,7 @@ class LoadSession:
             self.report.segment_sources.append(s.kind)
             if isinstance(seg.chunk, ChunkView) and seg.chunk.depth:
                 self.report.order.append(f"sidecar:{seg.chunk.key.token_hash[:8]}")
+        self._fills = self._claim_fills()
         disk_T = sum(s.end - s.start for s in self._srcs if s.kind == "disk")
         self._bufs = pf._take_buffers(T, disk_T)
         kv = self._bufs.kv
@@ -629,11 +645,16 @@ class LoadSession:
             self.report.wait_ms = [max(0.0, r - q) for q, r in zip(need, ready)] + [0.0] * (len(self._need) - n)
             self.report.compute_ms = [need[l + 1] - need[l] - self.report.wait_ms[l] for l in range(n - 1)]
             self._need = None
+        if self._error is None and self._fills and self._next == self.adapter.num_layers:
+            self._admit_fills()
         self.close()
         if self._error is not None:
             raise RuntimeError("prefetch failed") from self._error
         if self.config.promote_disk_reads and self._disk_jobs:
-            self.pf.promote([src.obj for src, _ in self._disk_jobs])
+            admits = getattr(self.store, "admits", lambda key: True)
+            keys = [src.obj for src, _ in self._disk_jobs if admits(src.obj)]
+            if keys:
+                self.pf.promote(keys)
         return self.report
 
     def _issue(self, upto: int) -> None:
@@ -650,8 +671,62 @@ class LoadSession:
         self._join()
         self._closed = True
         self._need = None
+        self._unclaim()
         self._unpin()
         self.pf._give_back(self._bufs)
+
+    # -- the device tier ----------------------------------------------------------------------
+    def _claim_fills(self) -> list["_Fill"]:
+        """Host-tier sources to copy into the store's device tier as they stream: those not
+        already there for which the tier grants a claim (the engine's GPU budget has room).
+        From its first use: the bytes cross the bus for this request anyway, and the tier's
+        policy (slru by default) keeps chunks used again ahead of those seen once. Each
+        source then reads from its device copy, filled per layer just before (same stream,
+        so in order)."""
+        tier = getattr(self.store, "gpu", None)
+        if not self.config.fill_device_tier or tier is None or tier.device.type != self.device.type:
+            return []
+        fills: dict[ChunkKey, _Fill] = {}
+        for s in self._srcs:
+            if s.kind != "host":
+                continue
+            image = s.obj
+            fill = fills.get(image.key)
+            if fill is None:
+                if image.key in tier:
+                    continue
+                charged = tier.claim(image.nbytes)
+                if charged is None:  # the running requests hold the room: stream it as usual
+                    continue
+                from qcfuse_core.store.entry import EntryImage
+
+                data = torch.empty(image.nbytes, dtype=torch.uint8, device=self.device)
+                first = image.layout.layer_spans[0][0] if image.layout.layer_spans else image.nbytes
+                with self._on_side():
+                    data[:first].copy_(image.data[:first], non_blocking=self.cuda)  # header, tokens, scales
+                fill = fills[image.key] = _Fill(image, EntryImage(image.layout, data), charged)
+            s.obj = fill.device  # this segment's rows now come from the device copy
+        return list(fills.values())
+
+    def _copy_fills(self, layer: int) -> None:
+        """Layer `layer`'s bytes of each filled image, host -> device tier (on the side stream)."""
+        for f in self._fills:
+            a, b = f.host.layout.layer_spans[layer]
+            f.device.data[a:b].copy_(f.host.data[a:b], non_blocking=self.cuda)
+
+    def _admit_fills(self) -> None:
+        """Every layer is loaded (and, on CUDA, the copies are done): the device copies become
+        the device tier's entries."""
+        tier = self.store.gpu
+        fills, self._fills = self._fills, []
+        for f in fills:
+            tier.admit(f.charged, f.device)
+
+    def _unclaim(self) -> None:
+        fills, self._fills = self._fills, []
+        tier = getattr(self.store, "gpu", None)
+        for f in fills:
+            tier.unclaim(f.charged)
 
     def _unpin(self) -> None:
         pins, self._pins = self._pins, []
@@ -737,6 +812,7 @@ class LoadSession:
     def _load(self, layer: int) -> None:
         t0 = time.perf_counter()
         with self._on_side():
+            self._copy_fills(layer)
             dst, src = self._layer_copies(layer)
             self.report.bytes_loaded += self._layer_bytes
             self.report.batch_bytes_loaded = self.report.batch_bytes_separate = self.report.bytes_loaded

@@ -89,17 +89,20 @@ class CacheConfig:
     theirs; until then it waits, and one that could never fit fails with KVBudgetError.
     None: on a CUDA device `kv_memory_share` of the memory free when the scheduler starts; on
     a CPU no limit.
+    The same budget holds the store's GPU chunk tier: what the running requests' caches do
+    not hold keeps chunks on the GPU, and chunk entries give way when a request needs the
+    room (cache/chunks.py; the tier's sizes: store/sizing.py).
     promote_disk_reads: after a request streamed chunks from the disk tier, copy them into the
-    memory tiers in the background, so the next request using them reads memory (what a
-    server wants; `qcfuse serve` turns it on). Off, the disk tier is read each time (what a
-    benchmark of the disk tier wants).
+    memory tiers in the background (from their second use on, `StoreConfig.admission`), so
+    the next request using them reads memory (on by default). Off, the disk tier is read
+    each time (what a benchmark of the disk tier wants).
     chunk_sink: cache every chunk after the tokenizer's BOS token (dropped from the cache),
     under its own key fingerprint; off by default (docs/design.md, "Why these defaults").
     """
 
     kv_cache_bytes: int | None = None
     kv_memory_share: float = 0.8
-    promote_disk_reads: bool = False
+    promote_disk_reads: bool = True
     chunk_sink: bool = False
 
     def __post_init__(self) -> None:

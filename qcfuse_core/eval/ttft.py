@@ -405,7 +405,7 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     the best full-prefill tokens/s measured above."""
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.engine.config import EngineConfig
-    from qcfuse_core.store import StoreConfig, open_store
+    from qcfuse_core.store import open_store
 
     chunks, n = args.ingest_chunks, max(sizes_of(args), key=lambda s: s[0] * s[1])[1]
     work = make_workload(adapter.tokenizer, chunks, n, 1, 0, args.seed + 1, tag="ingest")
@@ -417,6 +417,7 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     engine.build_chunks(work.texts[1:], work.node_ids[1:])
     sync(adapter.device)
     secs = time.perf_counter() - t0
+    host_bytes = store.host.capacity_bytes
     store.close()
     shutil.rmtree(root / "kv-ingest", ignore_errors=True)
     from qcfuse_core.ingest.prefill import default_batch_tokens, plan_batches, prefill_alone_batch
@@ -434,7 +435,7 @@ def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     out = dict(
         chunks=chunks - 1,
         chunk_tokens=n,
-        host_tier_bytes=StoreConfig().memory_bytes,
+        host_tier_bytes=host_bytes,
         seconds=round(secs, 3),
         tokens_per_s=round(tokens / secs, 1),
         prefill_only_tokens_per_s=round(tokens / compute_s, 1),

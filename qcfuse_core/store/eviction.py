@@ -7,6 +7,14 @@ order is exact and testable. Ties break on the insert tick, so every order is to
     lfu   least frequently used         (hits, last_access)
     fifo  first in, first out           (inserted,)
     size  largest first                 (-nbytes, last_access)
+    slru  segmented LRU (the default)   entries used once (probation) go first, least
+                                        recently used first; entries used again (protected)
+                                        only while they hold more than PROTECTED_SHARE of
+                                        the bytes, or nothing else is left
+
+slru keeps a hot set against a long tail: under Zipf-like reuse a chunk seen once, the bulk
+of the traffic, cannot push out one that keeps coming back; a protected segment capped below
+the whole tier leaves newcomers room to earn their second use.
 """
 
 from __future__ import annotations
@@ -36,6 +44,24 @@ class EvictionPolicy:
         return min(metas, key=lambda m: (*self.priority(m), m.inserted))
 
 
+PROTECTED_SHARE = 0.8  # slru: the most of a tier's held bytes entries used again keep
+
+
+@dataclass(frozen=True)
+class SegmentedLRU(EvictionPolicy):
+    """slru (see the module docstring). `priority` alone orders probation before protection
+    (what a caller ranking entries one by one gets); `victim` also demotes the protected
+    segment's least recently used entry while that segment is over its share."""
+
+    def victim(self, metas: list[EntryMeta]) -> EntryMeta:
+        protected = [m for m in metas if m.hits > 0]
+        probation = [m for m in metas if m.hits == 0]
+        total = sum(m.nbytes for m in metas)
+        over = sum(m.nbytes for m in protected) > PROTECTED_SHARE * total
+        pick = protected if (over or not probation) else probation
+        return min(pick, key=lambda m: (m.last_access, m.inserted))
+
+
 POLICIES: dict[str, EvictionPolicy] = {
     p.name: p
     for p in (
@@ -43,6 +69,7 @@ POLICIES: dict[str, EvictionPolicy] = {
         EvictionPolicy("lfu", lambda m: (m.hits, m.last_access)),
         EvictionPolicy("fifo", lambda m: (m.inserted,)),
         EvictionPolicy("size", lambda m: (-m.nbytes, m.last_access)),
+        SegmentedLRU("slru", lambda m: (min(m.hits, 1), m.last_access)),
     )
 }
 

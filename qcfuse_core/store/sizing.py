@@ -50,3 +50,10 @@ def host_tier_bytes(available: int | None = None, share: float = HOST_SHARE) -> 
     if avail is None:
         return HOST_FALLBACK_BYTES
     return max(HOST_MIN_BYTES, int(avail * share))
+
+
+def gpu_budget_bytes(free: int, share: float, idle: int = 0) -> int:
+    """The engine's one GPU budget (running requests' KV caches + the chunk tier): `share` of
+    the device memory `free` when the engine sizes it, plus what it already holds and could
+    give back (`idle`: pooled KV caches, chunk entries)."""
+    return int(share * (free + idle))

@@ -148,11 +148,12 @@ class MemoryTier:
                 self.stats.bytes_read += image.nbytes
             return image
 
-    def pin(self, key: ChunkKey) -> EntryImage | None:
-        """Hold `key` against eviction until `unpin` -> its image (touched for the policy, not
-        counted as a hit); None on a miss (nothing is held then)."""
+    def pin(self, key: ChunkKey, *, count: bool = True) -> EntryImage | None:
+        """Hold `key` against eviction until `unpin` -> its image (a load session's read of it:
+        touched for the policy, a hit or miss counted unless `count` is False); None on a miss
+        (nothing is held then)."""
         with self._lock:
-            image = self.get(key, count=False)
+            image = self.get(key, count=count)
             if image is not None:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return image

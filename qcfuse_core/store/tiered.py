@@ -40,6 +40,7 @@ from qcfuse_core.store.disk import DiskTier, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, EntryLayout, encode_chunk
 from qcfuse_core.store.eviction import get_policy
 from qcfuse_core.store.sidecar import Sidecar
+from qcfuse_core.store.sizing import host_tier_bytes
 from qcfuse_core.store.tier import MemoryTier, TierPin, charge_bytes
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 KV_SUBDIR = "kv"
+USES_KEPT = 1 << 16  # keys whose recent uses the store remembers (admission by use)
 
 
 def kv_dir(store_root: Path | str) -> Path:
@@ -54,23 +56,42 @@ def kv_dir(store_root: Path | str) -> Path:
     return Path(store_root) / KV_SUBDIR
 
 
+ADMISSION = ("always", "second")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
-    memory_bytes: int = 2 * GiB  # host tier (pinned when CUDA is present)
-    gpu_bytes: int = 2 * GiB  # GPU tier, used only when CUDA is present
+    """memory_bytes: the host tier (pinned when CUDA is present); None: sized from the
+    machine (`sizing.host_tier_bytes`). gpu_bytes: a cap on the GPU tier, used only when
+    CUDA is present; None: no cap - the tier holds what the engine's GPU budget leaves
+    (cache/chunks.py), nothing in a store opened without an engine.
+    admission: when a chunk a request read from the disk tier enters memory (the engine's
+    `promote_disk_reads`) - "second": from its second use on (a chunk seen once, the bulk of
+    a long tail, costs no promotion and pushes nothing out); "always": from its first use.
+    A chunk streamed from the host tier enters the GPU tier from its first use (its bytes
+    cross the bus anyway); the policy (slru) then keeps the chunks used again."""
+
+    memory_bytes: int | None = None
+    gpu_bytes: int | None = None
     disk_bytes: int | None = None  # None: unbounded
     storage_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 | fp8
-    policy: str = "lru"
+    policy: str = "slru"  # eviction.py
     sidecar_layers: tuple[int, ...] = ()  # layers whose K goes into the sidecar on put
     sidecar_cache_bytes: int = 256 << 20
     durable: bool = False  # fsync each file: survives power loss (slower ingestion; store/atomic.py)
+    admission: str = "second"
 
     def __post_init__(self) -> None:
         check_storage_name(self.storage_dtype)
         get_policy(self.policy)
+        if self.admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {ADMISSION}, got {self.admission!r}")
         for name in ("memory_bytes", "gpu_bytes", "sidecar_cache_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if self.sidecar_cache_bytes is None:
+            raise ValueError("sidecar_cache_bytes must be >= 0, got None")
         if self.disk_bytes is not None and self.disk_bytes < 0:
             raise ValueError(f"disk_bytes must be >= 0 or None, got {self.disk_bytes}")
         if any(l < 0 for l in self.sidecar_layers):
@@ -144,12 +165,23 @@ class TieredStore(ChunkStore):
         *,
         use_cuda: bool | None = None,
         read_only: bool = False,
+        chunk_device: str | None = None,
     ) -> None:
+        """chunk_device: where the fastest tier (named "gpu") lives - default "cuda" when CUDA
+        is used; tests of the GPU budget on a CPU pass "cpu"."""
         self.config = config
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         policy = get_policy(config.policy)
-        self.gpu = MemoryTier("gpu", "cuda", config.gpu_bytes, policy) if self.cuda and config.gpu_bytes > 0 else None
-        self.host = MemoryTier("host", "cpu", config.memory_bytes, policy, pin=self.cuda)
+        dev = chunk_device or ("cuda" if self.cuda else None)
+        gpu_cap = config.gpu_bytes
+        self.gpu = (
+            MemoryTier("gpu", dev, 0 if gpu_cap is None else gpu_cap, policy)
+            if dev is not None and gpu_cap != 0
+            else None
+        )
+        memory = config.memory_bytes if config.memory_bytes is not None else host_tier_bytes()
+        self.host = MemoryTier("host", "cpu", memory, policy, pin=self.cuda)
+        self._uses: OrderedDict[ChunkKey, int] = OrderedDict()  # recent uses per key (admission)
         self.disk = DiskTier(
             root,
             config.storage_dtype,
@@ -186,14 +218,39 @@ class TieredStore(ChunkStore):
             image = tier.get(key, count=False) or image
         return image
 
+    # -- admission by use -------------------------------------------------------------------
+    def note_use(self, key: ChunkKey) -> int:
+        """Count a request's use of `key` -> its uses so far (bounded memory: the least recently
+        used counts are forgotten beyond USES_KEPT keys)."""
+        with self._lock:
+            n = self._uses.pop(key, 0) + 1
+            self._uses[key] = n
+            while len(self._uses) > USES_KEPT:
+                self._uses.popitem(last=False)
+            return n
+
+    def admits(self, key: ChunkKey) -> bool:
+        """Whether `key`, read from a slower tier, may enter a faster one now
+        (`StoreConfig.admission`)."""
+        if self.config.admission == "always":
+            return True
+        with self._lock:
+            return self._uses.get(key, 0) >= 2
+
+    @property
+    def gpu_cap(self) -> int | None:
+        """The most the GPU tier may hold (`StoreConfig.gpu_bytes`); None: no cap but the budget."""
+        return self.config.gpu_bytes
+
     def in_memory(self, key: ChunkKey) -> bool:
         return any(key in t for t in self.memory_tiers)
 
     # -- pins -------------------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> TierPin | None:
-        """Pin `key` in the fastest memory tier holding it (no promotion, no hit counted) ->
-        the pin, or None when it is only on disk (or nowhere). While pinned it is never
-        evicted from that tier (see `tier.MemoryTier.put`)."""
+        """Pin `key` in the fastest memory tier holding it (no promotion; each tier asked
+        counts a hit or a miss: a load session reads what it pins) -> the pin, or None when
+        it is only on disk (or nowhere). While pinned it is never evicted from that tier (see
+        `tier.MemoryTier.put`)."""
         for tier in self.memory_tiers:
             image = tier.pin(key)
             if image is not None:
@@ -499,6 +556,10 @@ class TieredStore(ChunkStore):
             "degraded": self.disk.degraded,
             **self.disk.stats.as_dict(),
         }
+        for t in tiers.values():  # None: no lookups yet / an unbounded tier
+            looked, cap = t["hits"] + t["misses"], t["capacity_bytes"]
+            t["hit_rate"] = t["hits"] / looked if looked else None
+            t["occupancy"] = t["bytes_used"] / cap if cap else None
         with self._lock:
             counters = self._stats.as_dict()
         s = counters | {"corrupt": corrupt, "evictions": evictions}
@@ -523,17 +584,20 @@ class TieredStore(ChunkStore):
 def open_store(
     path: Path | str,
     *,
-    memory_bytes: int = 2 * GiB,
-    gpu_bytes: int = 2 * GiB,
+    memory_bytes: int | None = None,
+    gpu_bytes: int | None = None,
     storage_dtype: str = "auto",
-    policy: str = "lru",
+    policy: str = "slru",
     disk_bytes: int | None = None,
     sidecar_layers: Sequence[int] = (),
     use_cuda: bool | None = None,
     durable: bool = False,
     read_only: bool | None = None,
+    admission: str = "second",
+    chunk_device: str | None = None,
 ) -> TieredStore:
     """Open (creating if needed) the tiered KV store in folder `path` (use `kv_dir(root)`).
+    Sizes and admission: `StoreConfig`; chunk_device: `TieredStore`'s.
 
     read_only: None (default) opens it read-only when it is not writable (one warning);
     True never writes; False expects to write (a refused write still turns it read-only)."""
@@ -545,6 +609,7 @@ def open_store(
         policy=policy,
         sidecar_layers=tuple(sidecar_layers),
         durable=durable,
+        admission=admission,
     )
     if read_only is None:
         read_only = not writable(path)
@@ -555,10 +620,10 @@ def open_store(
                 path,
             )
     try:
-        return TieredStore(path, config, use_cuda=use_cuda, read_only=read_only)
+        return TieredStore(path, config, use_cuda=use_cuda, read_only=read_only, chunk_device=chunk_device)
     except ReadOnlyStoreError as e:
         logger.warning("%s: opened read-only", e)
-        return TieredStore(path, config, use_cuda=use_cuda, read_only=True)
+        return TieredStore(path, config, use_cuda=use_cuda, read_only=True, chunk_device=chunk_device)
 
 
 def writable(path: Path | str) -> bool:
