@@ -122,3 +122,45 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError, match="byte size"):
         parse_bytes(text)
+
+
+def test_tier_stats_hit_rate_and_occupancy(tmp_path, capsys):
+    """TieredStore.stats(): per tier its hit rate (hits / lookups; None before any) and
+    occupancy (bytes used / capacity; None for the unbounded disk tier); `store stats` shows
+    the folder's disk tier in the same table (lookups are the serving process's: --url)."""
+    from qcfuse_core.store.tier_report import TIER_FIELDS, tier_lines, tier_table
+
+    chunks = [make_chunk(i) for i in range(3)]
+    with store_at(kv_dir(tmp_path), memory_bytes=1 << 20) as s:
+        assert s.stats()["tiers"]["host"]["hit_rate"] is None  # nothing looked up yet
+        for c in chunks:
+            s.put(c)
+        assert s.get(chunks[0].key) is not None and s.get(chunks[1].key) is not None
+        assert s.get(make_chunk(99).key) is None  # a miss in every tier
+        stats = s.stats()
+    host, disk = stats["tiers"]["host"], stats["tiers"]["disk"]
+    assert host["hit_rate"] == host["hits"] / (host["hits"] + host["misses"])
+    assert host["hits"] >= 2 and host["misses"] >= 1 and 0 < host["hit_rate"] < 1
+    assert host["occupancy"] == host["bytes_used"] / (1 << 20) and 0 < host["occupancy"] < 1
+    assert disk["capacity_bytes"] is None and disk["occupancy"] is None and disk["entries"] == 3
+    table = tier_table(stats)
+    assert list(table) == ["host", "disk"] and all(set(t) == set(TIER_FIELDS) for t in table.values())
+    lines = tier_lines(table)
+    assert lines[0].split() == ["tier", "entries", "used", "/", "capacity", "occupancy", "hits", "misses", "hit",
+                                "rate", "evictions"]
+    assert lines[1].startswith("host") and f"{100 * host['hit_rate']:.1f}%" in lines[1]
+    assert "/ 1.00 MiB" in lines[1] and "/ unbounded" in lines[2]
+    assert tier_table({"backend": "memory", "entries": 0}) == {}
+
+    code, out, _ = _run(capsys, "stats", "--store", str(tmp_path), "--json")
+    obj = json.loads(out)
+    assert code == 0 and set(obj["tiers"]) == {"disk"} and set(obj["tiers"]["disk"]) == set(TIER_FIELDS)
+    assert obj["tiers"]["disk"]["entries"] == 3 and obj["tiers"]["disk"]["bytes_used"] == obj["bytes"]
+    assert obj["tiers"]["disk"]["hits"] is None  # counted by the process that serves, not here
+    code, out, _ = _run(capsys, "stats", "--store", str(tmp_path))
+    assert "tier  entries" in out and "--url URL" in out
+
+
+def test_stats_url_that_does_not_answer(capsys):
+    code, _, err = _run(capsys, "stats", "--store", "unused", "--url", "http://127.0.0.1:9")  # nothing listens
+    assert code == 2 and "http://127.0.0.1:9/api/store" in err

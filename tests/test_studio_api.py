@@ -477,3 +477,34 @@ def test_page_is_served_and_refers_only_to_local_files(client):
             assert asset.status_code == 200
             body = asset.text if r.endswith((".js", ".css")) else ""
             assert "fonts.googleapis" not in body and "cdn." not in body
+
+
+def test_store_tiers_and_store_stats_url(client, service, run, monkeypatch, capsys):
+    """GET /api/store: per tier (host and disk on a CPU) entries, bytes used / capacity,
+    occupancy, hits, misses, hit rate and evictions - the engine's store's own figures;
+    `qcfuse store stats --url` prints them from a running studio."""
+    import httpx
+
+    from qcfuse_core.cli.store import main as store_main
+    from qcfuse_core.store.tier_report import TIER_FIELDS, tier_table
+
+    res = client.get("/api/store")
+    assert res.status_code == 200, res.text
+    got = res.json()
+    assert got["backend"] == "tiered" and list(got["tiers"]) == ["host", "disk"]
+    want = tier_table(service.engine.caches.store.stats())
+    for name, tier in got["tiers"].items():
+        assert set(tier) == set(TIER_FIELDS), name
+        assert tier == want[name], name  # nothing ran in between
+        looked = tier["hits"] + tier["misses"]
+        assert tier["hit_rate"] == (tier["hits"] / looked if looked else None)
+    host, disk = got["tiers"]["host"], got["tiers"]["disk"]
+    assert disk["entries"] >= 12 and disk["bytes_used"] > 0 and disk["occupancy"] is None  # the corpus, on disk
+    assert host["capacity_bytes"] > 0 and host["occupancy"] == host["bytes_used"] / host["capacity_bytes"]
+
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: client.get(url.removeprefix("http://studio.test")))
+    assert store_main(["store", "stats", "--store", "unused", "--url", "http://studio.test"]) == 0
+    out = capsys.readouterr().out
+    assert "KV store of http://studio.test (tiered store" in out
+    assert any(line.split()[:2] == ["host", str(host["entries"])] for line in out.splitlines())
+    assert any(line.split()[:2] == ["disk", str(disk["entries"])] for line in out.splitlines())

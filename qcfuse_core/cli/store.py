@@ -1,6 +1,6 @@
 """`qcfuse store ...`: inspect and maintain the KV store of a QCFuse store root.
 
-    qcfuse store stats  [--store DIR] [--json]
+    qcfuse store stats  [--store DIR] [--json] [--url URL]
     qcfuse store verify [--store DIR] [--remove] [--repair] [--json]
                         [--deep [--sample N] [--model M] [--dtype D] [--device DEV]]
     qcfuse store gc     [--store DIR] --max-bytes N   (N may end in K, M, G or T: powers of 1024)
@@ -8,6 +8,9 @@
 
 DIR defaults to the store `ingest`, `ask` and `demo` share (`qcfuse` passes its default).
 DIR is the store root (it also holds the Chroma collection); the KV store is DIR/kv.
+`stats --url URL` asks a running `qcfuse studio` for its store's tiers instead (GET
+/api/store): the GPU and host tiers live in the process that serves, and only it can say
+what they hold and how often they were hit.
 Hook: `add_store_commands(subparsers)` on the main parser's subparsers, then dispatch
 `args.command == "store"` (or `args.func`) to `run_store_command(args)`.
 
@@ -24,6 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from qcfuse_core.retrieval.texts import count_learned
 from qcfuse_core.store.disk import MANIFEST_NAME, DiskTier
 from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.maintenance import (
@@ -36,6 +40,7 @@ from qcfuse_core.store.maintenance import (
     verify,
 )
 from qcfuse_core.store.manifest import Manifest
+from qcfuse_core.store.tier_report import TIER_FIELDS, tier_lines
 from qcfuse_core.store.tiered import kv_dir, writable
 from qcfuse_core.types import ChunkKey
 
@@ -80,7 +85,13 @@ def add_store_commands(
         p.set_defaults(func=run_store_command)
         return p
 
-    common(sub.add_parser("stats", help="entries, bytes and node links on disk", formatter_class=fmt))
+    st = common(sub.add_parser("stats", help="entries, bytes and node links on disk; tiers", formatter_class=fmt))
+    st.add_argument(
+        "--url",
+        default=None,
+        help="a running `qcfuse studio` (e.g. http://127.0.0.1:8501): its store's tiers - occupancy, hits, "
+        "misses, hit rate and evictions of the GPU, host and disk tiers - instead of the folder's disk tier",
+    )
     v = common(
         sub.add_parser(
             "verify",
@@ -153,6 +164,8 @@ def _emit(args: argparse.Namespace, obj: dict, lines: list[str]) -> None:
 
 def run_store_command(args: argparse.Namespace) -> int:
     """Run one `store` subcommand; returns the process exit code."""
+    if args.store_command == "stats" and getattr(args, "url", None):
+        return _live_stats(args)
     root = kv_dir(args.store)
     problem = manifest_problem(root / MANIFEST_NAME)
     files = cache_files(root) if problem else 0
@@ -193,6 +206,7 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
         g[1] += row.nbytes
     total = sum(b for _, b in groups.values())
     sidecars = disk.manifest.sidecars()
+    learned = count_learned(Path(args.store) / "chunk_texts.sqlite")
     obj: dict = {
         "path": str(disk.root),
         "format_version": FORMAT_VERSION,
@@ -201,25 +215,60 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
         "sidecars": len(sidecars),
         "sidecar_bytes": sum(s.nbytes for s in sidecars),
         "nodes": disk.manifest.num_nodes(),
+        "learned_texts": learned[0],
+        "learned_chars": learned[1],
         "by_storage": [
             {"format_version": v, "storage": s, "entries": n, "bytes": b, "usable": v == FORMAT_VERSION}
             for (v, s), (n, b) in sorted(groups.items())
         ],
     }
+    # the disk tier as the tier table shows it; lookups are counted by the process that serves
+    disk_row = {f: None for f in TIER_FIELDS} | {
+        "entries": obj["entries"],
+        "bytes_used": total,
+        "capacity_bytes": disk.capacity_bytes,
+        "occupancy": total / disk.capacity_bytes if disk.capacity_bytes else None,
+    }
+    obj["tiers"] = {"disk": disk_row}
     lines = [
         f"KV store {disk.root}  (format v{FORMAT_VERSION})",
         f"  entries {obj['entries']}  bytes {total:,}  sidecars {len(sidecars)}  nodes {obj['nodes']}",
+        f"  learned {learned[0]} texts ({learned[1]:,} characters)",
     ]
     for g in obj["by_storage"]:
         flag = "" if g["usable"] else "  (stale: another format version; `store gc` removes it)"
         lines.append(f"  v{g['format_version']} {g['storage']:>5}: {g['entries']} entries, {g['bytes']:,} bytes{flag}")
+    lines += ["", *("  " + line for line in tier_lines(obj["tiers"]))]
     lines += [
         "",
         "  entries   chunk caches (one per distinct chunk text and model); bytes: their files",
         "  sidecars  small per-chunk files the query probe reads first (anchors, critical-layer keys)",
         "  nodes     links from a framework's node id to its chunk cache (one per node and model)",
+        "  learned   chunk texts `qcfuse serve` learned from prompts (their caches are among the entries)",
         "  v<N> <storage>: entries by format version and stored dtype (auto: the model's dtype)",
+        "  tiers     the GPU and host tiers, and hits, live in the process that serves: --url URL asks it",
     ]
+    _emit(args, obj, lines)
+    return 0
+
+
+def _live_stats(args: argparse.Namespace) -> int:
+    """`stats --url URL`: the tiers of the store a running studio holds (GET URL/api/store)."""
+    import httpx
+
+    url = args.url.rstrip("/") + "/api/store"
+    try:
+        res = httpx.get(url, timeout=10.0)
+    except httpx.HTTPError as e:
+        sys.stderr.write(f"qcfuse: error: {url}: {type(e).__name__}: {e}\n")
+        return 2
+    if res.status_code != 200:
+        sys.stderr.write(f"qcfuse: error: {url} answered {res.status_code}: {res.text[:200]}\n")
+        return 2
+    obj = res.json()
+    table = obj.get("tiers", {})
+    lines = [f"KV store of {args.url} ({obj.get('backend', '?')} store; counted since it started)"]
+    lines += ["  " + line for line in tier_lines(table)] if table else ["  (no tiers: an in-memory store)"]
     _emit(args, obj, lines)
     return 0
 

@@ -2,6 +2,8 @@
 
     GET  /api/status                      model (with its prompt frame), the model switch in
                                           progress, store, chunk count, methods, limits
+    GET  /api/store                       the store's tiers: entries, bytes used / capacity,
+                                          hits, misses, hit rate, evictions (tier_report.py)
     GET  /api/models                      installed models (packaged ones: converted yet or not)
     POST /api/models/select {id}          202 + a job that loads the model (stages: converting,
                                           only the first time for a packaged model; loading;
@@ -165,6 +167,10 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
     @app.get("/api/status")
     async def status():
         return service.status()
+
+    @app.get("/api/store")
+    def store():  # a thread of the pool: the store's stats read its manifest
+        return service.store_tiers()
 
     @app.get("/api/models")
     async def models():

@@ -44,6 +44,7 @@ from qcfuse_core.ingest.corpus import (
     sample_corpus_dir,
     split_text,
 )
+from qcfuse_core.store.tier_report import tier_table
 from qcfuse_core.studio.details import mode_details, token_pieces, waterfall
 from qcfuse_core.studio.models import ModelEntry, conversion_state, initial_model, installed_models
 from qcfuse_core.studio.quality import drop_logits, quality, speed
@@ -263,6 +264,12 @@ class StudioService:
                 "suffixes": list(TEXT_SUFFIXES),
             },
         }
+
+    def store_tiers(self) -> dict:
+        """The store's tiers now: entries, bytes used / capacity, hits, misses, hit rate and
+        evictions per tier, counted since the studio started (store/tier_report.py)."""
+        stats = self.engine.caches.store.stats()
+        return {"backend": stats.get("backend"), "tiers": tier_table(stats)}
 
     def _has_sample(self) -> bool:
         got = self.collection.get(where={"source": SAMPLE_MARKER}, limit=1, include=[])
