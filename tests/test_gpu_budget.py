@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from qcfuse_core import CacheConfig, EngineConfig
+from qcfuse_core import CacheConfig, EngineConfig, SchedulerConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.retrieval.texts import ChunkTextIndex
@@ -205,3 +205,38 @@ def test_slru_keeps_a_zipf_hot_set():
     assert slru >= lru + 0.03  # a tail seen once does not push out what comes back
     assert slru >= 0.9 * ideal
     assert all(im.key in tier for im in images[:20])  # the hottest stay
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_pinned_host_chunk_fills_the_gpu_tier_and_answers_do_not_change(tmp_path):
+    m = tiny_model("llama", tokenizer=True)
+    m.model.to("cuda")
+    cfg = EngineConfig(cache=CacheConfig(kv_cache_bytes=256 << 20), scheduler=SchedulerConfig(cuda_graphs=False))
+    ref = QCFuseEngine(
+        m,
+        store=open_store(tmp_path / "ref", memory_bytes=64 << 20, gpu_bytes=0),
+        config=cfg,
+        text_index=ChunkTextIndex(),
+    )
+    eng = QCFuseEngine(
+        m, store=open_store(tmp_path / "kv", memory_bytes=64 << 20), config=cfg, text_index=ChunkTextIndex()
+    )
+    for e in (ref, eng):
+        e.build_chunks(DOCS)
+    tier = eng.caches.store.gpu
+    assert tier is not None and tier.device.type == "cuda"
+    first = eng.answer(QUESTION, DOCS[:4], max_new_tokens=6)
+    assert first.load["bytes_by_source"].get("host", 0) > 0
+    second = eng.answer(QUESTION, DOCS[:4][::-1], max_new_tokens=6)
+    assert second.load["bytes_by_source"].get("host", 0) == 0 and second.load["bytes_by_source"]["gpu"] > 0
+    for docs in (DOCS[:4], DOCS[:4][::-1]):
+        assert (
+            eng.answer(QUESTION, docs, max_new_tokens=6).token_ids
+            == ref.answer(QUESTION, docs, max_new_tokens=6).token_ids
+        )
+    r = eng.caches.reserve((256 << 20) // kv_bytes(m, 1))  # the whole budget: the chunk entries give way
+    assert r is not None and tier.bytes_used == 0
+    eng.caches.release(r)
+    ref.close()
+    eng.close()
