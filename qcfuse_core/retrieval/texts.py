@@ -67,14 +67,16 @@ class ChunkTextIndex:
         self._version: tuple | None = None  # (rows, max rowid) the table was built from
         self.damaged = 0  # rows whose text does not hash to their key (never served)
 
-    def add(self, text: str, node_id: str | None = None) -> bool:
-        """Register a chunk text (as it will appear in prompts). Returns False if too short to index."""
+    def add(self, text: str, node_id: str | None = None, *, overwrite: bool = True) -> bool:
+        """Register a chunk text (as it will appear in prompts). Returns False if too short to index.
+        overwrite: a text registered already takes `node_id` (unless None); else it keeps its own."""
         if len(text) < ANCHOR:
             return False
         sha = hashlib.sha256(text.encode()).hexdigest()
-        sql = (
-            "INSERT INTO chunk_text (sha, node_id, text) VALUES (?, ?, ?) "
+        sql = "INSERT INTO chunk_text (sha, node_id, text) VALUES (?, ?, ?) " + (
             "ON CONFLICT(sha) DO UPDATE SET node_id = COALESCE(excluded.node_id, node_id)"
+            if overwrite
+            else "ON CONFLICT(sha) DO NOTHING"
         )
         with self._lock:
             try:

@@ -236,10 +236,12 @@ class ChunkLearner:
         engine = self.engine
         try:
             engine.build_chunks([t for t, _ in items], register=False)  # no node link: nothing to unlink later
-            for text, nid in items:
-                engine.caches.texts.add(text, nid)
+            texts = engine.caches.texts
+            for text, nid in items:  # a text registered meanwhile (/v1/chunks) keeps its own id
+                texts.add(text, nid, overwrite=False)
+            learned = [(t, nid) for t, nid in items if texts.node_id(t) == nid]
             with self._lock:
-                for text, nid in items:
+                for text, nid in learned:
                     self._learned[nid] = text
                 self._counts["builds"] += len(items)
                 over = max(0, len(self._learned) - self.config.max_learned)
