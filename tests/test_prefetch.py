@@ -262,3 +262,30 @@ def test_fp8_entries_stream_from_disk_like_their_decode(adapter, parts, tmp_path
     assert s.finish().sources == {"disk": 3, "none": 1}
     assert not torch.equal(ref.layer(0, like)[0][: len(chunk_ids[0])], chunks[0].k[0])  # really quantised
     store.close()
+
+
+def test_segment_sources_and_dropped_buffers(adapter, parts, tmp_path):
+    """The report names each prompt segment's source in order (a chunk the plan recomputes:
+    none); a finished session's layer buffers serve the next one until `drop_buffers`."""
+    store = _store(tmp_path, "host")
+    for c in parts[3]:
+        store.put(c)
+    pf = Prefetcher(adapter, store, PrefetchConfig(threaded=False))
+    like = torch.empty((0, adapter.shape.num_kv_heads, adapter.shape.head_dim), dtype=adapter.dtype)
+    _, lazy = _prompts(pf, parts, recompute=(1,))
+    s = pf.start(lazy)
+    first = s._bufs
+    for layer in range(adapter.num_layers):
+        s.layer(layer, like)
+    rep = s.finish()
+    s.close()
+    assert rep.segment_sources == ["tensor", "host", "none", "none", "host", "none"]
+    assert rep.sources == {"tensor": 1, "host": 2, "none": 3}
+    again = pf.start(lazy)
+    assert again._bufs is first  # given back by the finished session, reused
+    again.close()
+    pf.drop_buffers()
+    fresh = pf.start(lazy)
+    assert fresh._bufs is not first  # dropped: allocated anew
+    fresh.close()
+    store.close()

@@ -444,6 +444,12 @@ class Prefetcher:
             self._sidecars.clear()
             self._sidecar_bytes = 0
 
+    def drop_buffers(self) -> None:
+        """Free the layer buffers finished sessions left for reuse (sessions still open keep
+        theirs; the next session allocates anew)."""
+        with self._lock:
+            self._free = []
+
     # -- request -----------------------------------------------------------------------------
     def start(self, prompt: FusedPrompt) -> "LoadSession":
         """Resolve every segment's source and begin loading layer 0, 1, 2, ... of them.

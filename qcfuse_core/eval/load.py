@@ -525,6 +525,7 @@ def run_point(
 
     traces, capped, wall = asyncio.run(run_loop(send, reqs[: point.requests], point, args))
     _wait_idle(engine)
+    release_device(engine)
     stats = engine.stats().scheduler
     return {
         **summarize(traces, wall),
@@ -547,6 +548,18 @@ async def run_loop(send: Send, todo: list[LoadRequest], point: LoadPoint, args) 
     else:
         traces, capped = await open_loop(send, todo, point.rate, deadline, args.seed)
     return traces, capped, time.perf_counter() - start
+
+
+def release_device(engine) -> None:
+    """An idle engine keeps nothing for its next request on the device: its pooled KV cache
+    and reusable load buffers are freed (on CUDA given back to the driver), so the next
+    point's engine sizes its GPU budget - and with it the GPU chunk tier - from the same free
+    memory as this one did."""
+    engine.caches.drop_pooled_kv()
+    if engine.caches.prefetcher is not None:
+        engine.caches.prefetcher.drop_buffers()
+    if engine.adapter.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _wait_idle(engine) -> None:
@@ -648,6 +661,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     t0 = time.perf_counter()
     keys = build_pool(engine, pool, progress)
     build_s = time.perf_counter() - t0
+    release_device(engine)
     progress(f"pool of {len(keys)} chunks x {args.chunk_tokens} tokens built in {build_s:.1f} s ({args.tier} tier)")
     built = tier_state(store)
     base = dict(
