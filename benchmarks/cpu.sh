@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/benchmarks.md: store reads, TTFT on both packaged models, 4 concurrent
-# clients against 1 (`bench load`), requests fused together against one at a time (bursts of 8,
+# clients against 1 (`bench load`), the default tiers under uniform and Zipf draws, requests fused together against one at a time (bursts of 8,
 # 8 clients), 8 clients in process against 8 over HTTP (`qcfuse serve`),
 # chunk-affinity routing on 2 Ray Serve replicas (`bench routing`), the demo, and the quality tables. Run from the repository root after `make setup` (or `make test`):
 #
@@ -8,7 +8,7 @@
 #     QUICK=1 DATA=path/to/data bash benchmarks/cpu.sh        # smoke run: few runs, one question a set
 #     STEPS="store ttft" bash benchmarks/cpu.sh               # some steps only
 #
-# Steps: store ttft load batch http routing demo quality. Results go under $OUT (default bench-results/cpu), one
+# Steps: store ttft load tiers batch http routing demo quality. Results go under $OUT (default bench-results/cpu), one
 # JSON (and a log) per figure. The quality step needs DATA: a folder holding
 # hotpotqa/hotpotqa_train.json, musique/musique_s.json, musique/musique_train.json and
 # 2wikimqa/wikimqa_s_clean.json (the evaluation sets are not shipped); without it the step
@@ -17,7 +17,7 @@
 # under $OUT/reference and reused by the later commands.
 set -uo pipefail
 OUT=${OUT:-bench-results/cpu}
-STEPS=${STEPS:-store ttft load batch http routing demo quality}
+STEPS=${STEPS:-store ttft load tiers batch http routing demo quality}
 QUICK=${QUICK:-}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -62,10 +62,24 @@ if has load; then
   # CPU without bf16 instructions emulates bf16 matmuls, and 4 clients' full prefills in bf16
   # run past the 120 s cap there
   step "load: SmolLM2-135M (the embedded model), fp32, 1 and 4 clients, qcfuse 0.15 and full"
-  timeout 1200 $QC bench load --device cpu --dtype fp32 --pool-chunks 20 --chunk-tokens 128 --chunks-per-request 4 \
+  timeout 1200 $QC bench load --device cpu --dtype fp32 --tier host --pool-chunks 20 --chunk-tokens 128 --chunks-per-request 4 \
       --query-tokens 16 --max-new-tokens 64 --clients 1 4 --requests-per-client 3 --methods qcfuse full \
       --ratios 0.15 --duration-s 120 --json "$OUT/load_cpu.json" --markdown "$OUT/load_cpu.md" \
       --plot "$OUT/load_cpu.png" 2>&1 | tee "$OUT/load_cpu.log" | tail -6
+fi
+
+if has tiers; then
+  # the engine's default tiers (--tier default), 1 client, each request 4 of a pool of 20 chunks
+  # of 128 tokens, drawn uniformly, then by Zipf(1.0) popularity, then Zipf with the host tier
+  # capped at 48 MiB (8 of the 20 chunks in fp32): where each chunk came from, beside TTFT
+  TIERW="--device cpu --dtype fp32 --pool-chunks 20 --chunk-tokens 128 --chunks-per-request 4 --query-tokens 16
+         --max-new-tokens 16 --clients 1 --requests-per-client 10 --methods full qcfuse --ratios 0.15 --duration-s 300"
+  for run in "uniform --popularity uniform" "zipf --popularity zipf" "zipf48 --popularity zipf --host-bytes 48M"; do
+    set -- $run; name=$1; shift
+    step "tiers: default tiers, $name"
+    timeout 1200 $QC bench load $TIERW "$@" --json "$OUT/tiers_$name.json" --markdown "$OUT/tiers_$name.md" \
+        --plot "$OUT/tiers_$name.png" 2>&1 | tee "$OUT/tiers_$name.log" | tail -4
+  done
 fi
 
 if has batch; then
@@ -73,7 +87,7 @@ if has batch; then
   # fp32): a burst of 1 and of 8 (first token only) from a pool of 50 chunks of 128 tokens,
   # 10 a request; the burst of 8 sharing 7 of its 10 chunks; 8 closed-loop clients with 32
   # new tokens (about 10 minutes on 2 cores)
-  BATCHW="--device cpu --dtype fp32 --pool-chunks 50 --chunk-tokens 128 --chunks-per-request 10
+  BATCHW="--device cpu --dtype fp32 --tier host --pool-chunks 50 --chunk-tokens 128 --chunks-per-request 10
           --query-tokens 16 --methods full qcfuse --ratios 0.15 --batched-prefill both --duration-s 300"
   step "batch: bursts of 1 and 8, prefilled one at a time and together"
   timeout 1800 $QC bench load $BATCHW --burst 1 8 --max-new-tokens 1 --json "$OUT/batch_burst_cpu.json" \
@@ -95,7 +109,7 @@ if has http; then
   LOADW="--pool-chunks 20 --chunk-tokens 128 --chunks-per-request 4 --query-tokens 16 --max-new-tokens 32
          --clients 8 --requests-per-client 100 --methods qcfuse --ratios 0.15 --duration-s 60"
   step "http: 8 clients for 60 s, in process"
-  timeout 900 $QC bench load --device cpu --dtype fp32 $LOADW --json "$OUT/http_inprocess.json" \
+  timeout 900 $QC bench load --device cpu --dtype fp32 --tier host $LOADW --json "$OUT/http_inprocess.json" \
       --markdown "$OUT/http_inprocess.md" 2>&1 | tee "$OUT/http_inprocess.log" | tail -4
   step "http: 8 clients for 60 s, over HTTP (qcfuse serve on 127.0.0.1)"
   PORT=${PORT:-8731}
