@@ -14,6 +14,7 @@ then the app's shutdown stops the scheduler and closes the store; the process ex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -178,10 +179,17 @@ def cmd_serve(args) -> int:
 
 def serve_replicas(args, api_key: str | None) -> int:
     """`qcfuse serve --replicas N`: the Ray Serve application (serve/replicas.py) on a local Ray
-    cluster, until SIGTERM or SIGINT; then Ray Serve stops the replicas (each closes its store)."""
+    cluster, until SIGTERM or SIGINT; then Ray Serve stops the replicas (each closes its store)
+    and every process the Ray cluster started is gone within --shutdown-timeout-s (`_stop_ray`).
+
+    Contained: with a loopback --host every socket of the cluster binds to the loopback
+    interface - the HTTP proxy, the GCS, the raylet, the agents, each worker's gRPC server
+    (`_contain_ray`: the node's address is the loopback one) and each replica's
+    inter-deployment gRPC server (replicas.bind_internal_grpc); the dashboard is off."""
     import signal
     import threading
 
+    node = _contain_ray(args.host)  # before Ray is imported: it reads its settings then
     try:
         import ray
         from ray import serve
@@ -201,6 +209,7 @@ def serve_replicas(args, api_key: str | None) -> int:
         device=args.device,
         memory_bytes=None if args.memory_mb is None else args.memory_mb << 20,
         model_name=args.model_name,
+        host=args.host,
         serve_config={
             "max_tokens": args.max_tokens,
             "default_max_tokens": min(256, args.max_tokens),
@@ -210,10 +219,15 @@ def serve_replicas(args, api_key: str | None) -> int:
         },
     )
     Path(options.store).mkdir(parents=True, exist_ok=True)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, int(args.replicas * args.cpus_per_replica) + 1),
+        include_dashboard=False,
+        logging_level="warning",
+        **node,
+    )
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets a SIGTERM handler of its own
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(args.replicas * args.cpus_per_replica) + 1), include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(f"qcfuse serve: starting {args.replicas} replicas over {options.store} on Ray Serve", flush=True)
@@ -232,6 +246,54 @@ def serve_replicas(args, api_key: str | None) -> int:
         )
         stop.wait()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        _stop_ray(args.replicas, args.shutdown_timeout_s)
     return 0
+
+
+def _contain_ray(host: str) -> dict:
+    """Ray's settings for a cluster whose sockets bind where `host` says -> ray.init's keywords.
+    A loopback host: Ray takes the loopback address as the node's (its local-only mode, the
+    one it uses on macOS and Windows), so the GCS, the raylet, the agents and the workers bind
+    to it; the environment carries that to every process Ray starts. Another specific host
+    is the node's address; a wildcard leaves Ray's own choice."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # ray_constants.ENABLE_RAY_CLUSTER: local only
+        return {}
+    return {} if host in ("0.0.0.0", "::", "") else {"_node_ip_address": host}
+
+
+def _stop_ray(replicas: int, timeout_s: float) -> None:
+    """Stop Ray Serve and the Ray cluster this process started, then make sure that every
+    process of it is gone within `timeout_s` (plus a last few seconds for a kill): Ray's agents
+    (DashboardAgent, RuntimeEnvAgent) can outlive `ray.shutdown()`. One line says what
+    happened."""
+    import time
+
+    import psutil  # ray's own dependency
+    import ray
+    from ray import serve
+
+    t0 = time.monotonic()
+    procs = psutil.Process().children(recursive=True)  # taken now: the agents are the raylet's children
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    _, left = psutil.wait_procs(alive, timeout=5)
+    killed = f"; {len(alive) - len(left)} killed after {timeout_s:g} s" if alive else ""
+    still = f"; {len(left)} still running: {sorted(p.pid for p in left)}" if left else ""
+    print(
+        f"qcfuse serve: stopped {replicas} replicas and {len(procs)} Ray processes in "
+        f"{time.monotonic() - t0:.1f} s{killed}{still}",
+        flush=True,
+    )

@@ -119,8 +119,41 @@ class ReplicaOptions:
     device: str = "cpu"
     memory_bytes: int | None = None  # each replica's memory tiers (None: the store's default)
     model_name: str | None = None
+    host: str = "127.0.0.1"  # where the server listens: Ray's sockets in each replica bind there too
     # ServeConfig's fields; left out of the repr, which would show the API key
     serve_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+WILDCARDS = ("0.0.0.0", "::", "")  # hosts meaning every interface
+
+
+def bind_internal_grpc(host: str) -> None:
+    """Ray Serve starts an inter-deployment gRPC server in every replica on "[::]:0" - every
+    interface - whatever the HTTP proxy's host (ray/serve/_private/replica.py, Ray 2.60). In
+    this replica's process (call it from the deployment's __init__, which runs before that
+    server starts), bind it to `host` instead; a wildcard host leaves Ray's choice. The Ray
+    processes' own servers follow the node address (serve/cli.py sets it to the host)."""
+    if host in WILDCARDS:
+        return
+    from ray.serve._private import replica as ray_replica
+
+    add = getattr(ray_replica, "add_port_to_grpc_server", None)
+    if add is None:  # another Ray than the one this was written for: the slow test's socket check says so
+        log.warning("qcfuse serve: cannot bind Ray Serve's replica gRPC server to %s (Ray changed)", host)
+        return
+    if getattr(add, "qcfuse_host", None) == host:
+        return
+    inner = getattr(add, "__wrapped__", add)
+    where = f"[{host}]" if ":" in host else host
+
+    def bound(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{where}:{address[len('[::]:') :]}"
+        return inner(server, address)
+
+    bound.qcfuse_host = host  # type: ignore[attr-defined]
+    bound.__wrapped__ = inner  # type: ignore[attr-defined]
+    ray_replica.add_port_to_grpc_server = bound
 
 
 # ---------------------------------------------------------------------------- the router
@@ -238,6 +271,7 @@ class EngineReplica:
         from qcfuse_core.engine.config import CacheConfig, EngineConfig
         from qcfuse_core.serve.app import ServeConfig, create_app
 
+        bind_internal_grpc(options.host)
         self.engine = open_engine(
             options.store,
             model=options.model,
@@ -373,7 +407,10 @@ async def asgi_call(app: Any, fwd: Forwarded) -> AsyncIterator[dict[str, Any] | 
 class Ingress:
     """The HTTP entry: forwards every request to a replica chosen by the router."""
 
-    def __init__(self, replicas: DeploymentHandle, store: str, max_body_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle, store: str, max_body_bytes: int = 1 << 20, host: str = "127.0.0.1"
+    ) -> None:
+        bind_internal_grpc(host)
         self.replicas = replicas
         self.index = ChunkTextIndex(Path(store) / "chunk_texts.sqlite", read_only=False)
         self.max_body_bytes = max_body_bytes
@@ -465,6 +502,6 @@ def build_app(
     ).bind(options)
     max_body = int(options.serve_config.get("max_body_bytes", 1 << 20))
     ingress = deployment(Ingress, name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}).bind(
-        engines, options.store, max_body
+        engines, options.store, max_body, options.host
     )
     return ingress
