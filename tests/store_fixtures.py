@@ -30,6 +30,13 @@ def entry_bytes(chunk: KVChunk, storage: str = "auto") -> int:
     return plan_layout(chunk.key, storage, chunk.k.dtype, L, T, Hkv, D)[0].file_bytes
 
 
+def host_charge(nbytes: int) -> int:
+    """Bytes the host tier charges an image of `nbytes` (its arena extent: 64-byte multiples)."""
+    from qcfuse_core.store.arena import ALIGN
+
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def store_at(path: Path, **kw):
     kw.setdefault("memory_bytes", 64 << 20)
     kw.setdefault("use_cuda", False)

@@ -5,7 +5,7 @@ evicted until the session closes; members close independently."""
 
 import pytest
 import torch
-from store_fixtures import entry_bytes, entry_file, make_chunk
+from store_fixtures import entry_bytes, entry_file, host_charge, make_chunk
 from test_prefetch import _assert_layers_match, _store, adapter, parts  # noqa: F401  (fixtures)
 
 from qcfuse_core.cache.batch import BatchSession, start_batch
@@ -191,7 +191,7 @@ def test_pinned_entries_are_never_evicted(adapter, batch_parts, tmp_path):  # no
     g = torch.Generator().manual_seed(11)
     fillers = [cache_alone(adapter, torch.randint(0, 256, (20,), generator=g)) for _ in range(2)]
     big = cache_alone(adapter, torch.randint(0, 256, (40,), generator=g))
-    cap = sum(entry_bytes(c) for c in used) + entry_bytes(fillers[0])
+    cap = sum(host_charge(entry_bytes(c)) for c in [*used, fillers[0]])  # the four fill the tier exactly
     store = open_store(tmp_path, memory_bytes=cap, gpu_bytes=0, use_cuda=False)
     for c in [*used, fillers[0]]:
         store.put(c)

@@ -155,7 +155,8 @@ def test_prepare_bulk_is_a_no_op_without_cuda(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks host memory through CUDA")
 def test_prepare_bulk_counts_writers_plus_the_host_tiers_room(tmp_path):
     s = store_at(tmp_path / "kv", use_cuda=True, memory_bytes=4 << 20, gpu_bytes=0)
-    n = (1 << 20) + 10  # a 2 MiB block each: the tier has room for two
-    assert s.prepare_bulk([n] * 10, writers=3) == 5
+    n = (1 << 20) + 10  # a 1 MiB + 64 B extent each in the host tier's arena: room for three
+    assert s.prepare_bulk([n] * 10, writers=3) == 6
+    assert s.host.arena.reserved == 4 << 20  # its slab page-locked before the compute
     assert s.prepare_bulk([n] * 2, writers=3) == 2  # never more than the chunks
     s.close()

@@ -679,6 +679,9 @@ class LoadSession:
         self._need = None
         self._unclaim()
         self._unpin()
+        for src in getattr(self, "_srcs", ()):  # the host tier reuses an image's bytes once nobody holds it
+            if src.kind in ("gpu", "host"):
+                src.obj = None
         self.pf._give_back(self._bufs)
 
     # -- the device tier ----------------------------------------------------------------------

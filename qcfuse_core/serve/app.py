@@ -59,6 +59,7 @@ from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
+from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
 from qcfuse_core.serve.metrics import ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
@@ -73,6 +74,7 @@ from qcfuse_core.serve.protocol import (
     now,
     usage,
 )
+from qcfuse_core.serve.validation import ModelIds, StatusCounts
 from qcfuse_core.types import FusionResult, Piece
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class ServeConfig:
     max_prompt_tokens: int = 32768  # a longer prompt (as rendered, chunks included): 400
     max_documents: int = 64  # the most documents or node ids one request may name in `qcfuse`
     api_key: str | None = field(default=None, repr=False)  # None: no auth; else /v1/* needs the bearer token
+    learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (serve/learned.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens:
@@ -159,14 +162,21 @@ def create_app(
     connections have ended or been cancelled) also closes the engine (`engine.close()`: its
     scheduler stopped, its store and chunk-text index closed)."""
     cfg = config or ServeConfig()
-    name = model_name or engine.adapter.name
+    ids = ModelIds.of(engine.adapter.name, model_name)  # the public id and its aliases (validation.py)
+    name = ids.public
     metrics = ServeMetrics(engine)
+    learner = ChunkLearner(engine, cfg.learning) if cfg.learning.enabled else None
+    if learner is not None:
+        metrics.registry.register(LearnedCollector(learner))  # type: ignore[arg-type]
+        metrics.on_finished.append(learner.finished)
     builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-serve-build")
     created = now()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if learner is not None:
+            learner.close()  # queued learned builds dropped, a running one finishes
         builder.shutdown(wait=True, cancel_futures=True)
         if owns_engine:
             engine.close()  # the scheduler stopped (what still waits or runs is aborted), the store closed
@@ -174,6 +184,7 @@ def create_app(
 
     app = FastAPI(title="QCFuse (OpenAI-compatible)", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, cfg
+    app.state.learner, app.state.model_ids = learner, ids
     app.add_middleware(JsonBodyLimit, limit=cfg.max_body_bytes, error=_refusal)
     if cfg.api_key is not None:  # the outer one: a 401 before the body is read
         app.add_middleware(BearerAuth, key=cfg.api_key, error=_refusal, prefix="/v1/")
@@ -232,19 +243,38 @@ def create_app(
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        _check_model(ids, body.model)
         g = await _chat(engine, body, cfg)
+        if learner is not None and _by_content(body):  # the spans of its user and tool messages
+            learner.observe(g.prompt, [m["content"] for m in body.messages if m["role"] in ("user", "tool")], g.chunks)
         return await _respond(engine, g, request, name, metrics, cfg)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        _check_model(ids, body.model)
         g = await _completion(engine, body, cfg)
+        if learner is not None and _by_content(body):
+            learner.observe(g.prompt, [g.prompt], g.chunks)
         return await _respond(engine, g, request, name, metrics, cfg)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(path: str):
         return _error(404, f"no such endpoint: /{path}", "not_found_error")
 
+    app.add_middleware(StatusCounts, count=metrics.status)  # the outermost: every status, 401/403/413 too
     return app
+
+
+def _check_model(ids: ModelIds, model: str | None) -> None:
+    if not ids.accepts(model):
+        assert model is not None
+        raise ApiError(404, ids.not_found(model), param="model", code="model_not_found")
+
+
+def _by_content(body: ChatRequest | CompletionRequest) -> bool:
+    """The request leaves its chunks to be found by content (it names none in `qcfuse`)."""
+    q = body.qcfuse
+    return q is None or (q.documents is None and q.node_ids is None)
 
 
 def _route(path: str) -> str | None:

@@ -3,7 +3,8 @@
 Invariant: `bytes_used <= capacity_bytes` after every call (an image larger than the whole
 capacity is not admitted). Bytes are charged as allocated (`charge`), not as payload. The
 tier never talks to disk; the tiered store decides what enters (promotion on hit,
-write-through on put).
+write-through on put). This class holds one allocation per image (the GPU tier); the host
+tier is `host_tier.HostTier`, whose images share the slabs of one arena (store/arena.py).
 
 Pins (eviction holds, reference counted; nothing to do with page-locked host memory): a
 load session streaming layers out of an image pins its key for as long as it is open
@@ -76,8 +77,10 @@ def charge(image: EntryImage) -> int:
 
 
 def charge_bytes(n: int, device_type: str, pinned: bool) -> int:
-    """Bytes n bytes of image really occupy: torch's pinned host allocator rounds blocks up to
-    a power of two, the CUDA caching allocator large blocks to 2 MiB; plain memory is exact."""
+    """Bytes n bytes of image really occupy as an allocation of its own: torch's pinned host
+    allocator rounds blocks up to a power of two, the CUDA caching allocator large blocks to
+    2 MiB; plain memory is exact. (The host tier's images are extents of its arena instead:
+    `HostTier.charge`.)"""
     if device_type == "cuda":
         return -(-n // (2 << 20)) * (2 << 20)
     if pinned:

@@ -39,9 +39,10 @@ from qcfuse_core.store.codec import check_storage_name, decode_layer
 from qcfuse_core.store.disk import DiskTier, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, EntryLayout, encode_chunk
 from qcfuse_core.store.eviction import get_policy
+from qcfuse_core.store.host_tier import HostTier
 from qcfuse_core.store.sidecar import Sidecar
 from qcfuse_core.store.sizing import host_tier_bytes
-from qcfuse_core.store.tier import MemoryTier, TierPin, charge_bytes
+from qcfuse_core.store.tier import MemoryTier, TierPin
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class LayerBatch:
 
 
 def _pinned_alloc(nbytes: int) -> torch.Tensor:
-    # Known cost: torch's caching host allocator rounds pinned blocks up to a power of two (a
-    # 1024-token Llama-8B entry, 128 MiB + 8 KiB, takes a 256 MiB block). The host tier charges
-    # that size against its capacity (`tier.charge`), so it stays honest but holds fewer entries.
+    # Staging for disk reads (and `encode_chunk`'s images under CUDA): blocks of torch's caching
+    # host allocator, power-of-two sized and reused once released. What the host tier keeps
+    # it copies into its arena (store/arena.py), charged at the image's own size.
     register_pinned_pages()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -180,7 +181,7 @@ class TieredStore(ChunkStore):
             else None
         )
         memory = config.memory_bytes if config.memory_bytes is not None else host_tier_bytes()
-        self.host = MemoryTier("host", "cpu", memory, policy, pin=self.cuda)
+        self.host = HostTier("host", memory, policy, pin=self.cuda)  # images in one arena (store/arena.py)
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()  # recent uses per key (admission)
         self.disk = DiskTier(
             root,
@@ -394,7 +395,8 @@ class TieredStore(ChunkStore):
         bulk (ingestion): the host tier takes the chunk only while it has room, so a bulk load
         never evicts what requests made hot. (The image is pinned either way: a device-to-
         pageable copy on the writers stalled the compute; a released pinned block goes back to
-        torch's pinned cache and serves the next chunk, see `prepare_bulk`.)"""
+        torch's pinned cache and serves the next chunk, see `prepare_bulk`. The host tier keeps
+        a copy in its arena.)"""
         key = chunk.key
         memory_only = self.disk.degraded or self.disk.read_only
         if not (self.disk.contains(key) or (memory_only and key in self.host)):
@@ -427,22 +429,22 @@ class TieredStore(ChunkStore):
         return plan_layout(key, self.config.storage_dtype, dtype, L, T, Hkv, D)[0].file_bytes
 
     def prepare_bulk(self, sizes: list[int], writers: int) -> int:
-        """Before a bulk load's compute starts: page-lock the host memory its writes will use
-        (`writers` entries in flight plus what the host tier has room for, at most one per
-        chunk), as blocks released into torch's pinned cache, where the writers' allocations
-        find them. Page-locking fresh memory while the GPU computes stalled the compute
-        (64 x 1024-token Llama-8B chunks: 3-4 s instead of 0.55 s, docs/benchmarks.md).
-        sizes: the chunks' entry sizes in bytes (`entry_bytes`). -> blocks prepared (0 without CUDA)."""
+        """Before a bulk load's compute starts: page-lock the host memory its writes will use,
+        so none is page-locked while the GPU computes (that stalled the compute: 64 x 1024-token
+        Llama-8B chunks took 3-4 s instead of 0.55 s, docs/benchmarks.md). Two kinds: the
+        writers' staging images (`writers` in flight, at most one per chunk), as blocks
+        released into torch's pinned cache where the writers' allocations find them; and the
+        host tier's arena slabs for the entries it has room for (`HostTier.prepare`; the tier
+        copies each staged image into an extent, so those need no pinned blocks of their own).
+        sizes: the chunks' entry sizes in bytes (`entry_bytes`). -> chunks prepared for (0
+        without CUDA)."""
         if not self.cuda or not sizes:
             return 0
-        n = max(sizes)
-        block = charge_bytes(n, "cpu", pinned=True)  # the allocator's size class for every such entry
-        room = max(0, self.host.capacity_bytes - self.host.bytes_used) // block
-        count = min(len(sizes), writers + room)
+        staged = min(len(sizes), writers)
         register_pinned_pages()
-        held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+        held = [torch.empty(max(sizes), dtype=torch.uint8, pin_memory=True) for _ in range(staged)]
         del held  # back into the cache, page-locked
-        return count
+        return min(len(sizes), staged + self.host.prepare(sizes))
 
     def put_sidecar(
         self,
