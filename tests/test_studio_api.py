@@ -34,6 +34,7 @@ def service(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(service):
     with TestClient(create_app(service)) as c:
+        assert c.get("/").status_code == 200  # the page hands out the token its writes need (a cookie)
         yield c
 
 
@@ -350,7 +351,8 @@ def test_a_stream_whose_client_goes_away_is_cancelled_at_once(service, top, monk
         payload = json.dumps(long).encode()
         conn = socket.create_connection(("127.0.0.1", port), timeout=120)
         conn.sendall(b"POST /api/run/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                     + f"X-QCFuse-Token: {app.state.token}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
         got = b""
         while b"event: reference" not in got:  # the run is answering now (full prefill, the reference)
             more = conn.recv(4096)
@@ -362,7 +364,8 @@ def test_a_stream_whose_client_goes_away_is_cancelled_at_once(service, top, monk
         short = {"question": Q, "chunk_ids": [top[0]["id"]], "modes": [{"method": "naive"}], "max_new_tokens": 1,
                  "reference": False}
         c2 = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        c2.request("POST", "/api/run", body=json.dumps(short), headers={"content-type": "application/json"})
+        c2.request("POST", "/api/run", body=json.dumps(short),
+                   headers={"content-type": "application/json", "X-QCFuse-Token": app.state.token})
         got = c2.getresponse()
         assert got.status == 200, got.read()
         waited = time.monotonic() - t1
@@ -508,3 +511,56 @@ def test_store_tiers_and_store_stats_url(client, service, run, monkeypatch, caps
     assert "KV store of http://studio.test (tiered store" in out
     assert any(line.split()[:2] == ["host", str(host["entries"])] for line in out.splitlines())
     assert any(line.split()[:2] == ["disk", str(disk["entries"])] for line in out.splitlines())
+
+
+# ---------------------------------------------------------------------------- the front door
+
+
+def test_only_the_studios_own_page_may_ingest(service):
+    """Case 92: a page on another site posts a file to /api/ingest (browsers send multipart
+    uploads cross-site without a preflight) - over real HTTP on 127.0.0.1: a foreign Origin, a
+    foreign Host (DNS rebinding), or no page token is a 403, and nothing is ingested; the page
+    (its cookie, its own Origin) ingests. A multipart body on a JSON route is held to the JSON
+    limit (case 91)."""
+    import httpx
+    from test_serve import LiveServer
+
+    app = create_app(service)
+    server = LiveServer(app)
+    secret = ("# The Ossery lighthouse\n\nThe Ossery lighthouse was designed in 1874 by the engineer Brann Tolle "
+              "and its lamp burns seal oil; this note came from a page on another site.")
+    files = [("files", ("planted.md", secret.encode(), "text/markdown"))]
+    try:
+        before = service.status()["chunks"]
+        with httpx.Client(base_url=server.url) as stranger:  # never loaded the page: no cookie
+            for headers, words in (({"Origin": "http://evil.example"}, ("Origin", "cross-site")),
+                                   ({"Origin": "null"}, ("Origin",)),
+                                   ({"Host": "evil.example"}, ("Host", "DNS rebinding")),
+                                   ({"Host": f"evil.example:{server.port}", "Origin": f"http://evil.example:{server.port}"},
+                                    ("Host",)),
+                                   ({}, ("page token",)),
+                                   ({"X-QCFuse-Token": "guessed"}, ("page token",))):
+                res = stranger.post("/api/ingest", files=files, headers=headers)
+                msg = _error(res, 403, *words)
+                assert res.json()["error"]["type"] == "forbidden", msg
+            _error(stranger.delete("/api/history"), 403, "page token")
+            assert stranger.get("/api/status").status_code == 200  # reads need no token
+        assert service.status()["chunks"] == before
+        assert all(h["source"] != "planted.md" for h in service.search("Who designed the Ossery lighthouse?", 3))
+        with httpx.Client(base_url=server.url) as page:
+            res = page.get("/")
+            assert res.status_code == 200
+            cookie = res.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and app.state.token in cookie
+            # the page's cookie is not enough from another site's page
+            _error(page.post("/api/ingest", files=files, headers={"Origin": "http://evil.example"}), 403, "Origin")
+            big, ctype = b"--b\r\n" + b"x" * (service.config.max_json_bytes + 1) + b"\r\n--b--\r\n", "multipart/form-data; boundary=b"
+            _error(page.post("/api/search", content=big, headers={"Content-Type": ctype}), 413, "over the limit")
+            res = page.post("/api/ingest", files=files, headers={"Origin": server.url})
+            assert res.status_code == 202, res.text
+            done = _wait(page, res.json()["id"])
+            assert done["state"] == "done" and service.status()["chunks"] == before + 1
+            hits = page.post("/api/search", json={"question": "Who designed the Ossery lighthouse?", "top_k": 1})
+            assert hits.json()["chunks"][0]["source"] == "planted.md"
+    finally:
+        server.close()

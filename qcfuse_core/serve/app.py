@@ -44,7 +44,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,12 +53,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qcfuse_core.asgi import BearerAuth, JsonBodyLimit
+from qcfuse_core.asgi import AbortLog, BearerAuth, BodyLimit, LocalOnly
 from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
 from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
+from qcfuse_core.serve.builds import BuildQueue, BuildsStopped
 from qcfuse_core.serve.metrics import ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
@@ -95,6 +95,8 @@ class ServeConfig:
     max_documents: int = 64  # the most documents or node ids one request may name in `qcfuse`
     api_key: str | None = field(default=None, repr=False)  # None: no auth; else /v1/* needs the bearer token
     learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (serve/learned.py)
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides the connection's address and localhost ('*': any)
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own that may POST
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens:
@@ -169,7 +171,7 @@ def create_app(
     if learner is not None:
         metrics.registry.register(LearnedCollector(learner))  # type: ignore[arg-type]
         metrics.on_finished.append(learner.finished)
-    builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-serve-build")
+    builder = BuildQueue(engine)  # /v1/chunks: one worker, requests served in turn (serve/builds.py)
     created = now()
 
     @asynccontextmanager
@@ -177,17 +179,30 @@ def create_app(
         yield
         if learner is not None:
             learner.close()  # queued learned builds dropped, a running one finishes
-        builder.shutdown(wait=True, cancel_futures=True)
+        builder.close()  # builds not started fail (503); the batch being built finishes
         if owns_engine:
             engine.close()  # the scheduler stopped (what still waits or runs is aborted), the store closed
             log.info("qcfuse serve: scheduler stopped and store closed")
 
     app = FastAPI(title="QCFuse (OpenAI-compatible)", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, cfg
+    app.state.builds = builder
     app.state.learner, app.state.model_ids = learner, ids
-    app.add_middleware(JsonBodyLimit, limit=cfg.max_body_bytes, error=_refusal)
-    if cfg.api_key is not None:  # the outer one: a 401 before the body is read
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, error=_refusal)  # every content type, streamed
+    if cfg.api_key is not None:  # outside it: a 401 before the body is read
         app.add_middleware(BearerAuth, key=cfg.api_key, error=_refusal, prefix="/v1/")
+    # the outermost: a foreign Host (DNS rebinding) or a cross-site Origin is refused first
+    app.add_middleware(
+        LocalOnly,
+        error=_refusal,
+        allowed_hosts=cfg.allowed_hosts,
+        allowed_origins=cfg.allowed_origins,
+        hints={
+            "host": "; to serve under that name, start the server with --allowed-host NAME",
+            "origin": "; to let a page there call this server, start it with --allowed-origin ORIGIN",
+        },
+    )
+    app.add_middleware(AbortLog, error=_refusal, name="qcfuse serve")  # SIGTERM: a line per aborted request
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -232,11 +247,13 @@ def create_app(
     # -- chunks -----------------------------------------------------------------------------
     @app.post("/v1/chunks")
     async def chunks(body: ChunksRequest):
-        loop = asyncio.get_running_loop()
+        await _check_chunk_tokens(engine, body.texts, cfg)
         try:
-            keys = await loop.run_in_executor(builder, engine.build_chunks, body.texts, body.ids)
+            keys = await builder.build(body.texts, body.ids)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        except BuildsStopped as e:
+            raise ApiError(503, str(e), kind="server_error") from None
         ids: list[str | None] = list(body.ids) if body.ids else [None] * len(body.texts)
         return {"object": "list", "data": [{"id": i, "key": k.to_string()} for i, k in zip(ids, keys)]}
 
@@ -413,6 +430,30 @@ async def _check_prompt_tokens(engine: QCFuseEngine, text: str, cfg: ServeConfig
         raise ApiError(
             400, f"the prompt has {n:,} tokens, over this server's limit of {cfg.max_prompt_tokens:,}", param=param
         )
+
+
+def chunk_token_limit(engine: QCFuseEngine, cfg: ServeConfig) -> int:
+    """The most tokens one /v1/chunks text may have: the model's context (a chunk's cache is
+    one prefill of it), at most the server's max_prompt_tokens."""
+    return min(cfg.max_prompt_tokens, engine.adapter.max_positions or cfg.max_prompt_tokens)
+
+
+async def _check_chunk_tokens(engine: QCFuseEngine, texts: list[str], cfg: ServeConfig) -> None:
+    """400 naming the limit when a text is longer than `chunk_token_limit` tokens (only
+    texts of more UTF-8 bytes than the limit are tokenized: a token is one byte or more)."""
+    limit = chunk_token_limit(engine, cfg)
+    long = [i for i, t in enumerate(texts) if len(t) > limit // 4 and len(t.encode("utf-8")) > limit]
+    if not long:
+        return
+    enc = await asyncio.to_thread(lambda: engine.tokenizer([texts[i] for i in long], add_special_tokens=False))
+    for i, ids in zip(long, enc.input_ids):
+        if len(ids) > limit:
+            raise ApiError(
+                400,
+                f"texts[{i}] has {len(ids):,} tokens, over the limit of {limit:,} (the model's context): "
+                "split it into smaller chunks",
+                param="texts",
+            )
 
 
 async def _completion(engine: QCFuseEngine, body: CompletionRequest, cfg: ServeConfig) -> Generation:

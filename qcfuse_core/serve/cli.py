@@ -5,7 +5,9 @@
 Binds to 127.0.0.1 unless --host says otherwise. Point any OpenAI client at
 http://HOST:PORT/v1 (LangChain's ChatOpenAI base_url, LlamaIndex's OpenAILike api_base).
 With --api-key (or QCFUSE_API_KEY in the environment) every /v1/ route needs
-`Authorization: Bearer KEY`.
+`Authorization: Bearer KEY`. A request whose Host is not the address it came in on or a
+localhost name (DNS rebinding) gets a 403, and so does a POST from another site's page
+(its Origin): --allowed-host and --allowed-origin name more (docs/serving.md).
 
 Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting, lets running requests finish for up to
 --shutdown-timeout-s and cancels the rest (a cancelled stream aborts its engine request);
@@ -60,6 +62,21 @@ def add_commands(sub) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every /v1/ route (default: ${API_KEY_ENV} if set, else none)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name clients may use besides the server's address and localhost (repeatable; '*.example.com' "
+        "for subdomains; '*': any, behind a proxy that checks it)",
+    )
+    p.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin (https://app.example) whose pages may POST here (repeatable)",
     )
     p.add_argument(
         "--shutdown-timeout-s",
@@ -164,6 +181,8 @@ def cmd_serve(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens or context,
         max_documents=args.max_documents,
         api_key=api_key,
+        allowed_hosts=tuple(args.allowed_host),
+        allowed_origins=tuple(args.allowed_origin),
     )
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
@@ -216,6 +235,8 @@ def serve_replicas(args, api_key: str | None) -> int:
             "max_prompt_tokens": args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
             "max_documents": args.max_documents,
             "api_key": api_key,
+            "allowed_hosts": tuple(args.allowed_host),
+            "allowed_origins": tuple(args.allowed_origin),
         },
     )
     Path(options.store).mkdir(parents=True, exist_ok=True)

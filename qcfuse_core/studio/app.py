@@ -24,9 +24,14 @@
                                           /api/jobs/{id}/events (SSE) report its progress
 
 Errors are JSON `{"error": {"message", "type"}}` with a 4xx status; a failing request never
-stops the server. A JSON body over `StudioConfig.max_json_bytes` is refused with a 413 before
-it is parsed. Model work runs on one worker thread, one request at a time (TTFTs are not
-measured while another run shares the cores); the event loop only waits on it.
+stops the server. A body over its route's limit - `StudioConfig.max_json_bytes`, or for
+/api/ingest `max_files` x `max_upload_bytes` plus the multipart framing - is refused with a
+413 while it streams in, whatever its content type (qcfuse_core/asgi.py's BodyLimit). Only
+the studio's own page may change anything: a foreign Host (DNS rebinding) or Origin is a
+403, and every POST or DELETE under /api needs the per-process token the page is served
+with (a SameSite=Strict cookie; asgi.py's LocalOnly). Model work runs on one worker thread,
+one request at a time (TTFTs are not measured while another run shares the cores); the
+event loop only waits on it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -46,7 +52,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, field_validator
 
-from qcfuse_core.asgi import JsonBodyLimit
+from qcfuse_core.asgi import BodyLimit, LocalOnly
 from qcfuse_core.studio.service import Mode, RunCancelled, RunSpec, StudioError, StudioService, TooLarge
 
 log = logging.getLogger(__name__)
@@ -129,8 +135,9 @@ def _sse(event: str, data: dict) -> str:
 
 
 def _refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
-    """A JSON body over the limit (qcfuse_core/asgi.py's JsonBodyLimit): 413 in the studio's error shape."""
-    return _error(status, message, "too_large")
+    """What the shared middlewares (qcfuse_core/asgi.py) answer - a body over the limit (413),
+    a foreign Host or Origin or a missing page token (403) - in the studio's error shape."""
+    return _error(status, message, "too_large" if status == 413 else "forbidden")
 
 
 def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI:
@@ -145,7 +152,11 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
         title="QCFuse Studio", lifespan=lifespan, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
     )
     app.state.service = service
-    app.add_middleware(JsonBodyLimit, limit=service.config.max_json_bytes, error=_refusal)
+    cfg = service.config
+    upload_limit = cfg.max_files * cfg.max_upload_bytes + UPLOAD_OVERHEAD
+    app.add_middleware(BodyLimit, limit=cfg.max_json_bytes, error=_refusal, routes={"/api/ingest": upload_limit})
+    app.state.token = secrets.token_urlsafe(32)  # this process's; the page gets it as a cookie
+    app.add_middleware(LocalOnly, error=_refusal, token=app.state.token, token_prefix="/api/", cookie="qcfuse_studio")
 
     async def on_worker(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
