@@ -5,7 +5,8 @@ query engine (VectorStoreIndex -> compact synthesis -> OpenAILike), real clients
 
 The chunks are built through POST /v1/chunks first, as an ingestion pipeline elsewhere would;
 each framework puts them verbatim into the prompt it sends, so the server finds them by content
-and fuses their caches. The model is random, its words mean nothing: an answer must be the
+and fuses their caches. The server learns no chunk from prompts here (`LearnConfig(enabled=
+False)`): this is the registered path; tests/test_serve_learned.py has the learned one. The model is random, its words mean nothing: an answer must be the
 engine's own answer to the exact prompt the client sent (captured on the wire), and the
 statistics must say which chunks hit. Every wait is bounded; the server stops at the end.
 """
@@ -24,7 +25,8 @@ from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.chat import render
 from qcfuse_core.model.testing import tiny_model
-from qcfuse_core.serve.app import create_app
+from qcfuse_core.serve.app import ServeConfig, create_app
+from qcfuse_core.serve.learned import LearnConfig
 from qcfuse_core.store import MemoryStore
 
 NEW = 10  # max_tokens of every answer
@@ -61,7 +63,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def live(engine):
-    server = LiveServer(create_app(engine, model_name=MODEL))
+    server = LiveServer(create_app(engine, model_name=MODEL, config=ServeConfig(learning=LearnConfig(enabled=False))))
     yield server
     server.close()
 

@@ -78,8 +78,7 @@ def replay(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def one(i: int, client: httpx.Client) -> dict[str, Any]:
-        body = {
-            "model": "qcfuse",
+        body = {  # no "model": the server's own (an id it does not serve is a 404)
             "prompt": prompts[i],
             "max_tokens": max_tokens,
             "temperature": 0,
