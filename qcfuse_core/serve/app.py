@@ -58,8 +58,8 @@ from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
-from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
 from qcfuse_core.serve.builds import BuildQueue, BuildsStopped
+from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
 from qcfuse_core.serve.metrics import ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
