@@ -141,7 +141,11 @@ class HostTier(MemoryTier):
         entry whose image object someone outside the tier still holds stays too: its bytes
         could not be reused anyway (`HostArena.reclaim`)."""
         metas = [m for k, m in self._meta.items() if k not in self._pins and sys.getrefcount(self._images[k]) <= 2]
-        while metas:
+        if type(self.policy).victim is EvictionPolicy.victim:  # a plain priority: one sort
+            metas.sort(key=lambda m: (*self.policy.priority(m), m.inserted))
+            yield from (self._extents[m.key] for m in metas)
+            return
+        while metas:  # a policy whose victim depends on what is left (slru): one pick at a time
             victim = self.policy.victim(metas)
             metas.remove(victim)
             yield self._extents[victim.key]
