@@ -254,7 +254,7 @@ class MemoryTier:
     def admit(self, charged: int, image: EntryImage) -> bool:
         """Turn a claim into an entry holding `image` (on this tier's device, not copied) ->
         True; False when the key is already held (the claim is given back either way)."""
-        if image.device != self.device:
+        if image.device.type != self.device.type:
             raise ValueError(f"{self.name} tier holds images on {self.device}, not {image.device}")
         with self._lock:
             self._claimed -= charged
