@@ -14,6 +14,9 @@ bf16): one layer of one chunk is 4 MiB (K and V), so each measurement moves 40 M
     GPU tier                 -> GPU        (CUDA only)       device-to-device copy
 
 Usage: python qcfuse_core/eval/store_bench.py [--json OUT] [--storage auto|fp8] [--dir DIR]
+       python -m qcfuse_core.eval.store_bench --capacity [--json OUT]: the host tier's usable
+       capacity with chunks of 150-1000 tokens, its arena against one power-of-two block per
+       image (`capacity_churn`; CPU, a minute or two).
 The store folder defaults to a temporary folder on the same disk as /tmp; use --dir to
 measure another disk. Page cache is dropped per file with posix_fadvise(DONTNEED) (no root).
 """
@@ -126,7 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (1 avoids thread-pool stalls on a busy CPU)"
     )
+    ap.add_argument(
+        "--capacity",
+        action="store_true",
+        help="instead: the host tier's usable capacity with mixed chunk lengths (arena vs one "
+        "power-of-two block per image), CPU only",
+    )
     args = ap.parse_args(argv)
+    if args.capacity:
+        return capacity_main(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -295,6 +306,93 @@ def main(argv: list[str] | None = None) -> int:
     print("raw:", ", ".join(f"{k} {v:.2f} GB/s" for k, v in report["raw_GB/s"].items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+LLAMA_8B_TOKEN_BYTES = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers x 8 KV heads x 128 dims, bf16
+SCALE_LAYERS = 1  # the trace's entries: one layer, one KV head of 128 dims (520 B a token)
+
+
+def capacity_churn(tier_bytes: int, *, puts: int, pool: int, seed: int, policy: str = "lru") -> dict[str, Any]:
+    """Usable capacity of the host tier under churn: chunks of 150-1000 tokens, drawn from a
+    pool, put (evicting) or hit; the tier `tier_bytes` of Llama-3.1-8B KV, simulated at 1/256
+    scale (entries of one layer and one KV head: 520 B a token, slabs of 1 GiB / 256). At each
+    put that had to evict: payload held / configured bytes, for the arena (`HostTier`) and for
+    the same trace with each image charged its power-of-two block (per-image pinned
+    allocations, before the arena)."""
+    import random
+
+    from qcfuse_core.store.arena import SLAB_BYTES
+    from qcfuse_core.store.entry import EntryImage, plan_layout
+    from qcfuse_core.store.eviction import get_policy
+    from qcfuse_core.store.host_tier import HostTier
+    from qcfuse_core.store.tier import charge_bytes
+
+    scale = LLAMA_8B_TOKEN_BYTES // (2 * 128 * 2)  # 256
+    rng = random.Random(seed)
+    images = []
+    for i in range(pool):
+        layout, _ = plan_layout(
+            ChunkKey("0" * 16, f"{i:064x}"), "auto", torch.bfloat16, 1, rng.randint(150, 1000), 1, 128
+        )
+        images.append(EntryImage(layout, torch.full((layout.file_bytes,), i % 251, dtype=torch.uint8)))
+    index = {im.key: i for i, im in enumerate(images)}
+    cap = tier_bytes // scale
+    tier = HostTier("host", cap, get_policy(policy), slab_bytes=SLAB_BYTES // scale)
+    old: dict[int, int] = {}  # the same trace, one power-of-two block per image, evicted in order
+    held, arena, blocks = 0, [], []
+    for _ in range(puts):
+        i = rng.randrange(pool)
+        im = images[i]
+        if im.key in tier:
+            tier.get(im.key)
+        else:
+            evicted = tier.put(im)
+            if evicted:
+                arena.append(held / cap)
+            held += (im.nbytes if im.key in tier else 0) - sum(images[index[k]].nbytes for k in evicted)
+        if i in old:
+            old[i] = old.pop(i)  # lru: to the back
+        else:
+            need = charge_bytes(im.nbytes, "cpu", pinned=True)
+            if sum(old.values()) + need > cap:
+                blocks.append(sum(images[j].nbytes for j in old) / cap)
+            while sum(old.values()) + need > cap:
+                old.pop(next(iter(old)))
+            old[i] = need
+    summary = tier.summary()
+    return {
+        "tier_bytes": tier_bytes,
+        "entries_held": summary["entries"],
+        "evicting_puts": len(arena),
+        "arena_mean": round(statistics.mean(arena), 4),
+        "arena_min": round(min(arena), 4),
+        "pow2_mean": round(statistics.mean(blocks), 4),
+        "pow2_min": round(min(blocks), 4),
+        "slabs": summary["arena_slabs"],
+        "fragmentation_end": summary["fragmentation"],
+    }
+
+
+def capacity_main(args) -> int:
+    GB = 10**9
+    rows = [capacity_churn(n, puts=4000, pool=1500, seed=0) for n in (2 << 30, 8 << 30, 36 * GB)]
+    print("host tier usable capacity, chunks of 150-1000 tokens (Llama-3.1-8B KV, simulated at 1/256)")
+    print(f"{'tier':>8} {'held':>5} {'evicting':>8} {'arena mean':>10} {'min':>6} {'pow2 mean':>9} {'min':>6}")
+    for r in rows:
+        print(
+            f"{r['tier_bytes'] / GB:>6.1f}GB {r['entries_held']:>5} {r['evicting_puts']:>8} {r['arena_mean']:>10.1%} "
+            f"{r['arena_min']:>6.1%} {r['pow2_mean']:>9.1%} {r['pow2_min']:>6.1%}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count()},
+            "results": rows,
+        }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
