@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load batch kernels store. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot batch kernels store. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load batch kernels store}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch kernels store}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -54,6 +54,7 @@ if has tests; then
       tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py tests/test_fusion_exact.py tests/test_store_gpu.py \
       tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
       tests/test_kernels_varlen.py tests/test_prefetch_shared.py tests/test_fuse_batch.py \
+      tests/test_gpu_budget.py tests/test_store_tiers.py tests/test_arena.py tests/test_promote.py \
       -k "not embedded" > "$OUT/tests.log" 2>&1
   echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
   # (the LangChain and server test files import langchain or fastapi at module level, which
@@ -129,6 +130,38 @@ if has load; then
       --store "$STORE" --json "$OUT/load.json" --markdown "$OUT/load.md" --plot "$OUT/load.png" \
       > "$OUT/load.log" 2>&1
   tail -16 "$OUT/load.log"; rm -rf "$STORE"
+fi
+
+if has hot; then
+  # issue 52, where the hot chunks live: `bench load` on the engine's default tiers (the host
+  # tier from available RAM, the GPU tier what running requests leave of the GPU budget),
+  # qcfuse@0.15 and full in one run per point, the planner on the rates `bench ttft` measures
+  # for each tier (about 10 minutes; the Zipf pool is ~54 GB on disk)
+  step "hot: planner rates (gpu, host, disk tiers), 10 x 1024"
+  HOT=$SCRATCH/hot; RATES=$SCRATCH/rates.json; rm -rf "$HOT"
+  timeout 300 $BENCH --context-sizes 10x1024 --tier gpu host disk --methods full qcfuse --ratios 0.15 \
+      --runs 3 --warmup 1 --store "$HOT" --rates "$RATES" --json "$OUT/hot_rates_ttft.json" \
+      > "$OUT/hot_rates.log" 2>&1
+  tail -8 "$OUT/hot_rates.log"; rm -rf "$HOT"; cp "$RATES" "$OUT/hot_rates.json" 2>/dev/null
+  LOAD="$PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default
+      --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --methods full qcfuse --ratios 0.15
+      --rates $RATES --store $HOT"
+  if [ -n "$QUICK" ]; then N1=12 NZ=16; else N1=40 NZ=60; fi
+  step "hot: 1 client, fresh draws of 10 from 50 x 1024, default tiers"
+  timeout 420 $LOAD --pool-chunks 50 --clients 1 --requests-per-client $N1 --max-new-tokens 16 --duration-s 150 \
+      --json "$OUT/hot_fresh1.json" --markdown "$OUT/hot_fresh1.md" --plot "$OUT/hot_fresh1.png" \
+      > "$OUT/hot_fresh1.log" 2>&1
+  tail -8 "$OUT/hot_fresh1.log"
+  step "hot: 8 clients, fresh draws, 128 new tokens"
+  timeout 300 $LOAD --pool-chunks 50 --clients 8 --requests-per-client 3 --max-new-tokens 128 --duration-s 100 \
+      --json "$OUT/hot_fresh8.json" --markdown "$OUT/hot_fresh8.md" > "$OUT/hot_fresh8.log" 2>&1
+  tail -8 "$OUT/hot_fresh8.log"; rm -rf "$HOT"
+  step "hot: Zipf(1.0) over 400 x 1024 (3x the GPU chunk cap of 18 GB; host tier 36 GB)"
+  timeout 600 $LOAD --pool-chunks 400 --popularity zipf --zipf-s 1.0 --gpu-chunk-bytes 18e9 --host-bytes 36e9 \
+      --clients 1 --requests-per-client $NZ --max-new-tokens 16 --duration-s 200 \
+      --json "$OUT/hot_zipf.json" --markdown "$OUT/hot_zipf.md" --plot "$OUT/hot_zipf.png" \
+      > "$OUT/hot_zipf.log" 2>&1
+  tail -8 "$OUT/hot_zipf.log"; rm -rf "$HOT"
 fi
 
 if has batch; then
