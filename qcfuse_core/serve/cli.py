@@ -16,6 +16,7 @@ then the app's shutdown stops the scheduler and closes the store; the process ex
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -43,6 +44,12 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--model-name", default=None, help="the model id clients send and /v1/models lists (default: the model's name)"
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        help="benchmarks: instead of --model, random weights of a named shape (e.g. llama-3.1-8b, seed 0) with a "
+        "byte-level tokenizer - the model `qcfuse bench load --shape` runs in process",
     )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
@@ -161,19 +168,18 @@ def cmd_serve(args) -> int:
     if args.shutdown_timeout_s < 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0, got {args.shutdown_timeout_s}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if args.shape and (args.model is not None or args.replicas):
+        raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")
     if args.replicas:
         return serve_replicas(args, api_key)
     sock = listen(args.host, args.port)
-    print(f"qcfuse serve: loading {args.model or 'the embedded model'} and opening {args.store}", flush=True)
-    engine = open_engine(
-        args.store,
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        config=EngineConfig(
-            cache=CacheConfig(promote_disk_reads=True)
-        ),  # a chunk read from disk stays in memory for the next request
-    )
+    what = f"a random {args.shape}" if args.shape else args.model or "the embedded model"
+    print(f"qcfuse serve: loading {what} and opening {args.store}", flush=True)
+    engine_config = EngineConfig(cache=CacheConfig(promote_disk_reads=True))  # a chunk read from disk stays in memory
+    if args.shape:
+        engine = _shaped_engine(args, engine_config)
+    else:
+        engine = open_engine(args.store, model=args.model, dtype=args.dtype, device=args.device, config=engine_config)
     context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
     config = ServeConfig(
         max_tokens=args.max_tokens,
@@ -187,13 +193,29 @@ def cmd_serve(args) -> int:
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
     print(
-        f"QCFuse serving {args.model_name or engine.adapter.name} on http://{args.host}:{port}/v1 "
+        f"QCFuse serving {app.state.model_ids.public} on http://{args.host}:{port}/v1 "
         f"({len(engine.caches.texts)} chunk texts in {args.store}; {'bearer auth on' if api_key else 'no auth'}; "
         "Ctrl-C stops it)",
         flush=True,
     )
     run_server(app, sock, args.shutdown_timeout_s)
     return 0
+
+
+def _shaped_engine(args, config):
+    """`--shape`: an engine over random weights of a named shape (seed 0, the byte-level
+    tokenizer; what `qcfuse bench load --shape` builds in process) and the store folder."""
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.eval.workload import build_adapter
+    from qcfuse_core.retrieval.texts import ChunkTextIndex
+    from qcfuse_core.store import kv_dir, open_store
+
+    shape = argparse.Namespace(shape=args.shape, model=None, dtype=args.dtype, device=args.device, seed=0)
+    adapter = build_adapter(shape)
+    root = Path(args.store)
+    root.mkdir(parents=True, exist_ok=True)
+    store = open_store(kv_dir(root), use_cuda=adapter.device.type == "cuda")
+    return QCFuseEngine(adapter, store=store, config=config, text_index=ChunkTextIndex(root / "chunk_texts.sqlite"))
 
 
 def serve_replicas(args, api_key: str | None) -> int:

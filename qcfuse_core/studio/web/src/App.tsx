@@ -7,6 +7,7 @@ import { api, type Build, type ChunkHit, type Details as DetailsData, followJob,
 import { Chunks } from "./Chunks";
 import { Details } from "./Details";
 import { History } from "./History";
+import { Tiers } from "./Tiers";
 import { Upload } from "./Upload";
 
 const RATIO_METHODS = new Set(["qcfuse", "adaptive", "cacheblend", "epic", "random", "qcall", "qclast"]);
@@ -39,6 +40,7 @@ export function App() {
   const [reference, setReference] = useState<Reference | null>(null);
   const [build, setBuild] = useState<(Partial<Build> & { state: string }) | null>(null);
   const [history, setHistory] = useState<HistoryRow[]>([]);
+  const [tiersTick, setTiersTick] = useState(0); // the tier table is fetched again when it changes
   const [retrievedFor, setRetrievedFor] = useState<string | null>(null); // the question the chunks are for
   const [detailsIndex, setDetailsIndex] = useState<number | null>(null);
   const [details, setDetails] = useState<DetailsData | null>(null);
@@ -152,6 +154,7 @@ export function App() {
       setError((e as Error).message);
     } finally {
       setRunning(false);
+      setTiersTick((t) => t + 1);
     }
     try { // the cards as they are now: the run built this model's caches of its chunks
       const fresh = new Map((await api.chunks(ids)).chunks.map((c) => [c.id, c]));
@@ -220,6 +223,7 @@ export function App() {
 
   async function ingested(job: Job) {
     setStatus(await api.status());
+    setTiersTick((t) => t + 1);
     if (job.result?.chunks && question.trim()) await search(question, topK);
   }
 
@@ -369,6 +373,7 @@ export function App() {
         </section>
       </main>
       <History rows={history} memoryKind={status?.memory_kind ?? ""} onClear={clearHistory} />
+      <Tiers tick={tiersTick} />
       <footer className="muted">
         Everything runs on this machine: the page, its fonts and the model are local files. Stage timings are the
         engine's own (synchronised at each stage boundary); memory is each run's own: {status?.memory_kind ?? ""}.

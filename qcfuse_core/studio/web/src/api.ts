@@ -42,6 +42,22 @@ export interface Status {
   };
 }
 
+export interface TierStats {
+  entries: number;
+  bytes_used: number;
+  capacity_bytes: number | null; // null: unbounded (the disk tier by default)
+  occupancy: number | null;
+  hits: number;
+  misses: number;
+  hit_rate: number | null; // null: nothing looked up yet
+  evictions: number;
+}
+
+export interface StoreTiers {
+  backend: string;
+  tiers: Record<string, TierStats>; // fastest first: gpu, host, disk
+}
+
 export interface ChunkHit {
   id: string;
   source: string;
@@ -252,6 +268,7 @@ const json = (body: unknown): RequestInit => ({
 
 export const api = {
   status: () => call<Status>("/api/status"),
+  store: () => call<StoreTiers>("/api/store"),
   models: () => call<{ current: string; models: ModelInfo[] }>("/api/models"),
   selectModel: (id: string) => call<Job>("/api/models/select", json({ id })),
   search: (question: string, top_k: number) =>
