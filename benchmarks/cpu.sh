@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/benchmarks.md: store reads, TTFT on both packaged models, 4 concurrent
 # clients against 1 (`bench load`), the default tiers under uniform and Zipf draws, requests fused together against one at a time (bursts of 8,
-# 8 clients), 8 clients in process against 8 over HTTP (`qcfuse serve`),
+# 8 clients), 8 clients in process against 8 over HTTP (`qcfuse serve`), chunks the server learns from prompts
+# (k=10, full prefill against qcfuse over HTTP),
 # chunk-affinity routing on 2 Ray Serve replicas (`bench routing`), the demo, and the quality tables. Run from the repository root after `make setup` (or `make test`):
 #
 #     bash benchmarks/cpu.sh                                  # every step (quality: hours to days)
 #     QUICK=1 DATA=path/to/data bash benchmarks/cpu.sh        # smoke run: few runs, one question a set
 #     STEPS="store ttft" bash benchmarks/cpu.sh               # some steps only
 #
-# Steps: store ttft load tiers batch http routing demo quality. Results go under $OUT (default bench-results/cpu), one
+# Steps: store ttft load tiers batch http learned routing demo quality. Results go under $OUT (default bench-results/cpu), one
 # JSON (and a log) per figure. The quality step needs DATA: a folder holding
 # hotpotqa/hotpotqa_train.json, musique/musique_s.json, musique/musique_train.json and
 # 2wikimqa/wikimqa_s_clean.json (the evaluation sets are not shipped); without it the step
@@ -17,7 +18,7 @@
 # under $OUT/reference and reused by the later commands.
 set -uo pipefail
 OUT=${OUT:-bench-results/cpu}
-STEPS=${STEPS:-store ttft load tiers batch http routing demo quality}
+STEPS=${STEPS:-store ttft load tiers batch http learned routing demo quality}
 QUICK=${QUICK:-}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -119,6 +120,25 @@ if has http; then
   for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   timeout 900 $QC bench load --url "http://127.0.0.1:$PORT" $LOADW --json "$OUT/http_served.json" \
       --markdown "$OUT/http_served.md" 2>&1 | tee "$OUT/http_served.log" | tail -4
+  kill -TERM $SERVER; wait $SERVER
+fi
+
+if has learned; then
+  # issue 55: no chunk registered - `qcfuse serve` learns them from the prompts. Each pool chunk
+  # is shown once (bench load --chunks learn), then 1 streaming client sends requests of 10 of
+  # a pool of 50 chunks of 128 tokens (their order drawn per request), full prefill and qcfuse
+  # 0.15, 16 new tokens (about 5 minutes on 2 cores)
+  step "learned: k=10 over HTTP, the chunks learned from the prompts"
+  PORT=${PORT:-8731}
+  rm -rf "$OUT/learned-store"
+  $QC serve --store "$OUT/learned-store" --dtype fp32 --port "$PORT" > "$OUT/learned_server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
+  timeout 1200 $QC bench load --url "http://127.0.0.1:$PORT" --chunks learn --pool-chunks 50 --chunk-tokens 128 \
+      --chunks-per-request 10 --query-tokens 16 --max-new-tokens 16 --clients 1 --requests-per-client 10 \
+      --methods full qcfuse --ratios 0.15 --duration-s 300 --json "$OUT/learned_http.json" \
+      --markdown "$OUT/learned_http.md" 2>&1 | tee "$OUT/learned_http.log" | tail -4
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep '^qcfuse_learned' > "$OUT/learned_metrics.txt"
   kill -TERM $SERVER; wait $SERVER
 fi
 

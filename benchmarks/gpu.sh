@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load hot batch kernels store. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot batch kernels store serve. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch kernels store}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch kernels store serve}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -205,5 +205,54 @@ if has store; then
   timeout 300 $PY -m qcfuse_core.eval.store_bench --dir "$SCRATCH/store-bench" --json "$OUT/store_gpu.json" \
       > "$OUT/store_gpu.log" 2>&1
   tail -12 "$OUT/store_gpu.log"; rm -rf "$SCRATCH/store-bench"
+fi
+if has serve; then
+  # issue 55: `qcfuse serve` on this GPU against the same engine in process - the Llama-3.1-8B
+  # shape (random weights, seed 0), the engine's default tiers, qcfuse 0.15, each request 10 of
+  # a pool of 20 chunks of 1024 tokens, 64 new tokens, 1 then 8 closed-loop clients (about 5
+  # minutes). The server's packages come as wheels (the image has none of them): WHEELS names
+  # a folder of them (Python 3.12, manylinux x86_64: fastapi, starlette, uvicorn, pydantic and
+  # its core, prometheus-client, httpx and their dependencies); nothing is fetched.
+  if [ -z "${WHEELS:-}" ]; then
+    step "serve: skipped (set WHEELS to a folder of the server's wheels; see the comment above)"
+  else
+    step "serve: install the server's wheels from $WHEELS, then bench load in process and over HTTP"
+    timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn starlette pydantic \
+        pydantic-core prometheus-client httpx 2>&1 | tail -3
+    SERVEW="--pool-chunks 20 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --max-new-tokens 64
+            --clients 1 8 --requests-per-client 4 --methods qcfuse --ratios 0.15 --duration-s 60"
+    timeout 300 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default \
+        --store "$STORE" $SERVEW --json "$OUT/serve_inprocess.json" --markdown "$OUT/serve_inprocess.md" \
+        > "$OUT/serve_inprocess.log" 2>&1
+    tail -5 "$OUT/serve_inprocess.log"; rm -rf "$STORE"
+    PORT=${PORT:-8733}
+    $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$STORE" --port "$PORT" \
+        > "$OUT/serve_server.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 180); do
+      $PY -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
+      sleep 1
+    done
+    # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
+    timeout 300 $PY -m qcfuse_core.cli bench load --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
+        $SERVEW --json "$OUT/serve_http.json" --markdown "$OUT/serve_http.md" > "$OUT/serve_http.log" 2>&1
+    tail -5 "$OUT/serve_http.log"
+    kill -TERM $SERVER; wait $SERVER; rm -rf "$STORE"
+    $PY - "$OUT" <<'PYEOF' | tee "$OUT/serve_compare.md"
+import json, sys
+out = sys.argv[1]
+rows = {name: {r["clients"]: r for r in json.load(open(f"{out}/serve_{name}.json"))["rows"]}
+        for name in ("inprocess", "http")}
+print("| clients | TTFT p50 in process ms | over HTTP | diff | ITL p50 in process ms | over HTTP | diff |")
+print("|---:|---:|---:|---:|---:|---:|---:|")
+for c in sorted(rows["inprocess"]):
+    a, b = rows["inprocess"][c], rows["http"].get(c, {})
+    cells = []
+    for key in ("ttft_ms_p50", "itl_ms_p50"):
+        x, y = a.get(key), b.get(key)
+        cells += [f"{x:.1f}" if x else "-", f"{y:.1f}" if y else "-", f"{(y - x) / x:+.1%}" if x and y else "-"]
+    print(f"| {c} | " + " | ".join(cells) + " |")
+PYEOF
+  fi
 fi
 echo; echo "results under $OUT"

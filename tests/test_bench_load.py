@@ -427,6 +427,38 @@ def test_over_http_against_a_live_server(tmp_path, capsys):
     )
 
 
+def test_over_http_the_server_learns_the_chunks(tmp_path):
+    """`bench load --url --chunks learn` (issue 55): nothing registered, no chunk named - each
+    pool chunk shown once, then every timed request's chunks are served from the caches the
+    server learned (chunk_hit_share 1, cached_tokens reported), answered in full."""
+    from test_serve import LiveServer
+
+    from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.model.testing import tiny_model
+    from qcfuse_core.retrieval.texts import LEARNED_PREFIX
+    from qcfuse_core.serve.app import create_app
+    from qcfuse_core.store import MemoryStore
+
+    engine = QCFuseEngine(tiny_model("llama", tokenizer=True), store=MemoryStore())
+    server = LiveServer(create_app(engine))
+    args = [*SMALL, "--chunk-tokens", "96", "--max-new-tokens", "4", "--clients", "1", "--requests-per-client", "3",
+            "--methods", "full", "qcfuse", "--ratios", "0.3", "--duration-s", "60"]  # fmt: skip
+    try:
+        assert main(["bench", "load", *args, "--url", server.url, "--chunks", "learn",
+                     "--json", str(tmp_path / "learn.json")]) == 0  # fmt: skip
+    finally:
+        server.close()
+    full, fused = json.loads((tmp_path / "learn.json").read_text())["rows"]
+    for r in (full, fused):
+        _counts_add_up(r)
+        assert r["chunks"] == "learned" and r["finished"] == r["submitted"] == 3 and r["errors"] == 0
+    assert full["cached_share"] == 0.0  # full prefill recomputes everything
+    assert fused["chunk_hit_share"] == 1.0 and 0 < fused["cached_share"] < 1
+    rows = engine.caches.texts.verified_rows()
+    assert len(rows) >= 8 and all(nid.startswith(LEARNED_PREFIX) for _, nid, _ in rows)  # none registered
+    engine.close()
+
+
 def test_zipf_draws_are_seeded_skewed_and_distinct():
     """--popularity zipf: chunk i drawn with probability proportional to 1/(i+1)^s - one draw
     per request matches that distribution (fixed seed, total variation under 0.03 over 4000

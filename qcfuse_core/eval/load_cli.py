@@ -136,6 +136,14 @@ def add_load_parser(bench_sub) -> None:
         "pick the tokenizer that makes the texts",
     )
     p.add_argument("--api-key", default=None, help="with --url: the server's bearer token")
+    p.add_argument(
+        "--chunks",
+        default="register",
+        choices=["register", "learn"],
+        help="with --url: register the pool through /v1/chunks and name each request's chunks (register), or "
+        "send neither and let the server learn them from the prompts, each shown once first (learn) "
+        "(default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the texts, the draws and the arrivals")
     add_report_options(p)
     p.add_argument("--plot", default=None, help="write a PNG of TTFT p50 and output tokens/s against load")
