@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -265,7 +266,7 @@ def serve_replicas(args, api_key: str | None) -> int:
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(args.replicas * args.cpus_per_replica) + 1),
         include_dashboard=False,
-        logging_level="warning",
+        logging_level=logging.WARNING,
         **node,
     )
     stop = threading.Event()

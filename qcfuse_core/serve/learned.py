@@ -170,9 +170,7 @@ class ChunkLearner:
         self._pending: set[str] = set()  # learned ids queued or building
         # learned id -> text, least recently used first: what this index holds (also from earlier runs)
         self._learned: OrderedDict[str, str] = OrderedDict(
-            (nid, text)
-            for _, nid, text in engine.caches.texts.verified_rows()
-            if (nid or "").startswith(LEARNED_PREFIX)
+            (nid, text) for _, nid, text in engine.caches.texts.verified_rows() if nid and _is_learned(nid)
         )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-serve-learn")
         self._counts = dict(builds=0, hits=0, misses=0, evicted=0, dropped=0, failed=0)
@@ -197,7 +195,7 @@ class ChunkLearner:
         todo: list[tuple[str, str]] = []
         with self._lock:
             for c in found:
-                if c.node_id in self._learned:
+                if c.node_id is not None and c.node_id in self._learned:
                     self._learned.move_to_end(c.node_id)
             if self._closed:
                 return 0
