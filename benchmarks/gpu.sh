@@ -140,7 +140,7 @@ if has hot; then
   step "hot: planner rates (gpu, host, disk tiers), 10 x 1024"
   HOT=$SCRATCH/hot; RATES=$SCRATCH/rates.json; rm -rf "$HOT"
   timeout 300 $BENCH --context-sizes 10x1024 --tier gpu host disk --methods full qcfuse --ratios 0.15 \
-      --runs 3 --warmup 1 --store "$HOT" --rates "$RATES" --json "$OUT/hot_rates_ttft.json" \
+      --runs 3 --warmup 2 --store "$HOT" --rates "$RATES" --json "$OUT/hot_rates_ttft.json" \
       > "$OUT/hot_rates.log" 2>&1
   tail -8 "$OUT/hot_rates.log"; rm -rf "$HOT"; cp "$RATES" "$OUT/hot_rates.json" 2>/dev/null
   LOAD="$PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default
