@@ -273,7 +273,8 @@ def serve_replicas(args, api_key: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets a SIGTERM handler of its own
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # Serve's own INFO lines (each replica started or stopped, each request) stay in Ray's logs
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
         print(f"qcfuse serve: starting {args.replicas} replicas over {options.store} on Ray Serve", flush=True)
         app = build_app(
             options,
