@@ -150,6 +150,52 @@ class PromptSpan:
     cache_hit: bool = False
 
 
+GUARD_SIGNAL = "first_token_margin"  # the quality guard's signal (engine/guard.py)
+
+
+@dataclass
+class GuardReport:
+    """What the guard saw and did for one request (`FusionResult.guard`).
+
+    signal / value / threshold: the signal's name, its value after the first fused prefill,
+    the threshold it was held to. action: `kept` (the fused answer stands), `ratio R` (fused
+    again at R), `full` (full prefill), `off` (the guard did not run). reason: why.
+    code: the reason in one word - low_margin (escalated), ceiling (the time ceiling held
+    back a rung it wanted), margin_ok, off, not_guarded, uncalibrated. rungs: (ratio,
+    margin) per escalation run (1.0: full prefill). added_ms: the time the escalations
+    took. spent_tokens: context tokens recomputed over every pass."""
+
+    signal: str = GUARD_SIGNAL
+    value: float | None = None
+    threshold: float | None = None
+    action: str = "off"
+    reason: str = ""
+    code: str = "off"
+    rungs: list[tuple[float, float]] = field(default_factory=list)
+    added_ms: float = 0.0
+    spent_tokens: int = 0
+    source: str = ""
+
+    @property
+    def escalated(self) -> bool:
+        return bool(self.rungs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "signal": self.signal,
+            "value": None if self.value is None else round(self.value, 6),
+            "threshold": self.threshold,
+            "action": self.action,
+            "reason": self.reason,
+            "code": self.code,
+            "escalated": self.escalated,
+            "rungs": [[r, round(m, 6)] for r, m in self.rungs],
+            "added_ms": round(self.added_ms, 3),
+            "spent_tokens": self.spent_tokens,
+            "source": self.source,
+        }
+
+
 @dataclass
 class FusionResult:
     """Everything about one answer: text, timings, counts, what was recomputed.
@@ -186,6 +232,7 @@ class FusionResult:
     spans: tuple[PromptSpan, ...] = ()  # its segments, in order, covering 0..T-1
     subspan_tokens: int = 0  # chunk tokens served from slices of stored chunks (subspans.py)
     first_logits: torch.Tensor | None = None  # (vocab,) fp32 on the host: the logits the first token came from
+    guard: GuardReport | None = None  # what the quality guard saw and did (engine/guard.py)
 
     @property
     def recompute_share(self) -> float:
@@ -213,4 +260,5 @@ class FusionResult:
             "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
             "store": self.store_stats,
             **({"plan": self.plan} if self.plan else {}),
+            **({"guard": self.guard.to_dict()} if self.guard is not None else {}),
         }

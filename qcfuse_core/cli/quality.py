@@ -2,6 +2,7 @@
 
     qcfuse profile-layers --dataset PATH [--model DIR] [--limit N] [--ratio R] [--out FILE]
     qcfuse calibrate-budget --dataset PATH [--limit N] [--shares S...] [--out FILE]
+    qcfuse calibrate-guard --dataset PATH [--limit N] [--catch C] [--ratio R] [--out FILE]
     qcfuse bench quality --dataset PATH [PATH...] --methods M... --ratios R... [--limit N]
                          --json OUT [--jsonl RECORDS] [--plot OUT.png] [--aggregate-only]
                          [--reference DIR]
@@ -108,6 +109,31 @@ def add_commands(sub) -> None:
     _selection_args(c)
     c.set_defaults(func=cmd_calibrate_budget)
 
+    g = sub.add_parser(
+        "calibrate-guard", help="calibrate the quality guard's threshold (first-token margin) for a model"
+    )
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="calibration split (not a reporting set), e.g. musique_train.json")
+    src.add_argument(
+        "--records",
+        nargs="+",
+        help="`bench quality` per-question records (JSONL) that have qcfuse at --ratio: their first-token "
+        "margins and agreement, nothing computed again",
+    )
+    g.add_argument("--limit", type=int, default=None, help="questions (default: all)")
+    g.add_argument("--offset", type=int, default=0, help="skip this many questions first")
+    g.add_argument(
+        "--catch",
+        type=float,
+        default=0.9,
+        help="share of the questions whose fused first token differs from full prefill's that the "
+        "threshold escalates on the split",
+    )
+    g.add_argument("--ratio", type=float, default=0.15, help="the guarded ratio (the engine's default)")
+    g.add_argument("--out", default=None, help="calibration JSON (default: the user guard dir, by fingerprint)")
+    _model_args(g)
+    g.set_defaults(func=cmd_calibrate_guard)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="every method on the same prompts vs full prefill and gold")
@@ -150,6 +176,19 @@ def add_commands(sub) -> None:
         help="chunk caches round-trip through this storage dtype's codec before fusing (the store's "
         "`storage_dtype`; selection reads the exact caches, as a store's probe sidecar); "
         "records are named METHOD:STORAGE",
+    )
+    q.add_argument(
+        "--guard",
+        action="store_true",
+        help="also score the quality guard per question (qcfuse at the engine's ratio, escalated up its "
+        "ladder where the first-token margin is below the model's threshold; the ratios it needs are added): "
+        "its catch and escalation rates go into the summary",
+    )
+    q.add_argument(
+        "--pareto",
+        default=None,
+        metavar="OUT.png",
+        help="plot answer agreement with full prefill against mean recompute share (fixed ratios, the guard)",
     )
     q.add_argument("--aggregate-only", action="store_true", help="only rebuild --json/--plot from --jsonl")
     _model_args(q)
@@ -241,21 +280,51 @@ def cmd_calibrate_budget(args) -> int:
     return 0
 
 
+def cmd_calibrate_guard(args) -> int:
+    from qcfuse_core.engine.guard import save_calibration
+    from qcfuse_core.eval import guard_calibration
+
+    logging.getLogger("qcfuse_core").setLevel(logging.INFO)
+    engine = _open(args)
+    if args.records:
+        records = [json.loads(x) for f in args.records for x in Path(f).read_text().splitlines() if x.strip()]
+        margins = guard_calibration.margins_from_records(records, args.ratio)
+        if args.limit is not None:
+            margins = margins[args.offset : args.offset + args.limit]
+        names = " ".join(Path(f).name for f in args.records)
+        cal = guard_calibration.entry(
+            engine.adapter, margins, args.catch, args.ratio, f"qcfuse calibrate-guard --records {names}", 0.0
+        )
+    else:
+        cal = guard_calibration.calibrate(
+            engine, args.dataset, catch=args.catch, ratio=args.ratio, limit=args.limit, offset=args.offset
+        )
+    path = save_calibration(cal, Path(args.out) if args.out else None, engine.adapter.fingerprint())
+    print(
+        f"threshold {cal['threshold']:g} (first-token margin): catches {cal['catch_rate']} of the "
+        f"{cal['disagree']} disagreeing questions, escalates {cal['escalation_rate']} of {cal['n']} -> {path}"
+    )
+    return 0
+
+
 def cmd_bench_quality(args) -> int:
     from qcfuse_core.eval import quality as bq
 
     out = Path(args.json)
     jsonl = Path(args.jsonl) if args.jsonl else out.with_suffix(".records.jsonl")
+    engine = _open(args) if args.guard or not args.aggregate_only else None
     if not args.aggregate_only:
+        assert engine is not None
         logging.getLogger("qcfuse_core").setLevel(logging.INFO)
-        engine = _open(args)
-        methods = args.methods or list(bq.DEFAULT_METHODS)
+        methods, ratios = args.methods or list(bq.DEFAULT_METHODS), args.ratios
+        if args.guard:
+            methods, ratios = bq.guard_methods(methods, ratios, bq.guard_settings(engine))
         for ds in args.dataset:
             bq.run(
                 engine,
                 ds,
                 methods,
-                args.ratios,
+                ratios,
                 limit=args.limit,
                 offset=args.offset,
                 options=_options(args),
@@ -267,13 +336,26 @@ def cmd_bench_quality(args) -> int:
     if not jsonl.is_file():
         raise FileNotFoundError(f"no per-example records at {jsonl}")
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    if args.guard:  # the guard's records, derived from the per-ratio ones with this model's threshold
+        assert engine is not None
+        records = bq.with_guard(records, bq.guard_settings(engine))
     rows = bq.aggregate(records)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(bq.format_table(rows))
     summary = bq.summarize(rows, records)
+    guarded = [r for r in records if r["method"] == bq.GUARDED_LABEL]
+    if guarded:
+        summary["guard"] = bq.guard_summary(records, guarded[0]["ratio"])
     out.with_name(out.stem + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(bq.format_summary(summary))
+    if guarded:
+        print()
+        print(bq.format_guard(summary["guard"]))
+    if args.pareto:
+        from qcfuse_core.eval.plot import plot_pareto
+
+        plot_pareto(rows, Path(args.pareto))
     if args.plot:
         from qcfuse_core.eval.plot import plot_quality
 

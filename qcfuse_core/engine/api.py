@@ -171,7 +171,8 @@ class QCFuseEngine:
         ratio (default: the config's), generation (a GenerationConfig) or its fields
         (max_new_tokens, temperature, stop, seed, ...), sync_stages (stage timings with the
         GPU synchronised), started (`time.perf_counter()` when the caller began work for
-        the request: its clock, and so its TTFT, starts there instead of at submission).
+        the request: its clock, and so its TTFT, starts there instead of at submission),
+        guard (False: the quality guard does not escalate this request; engine/guard.py).
         A malformed prompt, an unknown method or option, a ratio outside [0, 1] raises before
         anything is queued; a full queue raises EngineBusy."""
         return _drain(self.stream(question, documents, **kw))
@@ -328,6 +329,7 @@ class QCFuseEngine:
         generation: GenerationConfig | None = None,
         sync_stages: bool = False,
         started: float | None = None,
+        guard: bool = True,
         **gen_kw: Any,
     ) -> tuple[Scheduler, Job]:
         """The one submission path: the request of `prompt` (a Prompt, or its pieces) checked
@@ -349,8 +351,12 @@ class QCFuseEngine:
             if unknown:
                 raise TypeError(f"unknown generation options {unknown}; valid: {', '.join(sorted(valid))}")
             gen = replace(gen, **gen_kw)
+        if not isinstance(guard, bool):
+            raise ValueError(f"guard must be True or False, got {guard!r}")
         scheduler = self._scheduler
-        return scheduler, scheduler.submit(prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started)
+        return scheduler, scheduler.submit(
+            prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started, guard=guard
+        )
 
 
 def _drain(stream: TokenStream) -> FusionResult:

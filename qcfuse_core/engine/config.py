@@ -5,6 +5,7 @@
       scheduler         SchedulerConfig  the scheduler's bounds and how it runs steps
       cache             CacheConfig      the KV budget and how chunk caches are kept
       selection         QCFuseOptions    the query-aware selectors' options
+      guard             GuardConfig      the quality guard (engine/guard.py)
 
 Each is frozen and checked when it is made, so a bad value fails at construction, naming
 what is wrong. Per-request values (method, ratio, generation) are arguments of a request.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qcfuse_core.engine.guard import GuardConfig
 from qcfuse_core.selection.options import OTHER_OPTIONS, QCFuseOptions
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided."
@@ -145,6 +147,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     selection: QCFuseOptions = field(default_factory=QCFuseOptions)
+    guard: GuardConfig = field(default_factory=GuardConfig)  # the quality guard (engine/guard.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -152,7 +155,12 @@ class EngineConfig:
         if self.threads is not None and not _positive_int(self.threads):
             raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
         _check_bools(self, "deterministic")
-        for name, kind in (("frame", FrameConfig), ("scheduler", SchedulerConfig), ("cache", CacheConfig)):
+        for name, kind in (
+            ("frame", FrameConfig),
+            ("scheduler", SchedulerConfig),
+            ("cache", CacheConfig),
+            ("guard", GuardConfig),
+        ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "selection", as_selection(self.selection))

@@ -30,6 +30,7 @@ measured rates of the planner and the CPU thread count of every request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ from qcfuse_core.cache.subspans import count_chunks, served_tokens
 from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import eos_ids
 from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
+from qcfuse_core.engine.guard import GuardReport, action_name, escalate, first_token_margin, resolve_threshold
 from qcfuse_core.engine.request import (
     Loading,
     Planned,
@@ -69,10 +71,14 @@ from qcfuse_core.model.fusion import (
 )
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.options import FIXED_BUDGET_OPTIONS
-from qcfuse_core.selection.selectors import select_batch
+from qcfuse_core.selection.selectors import rechoose, select_batch
 from qcfuse_core.types import FusionResult, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
+
+GUARDED = ("qcfuse", "adaptive")
+"""Methods the quality guard watches (its threshold is calibrated on qcfuse); the baselines
+run as asked, so a comparison of methods compares them."""
 
 
 class Unreadable(Exception):
@@ -123,6 +129,7 @@ class Steps:
         self.engine = engine
         self.rates = rates
         self.request_threads = request_threads
+        self._threshold: tuple[float | None, str] | None = None  # the guard's, resolved at first use
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
@@ -471,18 +478,115 @@ class Steps:
                 continue
             jobs.append(FuseJob(Loading(prompts[i], req.session), sel, req.method, req.generation.max_new_tokens, req))
             fusing.append(i)
+        t0 = time.perf_counter()
         fused = self.fuse_many(jobs, exact=exact)
+        fuse_ms = (time.perf_counter() - t0) * 1e3
         for i, got in zip(fusing, fused):
             pieces, req, _ = batch[i]
             req.session = None  # fuse_many closed it
             if isinstance(got, Unreadable):
                 got = self._again(pieces, req, got)
+                if not isinstance(got, Exception):
+                    got = self.guard(req, got, fuse_ms)
             elif isinstance(got, Exception) and len(batch) > 1:
-                got = self._alone(pieces, req)
+                got = self._alone(pieces, req)  # guarded there
+            elif not isinstance(got, Exception):
+                got = self.guard(req, got, fuse_ms)
             if not isinstance(got, Exception):
                 req.clock.mark("prefill")
             out[i] = got
         return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ 5b. the quality guard
+    def guard_threshold(self) -> tuple[float | None, str]:
+        """The guard's threshold and where it came from: the config's, else the model's
+        calibration (resolved once per engine; engine/guard.py)."""
+        cfg = self.engine.config.guard
+        if cfg.threshold is not None:
+            return float(cfg.threshold), "GuardConfig.threshold"
+        if self._threshold is None:
+            adapter = self.engine.adapter
+            self._threshold = resolve_threshold(adapter.fingerprint(), adapter.name)
+        return self._threshold
+
+    def guard(self, req: Request, pre: Prefilled, fuse_ms: float) -> Prefilled | Exception:
+        """The quality guard on `req`'s fused prefill (engine/guard.py): its report in
+        `req.guard_report`; where the first-token margin is below the threshold, the prompt
+        fused again up `GuardConfig.ladder` (full prefill at 1.0) within the time ceiling.
+        fuse_ms: the fused prefill's time (the ceiling's estimate scales it by rows).
+        -> the Prefilled to decode from (the last rung's), or the error of a rung."""
+        cfg = self.engine.config.guard
+        rep = GuardReport(spent_tokens=pre.recomputed_tokens)
+        req.guard_report = rep
+        if req.method not in GUARDED:
+            rep.code = "not_guarded"
+            rep.reason = (
+                "full prefill: nothing fused to guard"
+                if req.method == "full"
+                else f"method {req.method} is not guarded"
+            )
+            return pre
+        if not cfg.enabled or not req.guard:
+            rep.reason = "turned off " + ("in EngineConfig.guard" if not cfg.enabled else "for this request")
+            return pre
+        threshold, rep.source = self.guard_threshold()
+        if threshold is None:
+            rep.code, rep.reason = "uncalibrated", "no calibration for this model: run `qcfuse calibrate-guard`"
+            return pre
+        rep.threshold = threshold
+        rep.value = value = first_token_margin(pre.logits[-1])
+        rep.action = "kept"
+        if not escalate(value, threshold):
+            rep.code, rep.reason = "margin_ok", "margin at or above the threshold"
+            return pre
+        rep.code, rep.reason = "low_margin", "margin below the threshold"
+        prompt = pre.prompt
+        per_row_ms = fuse_ms / max(1, int(pre.selection.rows.numel()))
+        uncached = int(prompt.uncached_mask().sum())
+        for ratio in cfg.ladder:
+            if ratio < 1.0 and ratio <= req.ratio:
+                continue
+            rows = prompt.num_tokens if ratio >= 1.0 else uncached + round(ratio * prompt.context_tokens)
+            if cfg.max_added_ms is not None and rep.added_ms + per_row_ms * rows > cfg.max_added_ms:
+                rep.code = "ceiling"
+                rep.reason += f"; {action_name(ratio)} would pass the ceiling of {cfg.max_added_ms:g} ms"
+                continue
+            t0 = time.perf_counter()
+            try:
+                pre = self._rung(req, pre, ratio)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                return e
+            rep.added_ms += (time.perf_counter() - t0) * 1e3
+            rep.spent_tokens += pre.recomputed_tokens
+            value = first_token_margin(pre.logits[-1])
+            rep.rungs.append((ratio, value))
+            rep.action = action_name(ratio)
+            if ratio >= 1.0 or not escalate(value, threshold):
+                break
+        return pre
+
+    def _rung(self, req: Request, pre: Prefilled, ratio: float) -> Prefilled:
+        """`req`'s prompt fused again at `ratio` (its probe's scores re-ranked at that budget:
+        nothing probed or tokenized again), or at 1.0 by full prefill (HF's own forward, as a
+        `full` request alone), into the request's KV buffer."""
+        engine, prompt = self.engine, pre.prompt
+        engine.caches.give_kv(req.cache)  # the same buffer serves the rung (fuse_many takes it)
+        req.cache = None
+        if ratio >= 1.0:
+            full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
+            job = FuseJob(Loading(prompt, None), Selected(full), "full", req.generation.max_new_tokens, req)
+        else:
+            opts, _ = self._options(req.method, None)
+            ctx = SelectionContext(engine.adapter, prompt, ratio, seed=engine.config.seed, options=opts)
+            sel = rechoose(ctx, pre.selection)
+            if sel is None:  # no scores to re-rank (an adaptive budget): select again
+                sel = self.select(prompt, req.method, ratio).selection
+            session = self.start_sessions([prompt])[0]
+            job = FuseJob(Loading(prompt, session), Selected(sel), req.method, req.generation.max_new_tokens, req)
+        got = self.fuse_many([job])[0]
+        if isinstance(got, Exception):
+            raise got
+        return replace(got, load_report=pre.load_report or got.load_report)
 
     def _again(self, pieces: Sequence[Piece], req: Request, e: Unreadable) -> Prefilled | Exception:
         """Steps 1-5 of a request whose chunks could not be read, with them rebuilt."""
@@ -637,6 +741,7 @@ def fusion_result(engine: Engine, pre: Prefilled, request: Request, dec: Decodin
         ),
         subspan_tokens=served_tokens(prompt.segments),
         first_logits=pre.logits[-1].detach().float().cpu(),
+        guard=request.guard_report,
     )
 
 

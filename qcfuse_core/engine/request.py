@@ -38,7 +38,7 @@ import torch
 
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.model.fusion import FusedPrompt, KVCache
-from qcfuse_core.types import Piece, SelectionResult
+from qcfuse_core.types import GuardReport, Piece, SelectionResult
 
 STAGES = ("queue", "lookup", "plan", "load_start", "select", "prefill", "first_token")
 PIECE_KINDS = ("prefix", "chunk", "text", "suffix")
@@ -140,6 +140,8 @@ class Request:
     cache: KVCache | None = None  # the request's fused cache (given back to the engine's pool at its end)
     threads: int = 0  # CPU intra-op threads it ran with (threads.configure_cpu_threads)
     extra: dict[str, float] = field(default_factory=dict)  # sub-measures (load_wait_ms, ...)
+    guard: bool = True  # the quality guard may escalate it (and the engine's GuardConfig is on)
+    guard_report: GuardReport | None = None  # what the guard saw and did (engine/guard.py)
 
     def close(self) -> None:
         if self.session is not None:

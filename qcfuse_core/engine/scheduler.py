@@ -194,12 +194,14 @@ class Scheduler:
         *,
         sync_stages: bool = False,
         started: float | None = None,
+        guard: bool = True,
     ) -> Job:
         """Queue a request; its clock (and so its TTFT) starts now, or at `started`
-        (`time.perf_counter()`). Raises EngineBusy when `max_queue` requests already wait."""
+        (`time.perf_counter()`); guard=False: the quality guard leaves it as fused. Raises
+        EngineBusy when `max_queue` requests already wait."""
         engine = self.engine
         clock = StageClock(engine.adapter.device, sync_stages, started)
-        job = Job(Request(method, ratio, gen, clock), prompt, emit)
+        job = Job(Request(method, ratio, gen, clock, guard=guard), prompt, emit)
         with self._cv:
             if self._stopping:
                 raise RuntimeError(

@@ -124,3 +124,21 @@ def _plot_pillow(panels: list[Panel], path: Path, columns: int) -> Path:
 
 def _num(x: float, panel: Panel) -> str:
     return f"{2**x:.3g}" if panel.log_x else f"{x:.3g}"
+
+
+PARETO = (
+    ("agree_exact", "answer agreement with full prefill (exact match)"),
+    ("agree_rouge_l", "answer agreement with full prefill (ROUGE-L)"),
+)
+
+
+def plot_pareto(rows: list[dict], path: Path, methods: tuple[str, ...] = ("qcfuse", "qcfuse+guard")) -> Path:
+    """`bench quality --pareto`: answer agreement with full prefill against the mean recompute
+    share (the guard's: every pass it ran), averaged over the datasets in the rows - qcfuse's
+    fixed ratios as a line, the guard as a point beside them, full prefill at (1, 1)."""
+    xlabel = "mean share of context tokens recomputed"
+    panels = []
+    for metric, title in PARETO:
+        lines = {m: pts for m, pts in series(rows, metric).items() if m in (*methods, "full")}
+        panels.append(Panel(title, xlabel, lines, xlim=(0.0, 1.05)))
+    return plot_panels(panels, path)

@@ -40,6 +40,8 @@ import torch
 
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.frame import eos_ids
+from qcfuse_core.engine.guard import GUARDED_LABEL as GUARDED_LABEL
+from qcfuse_core.engine.guard import escalate, first_token_margin
 from qcfuse_core.engine.request import Loading, Planned, Selected
 from qcfuse_core.eval import metrics as M
 from qcfuse_core.eval import oracle as _oracle  # noqa: F401  (registers the `oracle` bound for --methods)
@@ -68,6 +70,7 @@ ROW_KEYS = (
     "gold_nll",
     "recompute_share",
     "ttft_ms",
+    "first_agree",
 )
 DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
 # fused-prompt caches kept at once per question to decode their answers together (they are
@@ -325,6 +328,8 @@ def run_example(
             common,
             method="full",
             ratio=None,
+            first_margin=first_token_margin(ref["first_logits"]),
+            first_agree=1.0,
             kl_first_token=0.0,
             answer_kl=0.0,
             answer_tokens=len(full_seq),
@@ -348,6 +353,8 @@ def run_example(
         ttft = (time.perf_counter() - t2) * 1e3
         # tail: positions T-1 .. T+G-1
         scores = dict(
+            first_margin=first_token_margin(tail[0]),
+            first_agree=float(int(torch.argmax(tail[0])) == int(torch.argmax(full_first))),
             kl_first_token=M.kl_divergence(full_first, tail[0]),
             gold_nll=M.nll(tail[:G], gold),
             recompute_share=recomputed / max(1, prompt.context_tokens),
@@ -403,6 +410,8 @@ def _finish(
             common,
             method=method + suffix,
             ratio=ratio,
+            first_margin=sc["first_margin"],
+            first_agree=sc["first_agree"],
             kl_first_token=sc["kl_first_token"],
             answer_kl=float(per_token.mean()),
             answer_tokens=len(full_seq),
@@ -561,6 +570,7 @@ def run(
             dict(r, dataset=name)
             for r in run_example(engine, ex, methods, ratios, options or {}, max_new, reference=ref, storage=storage)
         ]
+
         log.info("%s %s: %d records in %.1f s", name, ex.id, len(recs), time.perf_counter() - t0)
         if jsonl is not None:
             with jsonl.open("a") as f:
@@ -568,6 +578,111 @@ def run(
                     f.write(json.dumps(r) + "\n")
         out.extend(recs)
     return out
+
+
+def guard_settings(engine: QCFuseEngine) -> tuple[float, float, tuple[float, ...]]:
+    """The engine's quality guard as `with_guard` takes it: (its threshold for this model,
+    the engine's ratio, its ladder). Raises ValueError for a model without a calibration."""
+    threshold, _ = internals(engine).steps.guard_threshold()
+    if threshold is None:
+        raise ValueError(f"no quality-guard calibration for {engine.adapter.name}: run `qcfuse calibrate-guard` first")
+    return threshold, engine.config.ratio, engine.config.guard.ladder
+
+
+def guard_methods(methods, ratios, guard: tuple[float, float, tuple[float, ...]]) -> tuple[list[str], list[float]]:
+    """The methods and ratios a run needs for the guard's records: qcfuse at the base ratio
+    and at every ladder ratio below 1, and full prefill (the ladder's last rung)."""
+    _, base, ladder = guard
+    methods = list(dict.fromkeys([*methods, "full", "qcfuse"]))
+    ratios = sorted({*ratios, base, *(r for r in ladder if r < 1.0)})
+    return methods, ratios
+
+
+def guard_records(records: list[dict], threshold: float, base: float, ladder: tuple[float, ...]) -> list[dict]:
+    """One question's records -> the quality guard's record (method `qcfuse+guard`, at the
+    base ratio), as the engine's guard would answer: qcfuse at `base`; where its first-token
+    margin is below `threshold`, each ladder rung's record in turn (1.0: full prefill's) until
+    one's margin clears it (`engine/guard.py`, the same decision). Its recompute_share is
+    the share spent over every pass run; `escalated`, `guard_action` and `guard_margin` say
+    what the guard did. [] when a record it needs is missing (the run lacks a ratio)."""
+    by = {(r["method"], r["ratio"]): r for r in records if r.get("variant") is None and "first_margin" in r}
+    first = by.get(("qcfuse", base))
+    if first is None:
+        return []
+    chosen, spent, action = first, first["recompute_share"], "kept"
+    if escalate(first["first_margin"], threshold):
+        for ratio in ladder:
+            if ratio < 1.0 and ratio <= base:
+                continue
+            rung = by.get(("full", None)) if ratio >= 1.0 else by.get(("qcfuse", ratio))
+            if rung is None:
+                return []
+            chosen, action = rung, "full" if ratio >= 1.0 else f"ratio {ratio:g}"
+            spent += rung["recompute_share"]
+            if ratio >= 1.0 or not escalate(rung["first_margin"], threshold):
+                break
+    keep = {k: v for k, v in chosen.items() if k not in ("method", "ratio", "answer_kl_tokens", "options")}
+    return [
+        dict(
+            keep,
+            method=GUARDED_LABEL,
+            ratio=base,
+            recompute_share=spent,
+            escalated=float(action != "kept"),
+            guard_action=action,
+            guard_margin=first["first_margin"],
+            guard_threshold=threshold,
+            base_first_agree=first["first_agree"],
+        )
+    ]
+
+
+def with_guard(records: list[dict], guard: tuple[float, float, tuple[float, ...]]) -> list[dict]:
+    """The records with the quality guard's record of every question (`guard_records`) in
+    place of any stored ones: derived from the per-ratio records at aggregation, so they
+    always follow the threshold in use."""
+    out = [r for r in records if r["method"] != GUARDED_LABEL]
+    by_q: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in out:
+        by_q[(r["dataset"], r["id"])].append(r)
+    for recs in by_q.values():
+        out += guard_records(recs, *guard)
+    return out
+
+
+def guard_summary(records: list[dict], base: float) -> dict:
+    """Per dataset and over all: how the guard did - catch rate (of the questions where qcfuse
+    at `base` gives another greedy first token than full prefill, the share escalated),
+    escalation rate (of all), first-token agreement before and after, the mean recompute
+    share spent."""
+    out: dict[str, dict] = {}
+    rows = [r for r in records if r["method"] == GUARDED_LABEL and r["ratio"] == base]
+    for ds in sorted({r["dataset"] for r in rows}) + ["all"]:
+        g = [r for r in rows if ds == "all" or r["dataset"] == ds]
+        bad = [r for r in g if not r["base_first_agree"]]
+        out[ds] = {
+            "n": len(g),
+            "disagree_before": len(bad),
+            "catch_rate": round(sum(r["escalated"] for r in bad) / len(bad), 4) if bad else None,
+            "escalation_rate": round(sum(r["escalated"] for r in g) / len(g), 4) if g else None,
+            "first_agree_before": round(sum(r["base_first_agree"] for r in g) / len(g), 4) if g else None,
+            "first_agree_after": round(sum(r["first_agree"] for r in g) / len(g), 4) if g else None,
+            "recompute_share": round(sum(r["recompute_share"] for r in g) / len(g), 4) if g else None,
+        }
+    return out
+
+
+def format_guard(summary: dict) -> str:
+    """`guard_summary` as a markdown table."""
+    head: tuple[str, ...] = ("dataset", "n", "disagree_before", "catch_rate", "escalation_rate")
+    head += ("first_agree_before", "first_agree_after", "recompute_share")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for ds, d in summary.items():
+        cells = [ds] + [
+            "-" if d[k] is None else f"{d[k]:.4f}" if isinstance(d[k], float) else str(d[k]) for k in head[1:]
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def aggregate(records: list[dict]) -> list[dict]:

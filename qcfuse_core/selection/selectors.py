@@ -14,7 +14,7 @@ from qcfuse_core.model.fusion import FusedPrompt, LayerState
 from qcfuse_core.model.windows import exact_rows
 from qcfuse_core.selection import profiles as critical_layers
 from qcfuse_core.selection.anchors import ensure_anchors, repeat_prompt_ids
-from qcfuse_core.selection.base import SelectionContext, Selector, register
+from qcfuse_core.selection.base import SelectionContext, Selector, get_selector, register
 from qcfuse_core.selection.options import DEVIATION_LAYER, QCFuseOptions
 from qcfuse_core.selection.probe import (
     ProbeItem,
@@ -93,6 +93,24 @@ def select_batch(
                 out[i] = e
     assert all(o is not None for o in out)
     return out  # type: ignore[return-value]
+
+
+def rechoose(ctx: SelectionContext, sel: SelectionResult) -> SelectionResult | None:
+    """A probing selection `sel` again at `ctx.ratio`, ranked from its own scores: the rows
+    `select` at that ratio picks (the probe does not depend on the ratio), without probing
+    again - what the quality guard's ladder reuses. None where that cannot be done: a
+    selector without per-token scores, or one whose budget is adaptive."""
+    selector = get_selector(sel.method)
+    if not isinstance(selector, QueryAwareSelector) or sel.scores is None or selector.adaptive_budget:
+        return None
+    opts = QCFuseOptions.from_options(ctx.options)
+    if opts.budget != "fixed":
+        return None
+    prompt = ctx.prompt
+    mass = torch.zeros(prompt.num_tokens)
+    mass[torch.nonzero(prompt.mask("chunk", "text")).flatten()] = sel.scores.float().cpu()
+    keep = ("critical_layers", "layers_source", "anchor_method", "anchor_share", "anchors_per_layer")
+    return selector.choose(ctx, opts, mass, {k: sel.details[k] for k in keep if k in sel.details})
 
 
 def v_deviation(state: LayerState) -> torch.Tensor:

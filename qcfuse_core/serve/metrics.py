@@ -11,6 +11,10 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
     qcfuse_cache_hits_total, qcfuse_cache_misses_total        chunks served from / without a cache
     qcfuse_recomputed_tokens_total, qcfuse_context_tokens_total
     qcfuse_recompute_share                      per request: recomputed / context tokens
+    qcfuse_guard_escalations_total{action, reason}
+                                                requests whose first-token margin was below the
+                                                quality guard's threshold: what it did (ratio R,
+                                                full, kept) and why (low_margin, ceiling)
     qcfuse_queue_length, qcfuse_running_requests              now (scheduler)
     qcfuse_max_batch_seen, qcfuse_max_prefill_batch, qcfuse_scheduler_steps_total,
     qcfuse_batched_prefills_total               steps whose admitted requests were fused together
@@ -88,6 +92,12 @@ class ServeMetrics:
         self.cache_misses = Counter("qcfuse_cache_misses", "chunks without a stored cache", registry=r)
         self.recomputed = Counter("qcfuse_recomputed_tokens", "context tokens recomputed", registry=r)
         self.context = Counter("qcfuse_context_tokens", "context tokens of fused prompts", registry=r)
+        self.guard = Counter(
+            "qcfuse_guard_escalations",
+            "requests the quality guard found diverging, by what it did and why",
+            ["action", "reason"],
+            registry=r,
+        )
         self.share = Histogram(
             "qcfuse_recompute_share", "recomputed / context tokens per request", buckets=SHARE_BUCKETS, registry=r
         )
@@ -113,6 +123,9 @@ class ServeMetrics:
         self.context.inc(result.context_tokens)
         if result.context_tokens:
             self.share.observe(result.recompute_share)
+        g = result.guard
+        if g is not None and g.code in ("low_margin", "ceiling"):
+            self.guard.labels(g.action, g.code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -295,6 +295,7 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
         "recomputed_tokens": result.recomputed_tokens,
         "context_tokens": result.context_tokens,
         "recompute_share": round(result.recompute_share, 4),
+        "guard": result.guard.to_dict() if result.guard is not None else None,
     }
 
 

@@ -860,6 +860,7 @@ def _summary(r: FusionResult, mode: Mode, peak: dict, repeats: Sequence[FusionRe
         "new_tokens": len(r.token_ids),
         "finish_reason": r.finish_reason,
         "threads": r.threads,
+        "guard": r.guard.to_dict() if r.guard is not None else None,  # the quality guard's signal and action
         "memory": {
             "kv_bytes_loaded": int(load.get("bytes_loaded", 0)),
             "kv_bytes_by_tier": {k: int(v) for k, v in load.get("bytes_by_source", {}).items()},
@@ -896,8 +897,16 @@ def _history_row(run_id: str, model: ModelEntry, spec: RunSpec, s: dict) -> dict
         "recompute_share": s["recompute_share"],
         "speedup_vs_full": s.get("speedup_vs_full"),
         "quality": s.get("quality"),
+        "guard": _guard_brief(s.get("guard")),
         "memory": {"peak_bytes": s["memory"]["peak_bytes"], "peak_kind": s["memory"]["peak_kind"]},
     }
+
+
+def _guard_brief(guard: dict | None) -> dict | None:
+    """What the run history shows of the quality guard: its signal's value, threshold and action."""
+    if guard is None:
+        return None
+    return {k: guard[k] for k in ("signal", "value", "threshold", "action", "code")}
 
 
 class RunMemory:

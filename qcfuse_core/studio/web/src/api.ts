@@ -115,6 +115,16 @@ export interface HistoryRow {
   speedup_vs_full: number | null;
   quality: Quality | null;
   memory: { peak_bytes: number | null; peak_kind: string };
+  guard?: Guard | null;
+}
+
+export interface Guard {
+  signal: string; // first_token_margin: p1 - p2 of the fused first token
+  value: number | null;
+  threshold: number | null;
+  action: string; // kept | ratio R | full | off
+  code: string; // low_margin | ceiling | margin_ok | off | not_guarded | uncalibrated
+  reason?: string;
 }
 
 export interface Agreement {
@@ -143,6 +153,7 @@ export interface ModeResult {
   prompt_tokens: number;
   recomputed_tokens: number;
   recompute_share: number;
+  guard?: Guard | null; // the quality guard's signal and action
   cache_hits: number;
   cache_misses: number;
   chunks: number;

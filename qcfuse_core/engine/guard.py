@@ -1,0 +1,153 @@
+"""The quality guard: a fused request whose answer may part from full prefill's gets more recompute.
+
+A fused prefill recomputes a share of the context; most requests need little, a few need
+much more (chunks too short for a 15% budget to cover their fact, a question whose evidence
+the probe ranks low). After the fused prefill the guard reads one signal and acts on it:
+
+    signal      first_token_margin: p1 - p2 of the fused first-token distribution (softmax of
+                the prefill's last row). Free (the logits exist) and, measured on the dev
+                sets, the candidate that best separated requests whose greedy first token
+                differs from full prefill's (docs/benchmarks.md, "Quality guard"): the probe's
+                uncovered mass, the recomputed rows' K/V deviation at the critical layers,
+                chunk lengths and the selection's score margin separated them far worse.
+    threshold   calibrated per model (`qcfuse calibrate-guard`): a user calibration
+                <cache_dir>/guard/<fingerprint>.json, else the packaged table
+                qcfuse_core/data/guard.json (by fingerprint, then by name), else the table's
+                nothing (the guard then only reports; logged).
+    ladder      margin < threshold: the request is fused again at each ratio of
+                `GuardConfig.ladder` in turn (the probe's scores re-ranked at the larger
+                budget, nothing probed or tokenized again; the request's KV buffer reused),
+                the signal read again after each; 1.0 is full prefill (HF's own forward of the
+                prompt's token ids: exactly a `full` request's answer). It stops at the first
+                rung whose margin clears the threshold.
+    ceiling     `GuardConfig.max_added_ms`: a rung whose estimated time (the fused prefill's
+                time per recomputed row x the rung's rows) would take the added time past it
+                is not run (reason `ceiling`).
+
+The decision is a function of the logits and the threshold only, so a request repeated
+with the same logits is escalated the same way (`EngineConfig.deterministic` makes the
+logits themselves independent of what else runs). What the guard saw and did is the
+request's `FusionResult.guard` (a `GuardReport`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from qcfuse_core.paths import cache_dir
+from qcfuse_core.types import GUARD_SIGNAL
+from qcfuse_core.types import GuardReport as GuardReport
+
+log = logging.getLogger(__name__)
+
+SIGNAL = GUARD_SIGNAL
+PACKAGED = "guard.json"
+GUARDED_LABEL = "qcfuse+guard"  # the guard's rows in `bench quality`
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The quality guard's settings (module docstring). On by default.
+
+    enabled: False turns it off for every request (a request's `guard=False` turns it off
+    for that request alone). threshold: escalate when the fused first-token margin is below
+    it (None: the model's calibration). ladder: the ratios tried in turn, increasing; 1.0
+    is full prefill. max_added_ms: the most time escalation may add to one request's
+    prefill (None: no ceiling)."""
+
+    enabled: bool = True
+    threshold: float | None = None
+    ladder: tuple[float, ...] = (0.5, 1.0)
+    max_added_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"guard enabled must be True or False, got {self.enabled!r}")
+        if self.threshold is not None and not (
+            isinstance(self.threshold, (int, float))
+            and not isinstance(self.threshold, bool)
+            and 0 <= self.threshold <= 1
+        ):
+            raise ValueError(f"guard threshold must be in [0, 1] or None, got {self.threshold!r}")
+        ladder = tuple(float(r) for r in self.ladder)
+        if not ladder or any(not 0 < r <= 1 for r in ladder) or list(ladder) != sorted(set(ladder)):
+            raise ValueError(f"guard ladder must be increasing ratios in (0, 1], got {self.ladder!r}")
+        object.__setattr__(self, "ladder", ladder)
+        if self.max_added_ms is not None and not (
+            isinstance(self.max_added_ms, (int, float)) and not isinstance(self.max_added_ms, bool)
+        ):
+            raise ValueError(f"guard max_added_ms must be a number or None, got {self.max_added_ms!r}")
+        if self.max_added_ms is not None and self.max_added_ms < 0:
+            raise ValueError(f"guard max_added_ms must be >= 0, got {self.max_added_ms!r}")
+
+
+def first_token_margin(logits: torch.Tensor) -> float:
+    """(vocab,) logits -> p1 - p2 of their softmax (fp32): how far the greedy first token is
+    ahead of the runner-up."""
+    top = torch.softmax(logits.detach().float(), -1).topk(2).values
+    return float(top[0] - top[1])
+
+
+def escalate(value: float, threshold: float) -> bool:
+    """The guard's decision: a margin below the threshold escalates."""
+    return value < threshold
+
+
+def action_name(ratio: float) -> str:
+    return "full" if ratio >= 1.0 else f"ratio {ratio:g}"
+
+
+# ----------------------------------------------------------------------------- thresholds
+def guard_dir() -> Path:
+    return cache_dir() / "guard"
+
+
+def packaged_table() -> dict:
+    return json.loads(resources.files("qcfuse_core.data").joinpath(PACKAGED).read_text())
+
+
+def resolve_threshold(fingerprint: str, name: str) -> tuple[float | None, str]:
+    """-> (threshold, where it came from) for a model: a user calibration, else the packaged
+    table by fingerprint, then by name; (None, ...) for a model calibrated nowhere - a margin
+    threshold does not carry over from one model to another, so the guard leaves such a
+    model's requests as fused and says so (logged once per engine)."""
+    user = guard_dir() / f"{fingerprint}.json"
+    if user.is_file():
+        return _checked(json.loads(user.read_text()), str(user)), f"calibration {user}"
+    table = packaged_table()
+    for p in table["profiles"]:
+        if fingerprint in p.get("fingerprints", []):
+            return _checked(p, PACKAGED), f"packaged calibration {p['model']} (fingerprint)"
+    low = name.lower()
+    for p in table["profiles"]:
+        if any(m.lower() in low for m in p.get("match", [])):
+            return _checked(p, PACKAGED), f"packaged calibration {p['model']} (name)"
+    log.warning(
+        "no quality-guard calibration for %s (%s): the guard leaves its requests as fused - run `qcfuse calibrate-guard`",
+        name,
+        fingerprint,
+    )
+    return None, "uncalibrated"
+
+
+def _checked(entry: dict, where: str) -> float:
+    if entry.get("signal", SIGNAL) != SIGNAL:
+        raise ValueError(f"{where}: signal {entry.get('signal')!r} is not {SIGNAL!r}")
+    t = entry.get("threshold")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1:
+        raise ValueError(f"{where}: threshold must be a number in [0, 1], got {t!r}")
+    return float(t)
+
+
+def save_calibration(cal: dict, path: Path | None, fingerprint: str) -> Path:
+    _checked(cal, "calibration")
+    target = path or guard_dir() / f"{fingerprint}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(cal, indent=1) + "\n")
+    return target
