@@ -325,6 +325,35 @@ def test_openai_errors_and_status_counts(tiny):
         eng.close()
 
 
+def test_status_counts_an_escaping_exception_as_a_500():
+    import asyncio
+
+    from qcfuse_core.serve.validation import StatusCounts
+
+    seen: list[tuple[str, int]] = []
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 413, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def boom(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    async def sink(message):
+        pass
+
+    async def run(app, path):
+        await StatusCounts(app, lambda route, status: seen.append((route, status)))(
+            {"type": "http", "path": path}, None, sink
+        )
+
+    asyncio.run(run(ok, "/v1/chunks"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(run(boom, "/v1/chat/completions"))
+    asyncio.run(run(ok, "/nowhere"))
+    assert seen == [("chunks", 413), ("chat", 500), ("other", 413)]
+
+
 def test_without_learning_nothing_is_learned(tiny):
     eng = _engine(tiny)
     prompt = f"Context:\n{DOCS['ferry']}\n\nQuestion: ?"

@@ -89,7 +89,9 @@ def route_of(path: str) -> str:
 
 
 class StatusCounts:
-    """ASGI middleware: `count(route, status)` for every HTTP response that starts."""
+    """ASGI middleware: `count(route, status)` for every HTTP response that starts, and a 500
+    for an exception that escapes the app before its response started (Starlette's outermost
+    error middleware answers it, outside this one)."""
 
     def __init__(self, app: Any, count: Callable[[str, int], None]) -> None:
         self.app, self.count = app, count
@@ -98,10 +100,18 @@ class StatusCounts:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         route = route_of(scope.get("path", ""))
+        started = False
 
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.count(route, int(message["status"]))
             await send(message)
 
-        return await self.app(scope, receive, counted)
+        try:
+            return await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.count(route, 500)
+            raise
