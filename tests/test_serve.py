@@ -318,7 +318,7 @@ def test_a_disconnecting_client_aborts_its_request(tiny):
             aborted = eng.stats().scheduler.aborted
             body = json.dumps({"prompt": _prompt(), "max_tokens": 3000, "temperature": 0, "stream": stream}).encode()
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             _wait(lambda: eng.stats().scheduler.running == 1)  # decoding 3000 tokens: seconds
             sock.close()
