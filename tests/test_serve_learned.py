@@ -354,6 +354,17 @@ def test_status_counts_an_escaping_exception_as_a_500():
     assert seen == [("chunks", 413), ("chat", 500), ("other", 413)]
 
 
+def test_learning_options_of_the_command():
+    from argparse import Namespace
+
+    from qcfuse_core.serve.cli import learn_config
+
+    assert learn_config(Namespace(learn_after=0, max_learned=4096)) == LearnConfig(enabled=False)
+    assert learn_config(Namespace(learn_after=2, max_learned=10)) == LearnConfig(after=2, max_learned=10)
+    with pytest.raises(ValueError, match="--learn-after"):
+        learn_config(Namespace(learn_after=-1, max_learned=10))
+
+
 def test_without_learning_nothing_is_learned(tiny):
     eng = _engine(tiny)
     prompt = f"Context:\n{DOCS['ferry']}\n\nQuestion: ?"

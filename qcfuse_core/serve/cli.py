@@ -87,6 +87,21 @@ def add_commands(sub) -> None:
         help="a browser origin (https://app.example) whose pages may POST here (repeatable)",
     )
     p.add_argument(
+        "--learn-after",
+        type=int,
+        default=1,
+        metavar="N",
+        help="learn chunks from prompts: build a context span's cache once it has been seen N times, served "
+        "from then on (0: learn nothing; docs/serving.md) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-learned",
+        type=int,
+        default=4096,
+        help="the most learned chunk texts kept; past it the least recently used leaves the index and the store "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--shutdown-timeout-s",
         type=int,
         default=10,
@@ -121,6 +136,17 @@ def add_commands(sub) -> None:
         help="each replica's memory tiers in MiB (default: the store's own default)",
     )
     p.set_defaults(func=cmd_serve)
+
+
+def learn_config(args):
+    """The learning policy --learn-after and --max-learned ask for (serve/learned.py)."""
+    from qcfuse_core.serve.learned import LearnConfig
+
+    if args.learn_after < 0:
+        raise ValueError(f"--learn-after must be >= 0 (0: learn nothing), got {args.learn_after}")
+    if args.learn_after == 0:
+        return LearnConfig(enabled=False)
+    return LearnConfig(after=args.learn_after, max_learned=args.max_learned)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -190,6 +216,7 @@ def cmd_serve(args) -> int:
         api_key=api_key,
         allowed_hosts=tuple(args.allowed_host),
         allowed_origins=tuple(args.allowed_origin),
+        learning=learn_config(args),
     )
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
@@ -260,6 +287,7 @@ def serve_replicas(args, api_key: str | None) -> int:
             "api_key": api_key,
             "allowed_hosts": tuple(args.allowed_host),
             "allowed_origins": tuple(args.allowed_origin),
+            "learning": learn_config(args),
         },
     )
     Path(options.store).mkdir(parents=True, exist_ok=True)
