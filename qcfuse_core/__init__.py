@@ -14,9 +14,9 @@ integrations (`qcfuse_integrations`) use these names only.
                        AsyncTokenStream; EngineBusy, KVBudgetError
     configuration      EngineConfig and its parts: FrameConfig (the prompt frame),
                        SchedulerConfig (queue and batch bounds), CacheConfig (KV budget,
-                       tiers, chunk sink), QCFuseOptions (selection); GenerationConfig (a
-                       request's decoding)
-    results and ids    FusionResult, ChunkKey, NodeId, Piece
+                       tiers, chunk sink), QCFuseOptions (selection), GuardConfig (the
+                       quality guard); GenerationConfig (a request's decoding)
+    results and ids    FusionResult (its quality guard's GuardReport), ChunkKey, NodeId, Piece
     methods            SELECTORS: the recompute methods by name (`method=`), "qcfuse" and the
                        baselines
     models and files   DEFAULT_MODEL_NAME (the embedded model); cache_dir() (converted models
@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.config import SchedulerConfig as SchedulerConfig
     from qcfuse_core.engine.generation import GenerationConfig as GenerationConfig
     from qcfuse_core.engine.grammar import json_schema_constraint as json_schema_constraint
+    from qcfuse_core.engine.guard import GuardConfig as GuardConfig
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
     from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
     from qcfuse_core.engine.streams import AsyncTokenStream as AsyncTokenStream
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.store import MemoryStore as MemoryStore
     from qcfuse_core.types import ChunkKey as ChunkKey
     from qcfuse_core.types import FusionResult as FusionResult
+    from qcfuse_core.types import GuardReport as GuardReport
     from qcfuse_core.types import NodeId as NodeId
     from qcfuse_core.types import Piece as Piece
 
@@ -93,9 +95,11 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "SchedulerConfig": ("qcfuse_core.engine.config", "SchedulerConfig"),
     "CacheConfig": ("qcfuse_core.engine.config", "CacheConfig"),
     "QCFuseOptions": ("qcfuse_core.selection.options", "QCFuseOptions"),
+    "GuardConfig": ("qcfuse_core.engine.guard", "GuardConfig"),
     "GenerationConfig": ("qcfuse_core.engine.generation", "GenerationConfig"),
     # results and ids
     "FusionResult": ("qcfuse_core.types", "FusionResult"),
+    "GuardReport": ("qcfuse_core.types", "GuardReport"),
     "ChunkKey": ("qcfuse_core.types", "ChunkKey"),
     "NodeId": ("qcfuse_core.types", "NodeId"),
     "Piece": ("qcfuse_core.types", "Piece"),
