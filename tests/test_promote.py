@@ -93,7 +93,7 @@ def test_by_default_a_chunk_is_promoted_from_its_second_use(adapter, tmp_path):
     disk_reads = eng.caches.store.disk.stats.bytes_read
     third = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert third.token_ids == first.token_ids
-    assert eng.caches.store.disk.stats.bytes_read > disk_reads  # DOCS[0], now on its second use, still from disk
+    assert eng.caches.store.disk.stats.bytes_read > disk_reads  # DOCS[0] was on disk only: read (and promoted)
     _wait(lambda: _in_memory(eng, keys) == [True, True, False])
     eng.caches.store.close()
 

@@ -44,7 +44,7 @@ def test_size_policy_evicts_largest_first():
 
 
 def test_unknown_policy_lists_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: \['fifo', 'lfu', 'lru', 'size'\]"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; valid: \['fifo', 'lfu', 'lru', 'size', 'slru'\]"):
         open_store(tmp_path, policy="mru")
 
 

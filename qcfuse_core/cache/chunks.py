@@ -128,6 +128,7 @@ class ChunkCaches:
         in the store, streamed by the prefetcher; otherwise they come back in memory."""
         streaming = (self.prefetcher is not None and fused) if streaming is None else streaming
         parts: list[Part] = []
+        on_disk: list[ChunkKey] = []  # chunks held only by the disk tier
         for p in pieces:
             cached = fused and p.kind in ("prefix", "chunk")
             if p.kind in ("prefix", "chunk"):
@@ -153,6 +154,8 @@ class ChunkCaches:
                     note_use(key)
                 tier = self.prefetcher.tier_of(key)
                 parts.append(Part("chunk", ids, p.node_id, key, tier, None, tier is not None))
+                if tier == "disk":
+                    on_disk.append(key)
             else:
                 got = self.store.get(key)
                 parts.append(
@@ -165,6 +168,8 @@ class ChunkCaches:
                 else:
                     self.link(p.node_id, key)
         check_context(self.adapter.max_positions, sum(int(p.ids.numel()) for p in parts))  # before building
+        if on_disk:
+            self._promote(on_disk)
         missing = {p.key: p.ids for p in parts if p.kind == "chunk" and p.key is not None and not p.hit}
         built = self.build(missing, keep=True)
         parts = [
@@ -172,6 +177,20 @@ class ChunkCaches:
         ]
         hits, n = subspans.count_chunks([p for p in parts if p.kind != "chunk" or p.key is not None], lambda p: p.hit)
         return LookedUp(tuple(parts), hits, n - hits)
+
+    def _promote(self, keys: list[ChunkKey]) -> None:
+        """Chunks a request uses that only the disk tier holds: with `promote_disk_reads`, those
+        the store admits (from their second use, `StoreConfig.admission`) are copied into
+        memory in the background, whether this request loads them from disk or the planner
+        recomputes them (a disk slower than recompute would otherwise keep a hot chunk there
+        for good)."""
+        assert self.prefetcher is not None
+        if not self.prefetcher.config.promote_disk_reads:
+            return
+        admits = getattr(self.store, "admits", lambda key: True)
+        keys = [k for k in dict.fromkeys(keys) if admits(k)]
+        if keys:
+            self.prefetcher.promote(keys)
 
     # ------------------------------------------------------------------ tokens and keys
     def tokenize(self, text: str) -> torch.Tensor:
@@ -467,7 +486,7 @@ class ChunkCaches:
         tier = self.device_tier()
         if tier is None:
             return True
-        cap = self.store.gpu_cap
+        cap = getattr(self.store, "gpu_cap", None)
         return tier.resize(max(0, room if cap is None else min(cap, room))) is not None
 
     def _budget(self) -> int:

@@ -241,9 +241,10 @@ class PrefetchConfig:
     # prefill waits on one event per layer.
     eager_memory: bool = True
     ahead: int = 4
-    # After a request streamed chunks from the disk tier, copy those chunks into the memory
-    # tiers in the background (`TieredStore.promote`, chunks the store admits), so the next
-    # request that uses them reads memory. Off: a benchmark of the disk tier repeats the same reads.
+    # When a request uses chunks only the disk tier holds, copy those the store admits into
+    # the memory tiers in the background (`TieredStore.promote`, from `ChunkCaches.lookup`),
+    # so the next request that uses them reads memory. Off: a benchmark of the disk tier
+    # repeats the same reads.
     promote_disk_reads: bool = False
     # Chunks streamed from the host tier are copied into the store's GPU tier as they load
     # (when the store admits them and the engine's GPU budget has room), so the next request
@@ -656,11 +657,6 @@ class LoadSession:
         self.close()
         if self._error is not None:
             raise RuntimeError("prefetch failed") from self._error
-        if self.config.promote_disk_reads and self._disk_jobs:
-            admits = getattr(self.store, "admits", lambda key: True)
-            keys = [src.obj for src, _ in self._disk_jobs if admits(src.obj)]
-            if keys:
-                self.pf.promote(keys)
         return self.report
 
     def _issue(self, upto: int) -> None:
@@ -735,7 +731,8 @@ class LoadSession:
         fills, self._fills = self._fills, []
         tier = getattr(self.store, "gpu", None)
         for f in fills:
-            tier.unclaim(f.charged)
+            if tier is not None:  # a fill exists only where the store has the tier
+                tier.unclaim(f.charged)
 
     def _unpin(self) -> None:
         pins, self._pins = self._pins, []

@@ -261,7 +261,7 @@ def run(args) -> tuple[list[dict], dict | None]:
 def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[int, int]) -> list[dict]:
     from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path, save_rates
     from qcfuse_core.engine.api import QCFuseEngine
-    from qcfuse_core.engine.config import EngineConfig, FrameConfig
+    from qcfuse_core.engine.config import CacheConfig, EngineConfig, FrameConfig
     from qcfuse_core.eval.hooks import internals
     from qcfuse_core.selection.base import get_selector
 
@@ -272,7 +272,13 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
     nbytes = kv_bytes_per_token(adapter) * size[0] * size[1]
     store = open_tier_store(kv_root, tier, nbytes, cuda, getattr(args, "storage_dtype", "auto"))
     engine = QCFuseEngine(
-        adapter, store=store, config=EngineConfig(threads=args.threads or None, frame=FrameConfig(work.system))
+        adapter,
+        store=store,
+        config=EngineConfig(
+            threads=args.threads or None,
+            frame=FrameConfig(work.system),
+            cache=CacheConfig(promote_disk_reads=False),  # each run reads the tier it measures
+        ),
     )
     t0 = time.perf_counter()
     keys = engine.build_chunks(work.texts, work.node_ids)

@@ -268,7 +268,7 @@ class TieredStore(ChunkStore):
         layer loads find it -> True when it was read and admitted. Already in a memory tier,
         not on disk, or larger than the tier: False."""
         tiers = self.memory_tiers
-        if not tiers or self.in_memory(key):
+        if not tiers or tiers[-1].capacity_bytes == 0 or self.in_memory(key):
             return False
         image = self.disk.read(key)
         if image is None:
