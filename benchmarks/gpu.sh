@@ -146,7 +146,7 @@ if has hot; then
   LOAD="$PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default
       --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --methods full qcfuse --ratios 0.15
       --rates $RATES --store $HOT"
-  if [ -n "$QUICK" ]; then N1=12 NZ=16; else N1=40 NZ=60; fi
+  if [ -n "$QUICK" ]; then N1=12 NZ=16; else N1=40 NZ=120; fi
   step "hot: 1 client, fresh draws of 10 from 50 x 1024, default tiers"
   timeout 420 $LOAD --pool-chunks 50 --clients 1 --requests-per-client $N1 --max-new-tokens 16 --duration-s 150 \
       --json "$OUT/hot_fresh1.json" --markdown "$OUT/hot_fresh1.md" --plot "$OUT/hot_fresh1.png" \
@@ -158,7 +158,7 @@ if has hot; then
   tail -8 "$OUT/hot_fresh8.log"; rm -rf "$HOT"
   step "hot: Zipf(1.0) over 400 x 1024 (3x the GPU chunk cap of 18 GB; host tier 36 GB)"
   timeout 600 $LOAD --pool-chunks 400 --popularity zipf --zipf-s 1.0 --gpu-chunk-bytes 18e9 --host-bytes 36e9 \
-      --clients 1 --requests-per-client $NZ --max-new-tokens 16 --duration-s 200 \
+      --clients 1 --requests-per-client $NZ --max-new-tokens 16 --duration-s 240 \
       --json "$OUT/hot_zipf.json" --markdown "$OUT/hot_zipf.md" --plot "$OUT/hot_zipf.png" \
       > "$OUT/hot_zipf.log" 2>&1
   tail -8 "$OUT/hot_zipf.log"; rm -rf "$HOT"
