@@ -19,7 +19,8 @@ the probe ranks low). After the fused prefill the guard reads one signal and act
                 budget, nothing probed or tokenized again; the request's KV buffer reused),
                 the signal read again after each; 1.0 is full prefill (HF's own forward of the
                 prompt's token ids: exactly a `full` request's answer). It stops at the first
-                rung whose margin clears the threshold.
+                rung whose margin clears the threshold. A selection with no scores to re-rank
+                (the adaptive budget's) goes straight to full prefill.
     ceiling     `GuardConfig.max_added_ms`: a rung whose estimated time (the fused prefill's
                 time per recomputed row x the rung's rows) would take the added time past it
                 is not run (reason `ceiling`).

@@ -553,7 +553,10 @@ class Steps:
                 continue
             t0 = time.perf_counter()
             try:
-                pre = self._rung(req, pre, ratio)
+                sel = None if ratio >= 1.0 else self._rechosen(req, pre, ratio)
+                if ratio < 1.0 and sel is None:  # nothing to re-rank (an adaptive budget): on to the next rung
+                    continue
+                pre = self._rung(req, pre, ratio, sel)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 return e
             rep.added_ms += (time.perf_counter() - t0) * 1e3
@@ -565,22 +568,25 @@ class Steps:
                 break
         return pre
 
-    def _rung(self, req: Request, pre: Prefilled, ratio: float) -> Prefilled:
-        """`req`'s prompt fused again at `ratio` (its probe's scores re-ranked at that budget:
-        nothing probed or tokenized again), or at 1.0 by full prefill (HF's own forward, as a
-        `full` request alone), into the request's KV buffer."""
+    def _rechosen(self, req: Request, pre: Prefilled, ratio: float) -> SelectionResult | None:
+        """`req`'s selection at `ratio` from its probe's scores (nothing probed again), or None
+        where it has none to re-rank (`selectors.rechoose`)."""
+        engine = self.engine
+        opts, _ = self._options(req.method, None)
+        ctx = SelectionContext(engine.adapter, pre.prompt, ratio, seed=engine.config.seed, options=opts)
+        return rechoose(ctx, pre.selection)
+
+    def _rung(self, req: Request, pre: Prefilled, ratio: float, sel: SelectionResult | None) -> Prefilled:
+        """`req`'s prompt fused again with the rows of `sel` (a rung below 1.0), or at 1.0 by
+        full prefill (HF's own forward, as a `full` request alone), into the request's KV
+        buffer."""
         engine, prompt = self.engine, pre.prompt
         engine.caches.give_kv(req.cache)  # the same buffer serves the rung (fuse_many takes it)
         req.cache = None
-        if ratio >= 1.0:
+        if ratio >= 1.0 or sel is None:
             full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
             job = FuseJob(Loading(prompt, None), Selected(full), "full", req.generation.max_new_tokens, req)
         else:
-            opts, _ = self._options(req.method, None)
-            ctx = SelectionContext(engine.adapter, prompt, ratio, seed=engine.config.seed, options=opts)
-            sel = rechoose(ctx, pre.selection)
-            if sel is None:  # no scores to re-rank (an adaptive budget): select again
-                sel = self.select(prompt, req.method, ratio).selection
             session = self.start_sessions([prompt])[0]
             job = FuseJob(Loading(prompt, session), Selected(sel), req.method, req.generation.max_new_tokens, req)
         got = self.fuse_many([job])[0]
