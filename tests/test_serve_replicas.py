@@ -24,6 +24,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray tests need the `ray` extra (ray[serve]); requirements.lock pins it")
 from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 
+from qcfuse_core import DEFAULT_MODEL_NAME  # noqa: E402  (the id the replicas serve the embedded model as)
 from qcfuse_core.engine.api import QCFuseEngine  # noqa: E402
 from qcfuse_core.eval.routing import mix, pool_texts, prompt_of, replay, summarise  # noqa: E402
 from qcfuse_core.model.testing import tiny_model  # noqa: E402
@@ -264,7 +265,7 @@ def test_two_replicas_share_one_store(cluster):
         built = c.post("/v1/chunks", json={"texts": [new], "ids": ["log-1"]})
         assert built.status_code == 200, built.text
         builder = built.headers["x-qcfuse-replica"]
-        body = {"model": "m", "prompt": prompt_of([new, cluster.texts[0]], "what?"), "max_tokens": 2, "temperature": 0}
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt_of([new, cluster.texts[0]], "what?"), "max_tokens": 2, "temperature": 0}
         answers = []
         for _ in range(3):  # rounds of 4 at once: Ray's router spreads them over both replicas
             with ThreadPoolExecutor(4) as pool:
@@ -303,7 +304,7 @@ def test_a_replica_killed_mid_stream(cluster):
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
     prompt = prompt_of(cluster.texts[:3], "tell me everything")
     with client.completions.with_streaming_response.create(
-        model="m", prompt=prompt, max_tokens=400, temperature=0, stream=True, extra_body={"qcfuse": {"ignore_eos": True}}
+        model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=400, temperature=0, stream=True, extra_body={"qcfuse": {"ignore_eos": True}}
     ) as resp:
         victim = resp.headers["x-qcfuse-replica"]
         stream = resp.parse()
@@ -317,7 +318,7 @@ def test_a_replica_killed_mid_stream(cluster):
     end = time.monotonic() + 120
     while served is None and time.monotonic() < end:  # the other replica keeps serving
         try:
-            r = client.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+            r = client.completions.with_raw_response.create(model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
             served = r.headers["x-qcfuse-replica"]
         except openai.APIStatusError as e:  # a 503 while the router learns of the death
             assert e.status_code == 503, e
