@@ -240,3 +240,22 @@ def test_on_cuda_a_pinned_host_chunk_fills_the_gpu_tier_and_answers_do_not_chang
     eng.caches.release(r)
     ref.close()
     eng.close()
+
+
+def test_the_host_tier_lets_go_first_of_chunks_the_gpu_tier_holds(tmp_path):
+    ids = [torch.arange(i * 8, i * 8 + 8) for i in range(4)]
+    chunks = [
+        KVChunk(ChunkKey.for_tokens("0123456789abcdef", t), t, torch.randn(2, 8, 1, 4), torch.randn(2, 8, 1, 4))
+        for t in ids
+    ]
+    images = [encode_chunk(c, "auto") for c in chunks]
+    room = 3 * images[0].nbytes + 64 * 3  # three images (the arena rounds each up to 64 bytes)
+    with open_store(tmp_path, memory_bytes=room, gpu_bytes=1 << 20, use_cuda=False, chunk_device="cpu") as st:
+        for im in images[:3]:
+            st.host.put(im)
+        st.gpu.put(images[0])  # chunk 0 is on the "GPU" too
+        st.host.get(images[0].key)  # and the most recently used on the host
+        st.host.put(images[3])
+        assert images[0].key not in st.host  # its host copy went first, not the least recently used
+        assert all(im.key in st.host for im in images[1:])
+        assert images[0].key in st.gpu

@@ -25,7 +25,7 @@ Thread safety: the tier's lock guards the arena; the copy into a new extent runs
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -52,6 +52,8 @@ class HostTier(MemoryTier):
             self.capacity_bytes, pin=pin, slab_bytes=slab_bytes, fence=torch.cuda.synchronize if pin else None
         )
         self._extents: dict[ChunkKey, Extent] = {}
+        # keys a faster tier holds too (the store sets it): evicted before the policy's order
+        self.shadowed: Callable[[ChunkKey], bool] | None = None
         self._held: dict[ChunkKey, list[Extent]] = {}  # removed while pinned: freed at the last unpin
 
     @property
@@ -141,6 +143,13 @@ class HostTier(MemoryTier):
         entry whose image object someone outside the tier still holds stays too: its bytes
         could not be reused anyway (`HostArena.reclaim`)."""
         metas = [m for k, m in self._meta.items() if k not in self._pins and sys.getrefcount(self._images[k]) <= 2]
+        # entries a faster tier also holds go first, least recently used first: their copy
+        # here only saves a request once that tier lets them go, so the room holds more chunks
+        shadowed = self.shadowed
+        if shadowed is not None:
+            first = sorted((m for m in metas if shadowed(m.key)), key=lambda m: (m.last_access, m.inserted))
+            yield from (self._extents[m.key] for m in first)
+            metas = [m for m in metas if not shadowed(m.key)]
         if type(self.policy).victim is EvictionPolicy.victim:  # a plain priority: one sort
             metas.sort(key=lambda m: (*self.policy.priority(m), m.inserted))
             yield from (self._extents[m.key] for m in metas)

@@ -182,6 +182,9 @@ class TieredStore(ChunkStore):
         )
         memory = config.memory_bytes if config.memory_bytes is not None else host_tier_bytes()
         self.host = HostTier("host", memory, policy, pin=self.cuda)  # images in one arena (store/arena.py)
+        gpu = self.gpu
+        if gpu is not None:  # a chunk on the GPU keeps its host copy only while the room is spare
+            self.host.shadowed = gpu.__contains__
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()  # recent uses per key (admission)
         self.disk = DiskTier(
             root,
