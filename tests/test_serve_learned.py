@@ -144,6 +144,23 @@ def test_learner_policy_and_bounds(tiny):
         eng.close()
 
 
+def test_a_span_longer_than_the_context_is_never_built(tiny):
+    eng = _engine(tiny)
+    learner = ChunkLearner(eng)
+    long = " ".join(["a long paragraph about the harbour and its ledger"] * 100)  # 5,000 bytes: past 4,096 positions
+    prompt = f"Context:\n{long}\n\n{DOCS['ferry']}\n\nQuestion: ?"
+    try:
+        for _ in range(2):  # seen twice: queued once, refused, not queued again
+            learner.observe(prompt, [prompt], eng.caches.texts.find(prompt))
+            assert learner.wait(TIMEOUT_S)
+        s = learner.stats()
+        assert (s.learned, s.builds, s.failed, s.pending) == (1, 1, 1, 0)
+        assert [p.text for p in eng.caches.texts.find(prompt)] == [DOCS["ferry"]]
+    finally:
+        learner.close()
+        eng.close()
+
+
 def test_learned_texts_survive_a_restart_and_show_in_store_stats(tmp_path, tiny, capsys):
     _fill(tmp_path)  # a KV store for `store stats` to read
     index = ChunkTextIndex(tmp_path / "chunk_texts.sqlite")

@@ -98,7 +98,7 @@ class LearnedStats:
     misses: int  # context spans requests computed: no cache held them yet
     evicted: int  # learned texts forgotten (index and store) past max_learned
     dropped: int  # spans not queued: max_pending builds were waiting
-    failed: int  # builds that raised (the spans are computed, as before)
+    failed: int  # spans whose build raised or that exceed the model's context (computed, as before)
     pending: int  # spans queued or building now
 
 
@@ -168,6 +168,7 @@ class ChunkLearner:
         self._idle = threading.Condition(self._lock)
         self._seen: OrderedDict[str, int] = OrderedDict()  # learned id -> sightings (not learned yet)
         self._pending: set[str] = set()  # learned ids queued or building
+        self._unfit: OrderedDict[str, None] = OrderedDict()  # spans longer than the model's context
         # learned id -> text, least recently used first: what this index holds (also from earlier runs)
         self._learned: OrderedDict[str, str] = OrderedDict(
             (nid, text) for _, nid, text in engine.caches.texts.verified_rows() if nid and _is_learned(nid)
@@ -184,14 +185,14 @@ class ChunkLearner:
         cfg = self.config
         taken = _positions(prompt, found)
         candidates: dict[str, str] = {}
-        for ctx in contexts:
-            for span in spans(ctx, cfg.min_chars, cfg.max_chars):
-                at = prompt.find(span)
-                if at < 0 or any(at < e and s < at + len(span) for s, e in taken):
-                    continue  # not in the prompt as rendered, or a registered chunk covers it
-                candidates.setdefault(learned_id(span), span)
-                if len(candidates) >= cfg.max_spans:
-                    break
+        every = (span for ctx in contexts for span in spans(ctx, cfg.min_chars, cfg.max_chars))
+        for span in every:
+            at = prompt.find(span)
+            if at < 0 or any(at < e and s < at + len(span) for s, e in taken):
+                continue  # not in the prompt as rendered, or a registered chunk covers it
+            candidates.setdefault(learned_id(span), span)
+            if len(candidates) >= cfg.max_spans:
+                break
         todo: list[tuple[str, str]] = []
         with self._lock:
             for c in found:
@@ -203,7 +204,7 @@ class ChunkLearner:
                 if nid in self._learned:  # learned, yet not found: another request's build just landed
                     continue
                 self._counts["misses"] += 1
-                if nid in self._pending:
+                if nid in self._pending or nid in self._unfit:
                     continue
                 n = self._seen.pop(nid, 0) + 1
                 if n < cfg.after:
@@ -231,8 +232,19 @@ class ChunkLearner:
     def _build(self, items: list[tuple[str, str]]) -> None:
         """Build and register `items` ((text, learned id)) on the learner's thread, then forget
         the least recently used learned texts past max_learned."""
-        engine = self.engine
+        engine, queued = self.engine, items
+        limit = engine.adapter.max_positions
         try:
+            if limit:  # a span longer than the model's context cannot have a cache of its own: never queued again
+                long = {nid for t, nid in items if int(engine.caches.chunk_tokens(t)[0].numel()) > limit}
+                if long:
+                    with self._lock:
+                        self._counts["failed"] += len(long)
+                        for nid in long:
+                            self._unfit[nid] = None
+                        while len(self._unfit) > self.config.remembered:
+                            self._unfit.popitem(last=False)
+                    items = [item for item in items if item[1] not in long]
             engine.build_chunks([t for t, _ in items], register=False)  # no node link: nothing to unlink later
             texts = engine.caches.texts
             for text, nid in items:  # a text registered meanwhile (/v1/chunks) keeps its own id
@@ -252,7 +264,7 @@ class ChunkLearner:
                 self._counts["failed"] += len(items)
         finally:
             with self._lock:
-                self._pending.difference_update(nid for _, nid in items)
+                self._pending.difference_update(nid for _, nid in queued)
                 self._idle.notify_all()
 
     def _forget(self, nid: str, text: str) -> None:
