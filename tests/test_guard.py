@@ -224,3 +224,18 @@ def test_an_escalated_request_does_not_stall_the_decoding_ones(tiny):
     assert b[got - 1] == (0, Status.WAITING) and b[got][1] is Status.DECODING
     assert a[got][0] == a[got - 1][0] + 1
     eng.close()
+
+
+def test_the_server_counts_escalations_by_action_and_reason(tiny):
+    from qcfuse_core.serve.metrics import ServeMetrics
+    from qcfuse_core.serve.protocol import fusion_stats
+
+    eng = _engine(tiny, threshold=1.0)
+    metrics = ServeMetrics(eng)
+    r = eng.answer(Q, DOCS, max_new_tokens=2)
+    metrics.finished("completions", r, 0.1)
+    metrics.finished("completions", eng.answer(Q, DOCS, max_new_tokens=2, guard=False), 0.1)  # not counted
+    text = metrics.render().decode()
+    assert 'qcfuse_guard_escalations_total{action="full",reason="low_margin"} 1.0' in text
+    assert fusion_stats(r, [None] * 4)["guard"] == r.guard.to_dict()
+    eng.close()

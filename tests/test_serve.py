@@ -107,6 +107,7 @@ def test_completions_are_engine_complete(client, engine):
     stats = body["qcfuse"]
     assert stats["cache_hits"] == 2 and stats["cache_misses"] == 0 and stats["chunk_ids"] == ["doc-0", "doc-1"]
     assert stats["context_tokens"] == want.context_tokens and stats["method"] == engine.config.method
+    assert stats["guard"] == want.guard.to_dict() | {"added_ms": stats["guard"]["added_ms"]}  # the quality guard's report
 
 
 def test_chat_is_engine_complete_streamed_or_not(client, engine):

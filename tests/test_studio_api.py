@@ -121,6 +121,8 @@ def test_run_results_are_the_engines(run, top):
     assert full["agreement"]["same_text"] and full["agreement"]["share"] == 1.0
     fused = res[0]
     assert (fused["cache_hits"], fused["cache_misses"], fused["cache_built"]) == (3, 0, 0)  # built at ingestion
+    assert fused["guard"]["signal"] == "first_token_margin" and fused["guard"]["action"] in ("kept", "ratio 0.5", "full")
+    assert full["guard"]["code"] == "not_guarded"  # the quality guard's signal and action (issue 53)
     assert fused["stages"][2]["ms"] > 0  # qcfuse's probe
     assert set(fused["memory"]["kv_bytes_by_tier"]) <= {"tensor", "host", "disk", "gpu"}
     assert fused["memory"]["kv_bytes_by_tier"].get("host", 0) + fused["memory"]["kv_bytes_by_tier"].get("disk", 0) > 0
