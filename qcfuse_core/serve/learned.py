@@ -209,14 +209,14 @@ class ChunkLearner:
                 n = self._seen.pop(nid, 0) + 1
                 if n < cfg.after:
                     self._seen[nid] = n
-                    while len(self._seen) > cfg.remembered:
-                        self._seen.popitem(last=False)
                 elif len(self._pending) >= cfg.max_pending:
                     self._counts["dropped"] += 1
                     self._seen[nid] = n  # queued when seen next, if there is room then
                 else:
                     self._pending.add(nid)
                     todo.append((span, nid))
+            while len(self._seen) > cfg.remembered:
+                self._seen.popitem(last=False)
             if todo:
                 self._pool.submit(self._build, todo)
         return len(todo)
