@@ -10,7 +10,10 @@
 `bench quality` writes the table to OUT, its summary (share of the naive-to-full KL gap
 closed and contains against full, each with a 95% paired bootstrap interval over the
 questions; scores averaged over the datasets) next to it as
-OUT's stem + `.summary.json`, and prints both.
+OUT's stem + `.summary.json`, and prints both. With `--guard` the summary also has the
+quality guard's catch and escalation rates, and OUT's stem + `.guard.jsonl` holds its record
+per question (first-token and answer agreement with full prefill, escalated or not, the
+recompute share spent).
 
 `add_commands(subparsers)` registers both on the main parser (qcfuse_core/cli/commands.py).
 """
@@ -346,6 +349,9 @@ def cmd_bench_quality(args) -> int:
     guarded = [r for r in records if r["method"] == bq.GUARDED_LABEL]
     if guarded:
         summary["guard"] = bq.guard_summary(records, guarded[0]["ratio"])
+        keys = bq.GUARD_RECORD_KEYS
+        per_request = "".join(json.dumps({k: r.get(k) for k in keys}) + "\n" for r in guarded)
+        out.with_name(out.stem + ".guard.jsonl").write_text(per_request)
     out.with_name(out.stem + ".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(bq.format_summary(summary))

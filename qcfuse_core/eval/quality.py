@@ -650,6 +650,22 @@ def with_guard(records: list[dict], guard: tuple[float, float, tuple[float, ...]
     return out
 
 
+GUARD_RECORD_KEYS = (
+    "dataset",
+    "id",
+    "base_first_agree",
+    "first_agree",
+    "agree_exact",
+    "agree_rouge_l",
+    "escalated",
+    "guard_action",
+    "guard_margin",
+    "guard_threshold",
+    "recompute_share",
+)
+"""What `bench quality --guard` keeps of each question's guard record (OUT.guard.jsonl)."""
+
+
 def guard_summary(records: list[dict], base: float) -> dict:
     """Per dataset and over all: how the guard did - catch rate (of the questions where qcfuse
     at `base` gives another greedy first token than full prefill, the share escalated),
