@@ -167,7 +167,7 @@ def test_threshold_calibration_catches_the_share_asked_for():
 def _rec(method, ratio, margin, agree, share, ex=0.0):
     return dict(
         dataset="d", id="q", method=method, ratio=ratio, first_margin=margin, first_agree=agree,
-        recompute_share=share, agree_exact=ex,
+        recompute_share=share, agree_exact=ex, ttft_ms=100 * share,
     )
 
 
@@ -176,6 +176,7 @@ def test_bench_guard_records_follow_the_ladder():
     (g,) = guard_records(base, 0.1, 0.15, (0.5, 1.0))  # 0.5 clears the threshold: it stops there
     assert g["method"] == GUARDED_LABEL and g["guard_action"] == "ratio 0.5" and g["escalated"] == 1.0
     assert g["recompute_share"] == pytest.approx(0.65) and g["agree_exact"] == 1.0 and g["first_agree"] == 1.0
+    assert g["ttft_ms"] == pytest.approx(65.0)  # both passes
     (g,) = guard_records(base, 0.5, 0.15, (0.5, 1.0))  # 0.5 does not: full prefill
     assert g["guard_action"] == "full" and g["recompute_share"] == pytest.approx(1.65)
     (g,) = guard_records(base, 0.01, 0.15, (0.5, 1.0))

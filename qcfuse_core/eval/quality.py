@@ -603,13 +603,14 @@ def guard_records(records: list[dict], threshold: float, base: float, ladder: tu
     base ratio), as the engine's guard would answer: qcfuse at `base`; where its first-token
     margin is below `threshold`, each ladder rung's record in turn (1.0: full prefill's) until
     one's margin clears it (`engine/guard.py`, the same decision). Its recompute_share is
-    the share spent over every pass run; `escalated`, `guard_action` and `guard_margin` say
-    what the guard did. [] when a record it needs is missing (the run lacks a ratio)."""
+    the share spent over every pass run and its ttft_ms the time of every pass (each pass's
+    select + fused prefill as the bench times them); `escalated`, `guard_action` and
+    `guard_margin` say what the guard did. [] when a record it needs is missing (the run lacks a ratio)."""
     by = {(r["method"], r["ratio"]): r for r in records if r.get("variant") is None and "first_margin" in r}
     first = by.get(("qcfuse", base))
     if first is None:
         return []
-    chosen, spent, action = first, first["recompute_share"], "kept"
+    chosen, spent, action, ttft = first, first["recompute_share"], "kept", first["ttft_ms"]
     if escalate(first["first_margin"], threshold):
         for ratio in ladder:
             if ratio < 1.0 and ratio <= base:
@@ -619,6 +620,7 @@ def guard_records(records: list[dict], threshold: float, base: float, ladder: tu
                 return []
             chosen, action = rung, "full" if ratio >= 1.0 else f"ratio {ratio:g}"
             spent += rung["recompute_share"]
+            ttft += rung["ttft_ms"]
             if ratio >= 1.0 or not escalate(rung["first_margin"], threshold):
                 break
     keep = {k: v for k, v in chosen.items() if k not in ("method", "ratio", "answer_kl_tokens", "options")}
@@ -628,6 +630,7 @@ def guard_records(records: list[dict], threshold: float, base: float, ladder: tu
             method=GUARDED_LABEL,
             ratio=base,
             recompute_share=spent,
+            ttft_ms=ttft,
             escalated=float(action != "kept"),
             guard_action=action,
             guard_margin=first["first_margin"],
@@ -662,6 +665,7 @@ GUARD_RECORD_KEYS = (
     "guard_margin",
     "guard_threshold",
     "recompute_share",
+    "ttft_ms",
 )
 """What `bench quality --guard` keeps of each question's guard record (OUT.guard.jsonl)."""
 
