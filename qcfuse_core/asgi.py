@@ -136,12 +136,12 @@ class LocalOnly:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = _headers(scope)
-        raw_host = headers.get("host", "")
+        raw_host = headers.get("host")  # absent: an HTTP/1.0 client, or an in-process call - never a browser
         try:
-            name, _ = split_host(raw_host)
+            name = split_host(raw_host)[0] if raw_host is not None else None
         except ValueError:
             return await self._refuse(400, f"malformed Host header {raw_host!r}", scope, receive, send)
-        if not self.host_allowed(name, scope.get("server")):
+        if name is not None and not self.host_allowed(name, scope.get("server")):
             return await self._refuse(
                 403,
                 f"Host {raw_host!r} is not this server's address or a localhost name (DNS rebinding?)"
@@ -152,7 +152,7 @@ class LocalOnly:
             )
         if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
             origin = headers.get("origin")
-            if origin is not None and not self.origin_allowed(origin, raw_host, scope):
+            if origin is not None and not self.origin_allowed(origin, raw_host or "", scope):
                 return await self._refuse(
                     403,
                     f"Origin {origin!r} may not change anything here (a cross-site request)"

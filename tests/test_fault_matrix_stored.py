@@ -23,6 +23,14 @@ command the store verifies clean (`qcfuse store verify` exits 0).
     26   bytes that are not UTF-8 in a question      one-line error naming the byte
     -    an ingest that would write a lot of KV      refused without --yes (or asked on a terminal);
                                                      --max-kv-bytes caps it
+    69   a plain ask (3,003-chunk index)             no file of either index changes (bytes, mtime)
+    69b  4 concurrent asks x 3, a damaged cache      every ask answers as before; no false "damaged"
+    36b  manifest deleted, then an ask               verify and --repair classify alike: unindexed
+                                                     files indexed by --repair, orphans by --remove
+    52b  store verify on a read-only store           "read-only", the manifest intact; --repair
+                                                     refused in one line; nothing written
+    -    chunk_texts.sqlite deleted                  verify: missing; --repair rebuilds it from
+                                                     the vector index's verified copies
 """
 
 from __future__ import annotations
@@ -490,3 +498,136 @@ def test_large_ingest_asks_first(tmp_path, capsys, monkeypatch):
     assert "ingested 4 chunks" in out and "1 caches built" in out and "3 chunks not cached" in out
     rep = _verifies(capsys, store)
     assert rep["ok"] == 1 and rep["chroma"]["rows"] == 4
+
+
+# ------------------------------------------------------------------- issue 56: reads never write
+
+
+def _index_files(store: Path) -> dict[str, tuple[int, int]]:
+    """Size and mtime of every file of the two indexes (SQLite's -shm lock files and empty
+    -wal files a reader of a WAL database creates left out: they hold no data)."""
+    out = {}
+    for p in [store / "chunk_texts.sqlite", *(store / "chroma").rglob("*")]:
+        if p.is_file() and not (p.name.endswith("-shm") or (p.name.endswith("-wal") and p.stat().st_size == 0)):
+            out[str(p.relative_to(store))] = (p.stat().st_size, p.stat().st_mtime_ns)
+    return out
+
+
+def test_ask_and_verify_write_nothing_in_the_indexes(big, big_store, capsys):
+    """Row 69: a plain `qcfuse ask` (and `store verify`) leaves every file of the vector and
+    chunk-text indexes as it was: no byte and no mtime changes (Chroma rewrote all four HNSW
+    files and chroma.sqlite3 on every ask)."""
+    before = _index_files(big)
+    assert any(k.endswith("header.bin") for k in before) and "chroma/chroma.sqlite3" in before
+    with _stub_embedder():
+        r = _ask(capsys, big)
+        _verifies(capsys, big)
+    assert r["answer"] == big_store[1]["answer"] and r["sources"] == big_store[1]["sources"]
+    assert _index_files(big) == before
+
+
+def test_concurrent_asks_on_a_damaged_store(big, big_store):
+    """Row 69b: 4 asks at once, twice, on a store with a damaged cache (every ask recomputes
+    it): every ask answers as before, none reports a damaged index (an ask that rewrote the
+    HNSW files made another read a 0-byte header.bin, 1 trial in 3), and after each trial no
+    index file has changed - the check that makes the race impossible, not unlikely (the
+    reader-against-writer race is repeated 100s of times in tests/test_vector_reader.py)."""
+    from test_fault_matrix import _flip_bytes
+
+    _flip_bytes(next((big / "kv").rglob("*.safetensors")))
+    before = _index_files(big)
+    for trial in range(2):
+        procs = [subprocess.Popen([sys.executable, str(TESTS / "stub_embedder.py"), "ask", QUESTION, "--store",
+                                   str(big), *ASK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "TRITON_INTERPRET": "1"}) for _ in range(4)]
+        for p in procs:
+            out, err = p.communicate(timeout=1800)
+            assert p.returncode == 0, (trial, err[-2000:])
+            assert "damaged" not in err and "Traceback" not in err, (trial, err[-2000:])
+            got = json.loads(out)
+            assert got["answer"] == big_store[1]["answer"] and got["sources"] == big_store[1]["sources"], trial
+        assert _index_files(big) == before, trial
+
+
+# ------------------------------------------------------------------- issue 56: verify and repair agree
+
+
+def test_manifest_deleted_then_asked_verify_and_repair_agree(store, baseline_answer, capsys):
+    """Row 36b: the manifest deleted, then an ask (which stores its caches again): what verify
+    lists, the flag it names does - unindexed files are indexed by --repair, orphans (second
+    copies of indexed entries) are left by --repair and deleted by --remove - never each
+    sending you to the other."""
+    manifest = store / "kv" / "manifest.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(manifest) + suffix).unlink(missing_ok=True)
+    assert _ask(capsys, store)["answer"] == baseline_answer["answer"]
+    code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--json")
+    first = json.loads(out)
+    code, text, err = _cli(capsys, "store", "verify", "--store", str(store))
+    if first["unindexed"]:
+        assert code == 1 and f"run with --repair to index the {len(first['unindexed'])} unindexed" in text
+    if first["orphans"]:
+        assert f"run with --remove to delete the 0 bad, 0 stale and {len(first['orphans'])} orphan files" in text
+    assert first["unindexed"] or first["orphans"]
+    code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--repair", "--json")
+    repaired = json.loads(out)
+    assert code == 0, out + err
+    assert repaired["repaired"] == len(first["unindexed"]) and repaired["orphans"] == first["orphans"]
+    code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--remove", "--json")
+    removed = json.loads(out)
+    assert removed["removed"] == len(first["orphans"]) and not removed["unindexed"]
+    rep = _verifies(capsys, store)
+    assert not rep["orphans"] and not rep["unindexed"] and not rep["bad"]
+    r = _ask(capsys, store)
+    assert r["cache_hits"] == 3 and r["answer"] == baseline_answer["answer"]
+
+
+def test_verify_on_a_read_only_store_says_read_only(store, baseline_answer):
+    """Row 52b: `store verify` on a read-only store (root's permission overrides dropped)
+    reports an intact manifest as intact and the store as read-only, not "damaged"; --repair
+    is refused in one line; nothing is written."""
+    from test_fault_matrix import _needs_setpriv, _read_only, _snapshot, _subprocess, _writable
+
+    _needs_setpriv()
+    before = _snapshot(store)
+    _read_only(store)
+    try:
+        proc = _subprocess(["store", "verify", "--store", str(store)], drop_caps=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "read-only" in proc.stdout and "damaged" not in proc.stdout and "BAD" not in proc.stdout, proc.stdout
+        assert "3 ok, 0 bad" in proc.stdout or "4 ok, 0 bad" in proc.stdout or " ok, 0 bad" in proc.stdout
+        proc = _subprocess(["store", "verify", "--store", str(store), "--json"], drop_caps=True)
+        rep = json.loads(proc.stdout)
+        assert rep["read_only"] and not rep["manifest"]["problem"] and rep["ok"] >= 3 and not rep["unindexed"]
+        proc = _subprocess(["store", "verify", "--store", str(store), "--repair"], drop_caps=True)
+        assert proc.returncode == 2
+        _one_line_error(proc, "read-only")
+        proc = _subprocess(["ask", QUESTION, "--store", str(store), *ASK], drop_caps=True)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["answer"] == baseline_answer["answer"], proc.stderr
+    finally:
+        _writable(store)
+    assert _snapshot(store) == before
+
+
+def test_repair_rebuilds_a_deleted_chunk_text_index_from_the_vector_index(store, baseline_answer, capsys):
+    """The chunk-text index deleted: verify names it missing (the vector index holds the texts),
+    --repair rebuilds it from Chroma's verified copies, and ask finds the chunks again."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(store / "chunk_texts.sqlite") + suffix).unlink(missing_ok=True)
+    code, out, err = _cli(capsys, "store", "verify", "--store", str(store))
+    assert code == 1 and "chunk-text index" in out and "missing, while the vector index holds 3 texts" in out
+    assert "run with --repair to rebuild the chunk-text index" in out
+    code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--repair")
+    assert code == 0, out + err
+    assert "rebuilt the chunk-text index from the verified texts (3 texts)" in out
+    rep = _verifies(capsys, store)
+    assert rep["chunk_texts"]["rows"] == 3 and not rep["chunk_texts"]["problem"]
+    from qcfuse_core.retrieval.texts import ChunkTextIndex
+
+    index = ChunkTextIndex(store / "chunk_texts.sqlite", read_only=True)
+    try:
+        assert {p.text.strip() for p in index.find("\n\n".join(DOCS.values()))} == {t.strip() for t in DOCS.values()}
+    finally:
+        index.close()
+    r = _ask(capsys, store)
+    assert r["answer"] == baseline_answer["answer"] and r["cache_hits"] == 3

@@ -15,14 +15,12 @@ a non-zero exit status, or in a warning and a normal answer - never in a traceba
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import logging
 import os
 import shutil
 import sqlite3
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -88,11 +86,29 @@ def _tree_writable(path: Path) -> bool:
     return all(os.access(p, os.W_OK) for p in [path, *path.rglob("*")])
 
 
-def _collection(store: Path, *, read_only: bool = False):
-    """The store's Chroma collection. Read-only (by flag, or when the folder is not
-    writable): a private temporary copy is opened, since Chroma writes on open; the store's
-    own files are never touched. A damaged index raises StoreError naming the repair."""
+def _reader(store: Path):
+    """The store's vector index for a read (`ask`): its files read without opening Chroma,
+    which writes whenever it opens an index (retrieval/reader.py); nothing in the store is
+    written. A damaged index raises StoreError naming the repair."""
+    from qcfuse_core.retrieval.reader import index_lock, open_reader
+    from qcfuse_core.store import StoreError
+
+    with index_lock(store, exclusive=False):  # no writer between the check and the read
+        problem = _vector_index_problem(store)
+        if problem:
+            raise StoreError(
+                f"the vector index at {store / 'chroma'} {problem}; rebuild it with "
+                f"`qcfuse store verify --repair --store {store}`"
+            )
+        return open_reader(store)
+
+
+def _collection(store: Path):
+    """The store's Chroma collection, for a writer (ingest, demo): its writes hold the
+    store's index lock, so readers never see a file half-written (retrieval/reader.py). A
+    damaged index raises StoreError naming the repair."""
     from qcfuse_core.retrieval.chroma import open_collection
+    from qcfuse_core.retrieval.reader import LockedCollection, index_lock
     from qcfuse_core.store import StoreError
 
     path = store / "chroma"
@@ -101,32 +117,23 @@ def _collection(store: Path, *, read_only: bool = False):
         raise StoreError(
             f"the vector index at {path} {problem}; rebuild it with `qcfuse store verify --repair --store {store}`"
         )
-    if (read_only or not _tree_writable(path)) and path.exists():
-        tmp = Path(tempfile.mkdtemp(prefix="qcfuse-chroma-ro-"))
-        atexit.register(shutil.rmtree, tmp, True)
-        shutil.copytree(path, tmp / "chroma", copy_function=shutil.copyfile)
-        for q in [
-            tmp / "chroma",
-            *(tmp / "chroma").rglob("*"),
-        ]:  # the copy is ours to write, whatever the source's modes
-            q.chmod(q.stat().st_mode | 0o700 if q.is_dir() else 0o600)
-        path = tmp / "chroma"
     chroma_errors: ModuleType | None
     try:
         import chromadb.errors as chroma_errors
     except ImportError:
         chroma_errors = None
     try:
-        collection = open_collection(path)
-        collection.count()
-        return collection
+        with index_lock(store, exclusive=True):  # Chroma writes when it opens the index
+            collection = open_collection(path)
+            collection.count()
+        return LockedCollection(collection, store)
     except Exception as e:
         if chroma_errors is None or not isinstance(e, chroma_errors.ChromaError):
             raise
         if _disk_full(e, store):  # Chroma writes when it opens: not damage
             raise StoreError(
                 f"the disk holding {store} is full and Chroma writes when it opens the vector index; "
-                "free space, or ask with --read-only"
+                "free space first (`qcfuse ask` reads it without writing)"
             ) from e
         raise StoreError(
             f"the vector index at {store / 'chroma'} is unusable ({e}); rebuild it with "
@@ -499,8 +506,7 @@ def cmd_ask(args) -> int:
     if not args.question.strip():
         raise ValueError("the question is empty")
     engine = _engine(args, read_only=True if args.read_only else None)
-    read_only = args.read_only or engine.caches.store.disk.read_only
-    ids, docs = retrieve(_collection(args.store, read_only=read_only), args.question, args.top_k, args.store)
+    ids, docs = retrieve(_reader(args.store), args.question, args.top_k, args.store)
     limit = engine.adapter.max_positions or args.max_context
     if args.max_context:
         limit = min(limit, args.max_context)

@@ -311,12 +311,20 @@ def _verify(args: argparse.Namespace, disk: DiskTier) -> int:
         lines.append(f"repaired {rep.repaired} index rows" + "".join(f"; {d}" for d in idx.repaired))
     if args.remove:
         lines.append(f"removed {rep.removed}")
-    if rep.unindexed or idx.bad:
-        lines.append("run with --repair to index the intact entries again and rebuild a damaged index")
-    elif (rep.bad or rep.stale or rep.orphans) and not args.remove:
-        lines.append("run with --remove to delete them (damaged caches are also recomputed when asked)")
-    if problem and not args.repair and not rep.unindexed:
-        lines.append("run with --repair to rebuild the KV manifest")
+    read_only = not writable(disk.root) or not writable(Path(args.store))
+    if read_only:  # what it cannot do here; the checks above read everything
+        lines.append("the store is read-only here: checked only (--repair and --remove need write access)")
+    # the advice names the flag that does it: verify and --repair classify every file the same way
+    if rep.unindexed or idx.bad or (problem and not args.repair):
+        what = [f"index the {len(rep.unindexed)} unindexed cache files again"] if rep.unindexed else []
+        what += ["rebuild the KV manifest"] if problem and not args.repair and not rep.unindexed else []
+        what += [f"rebuild the {' and the '.join(n.split(':')[0] for n in idx.bad)}"] if idx.bad else []
+        lines.append(f"run with --repair to {' and '.join(what)}")
+    if (rep.bad or rep.stale or rep.orphans) and not args.remove:
+        lines.append(
+            f"run with --remove to delete the {len(rep.bad)} bad, {len(rep.stale)} stale and {len(rep.orphans)} "
+            "orphan files (damaged caches are also recomputed when asked)"
+        )
     obj = (
         rep.as_dict()
         | idx.as_dict()
@@ -324,6 +332,9 @@ def _verify(args: argparse.Namespace, disk: DiskTier) -> int:
             "node_links": len(links),
             "dangling_links": dangling,
             "manifest": {"problem": problem, "rebuilt": bool(problem and args.repair)},
+            "read_only": read_only,
+            "repaired": rep.repaired,  # cache files indexed again (the index rebuilds: indexes_repaired)
+            "indexes_repaired": idx.repaired,
         }
     )
     drifted = False

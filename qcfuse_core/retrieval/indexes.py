@@ -15,9 +15,11 @@ is rebuilt from every verified text (its own verified documents with their ids a
 sources, then the chunk-text index's) by embedding them again. The chunk-text index is
 rebuilt from the same verified texts. Texts shorter than `segment.ANCHOR` characters are
 not in the chunk-text index; a text damaged in both indexes is lost (ingest its file
-again). A rebuild writes the new index beside the old one and swaps it in; the damaged one
-is kept as `<name>.bad-<time>`, never deleted. Checks read with read-only connections and
-open Chroma only in a child process on a copy: checking never writes.
+again). A chunk-text index that is missing while the vector index holds texts is rebuilt
+from them too. A rebuild writes the new index beside the old one and swaps it in under the
+store's index lock (retrieval/reader.py: a reader never sees the swap half-done); the
+damaged one is kept as `<name>.bad-<time>`, never deleted. Checks read with read-only
+connections and open Chroma only in a child process on a copy: checking never writes.
 
 A store whose texts came without a vector index - registered through `qcfuse serve`'s
 `/v1/chunks`, where retrieval runs in the client's framework - never had one: its absence is
@@ -34,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qcfuse_core.retrieval import vector_index as vi
-from qcfuse_core.retrieval.texts import ChunkTextIndex, lenient_text, text_hash_ok
+from qcfuse_core.retrieval.reader import index_lock
+from qcfuse_core.retrieval.texts import ANCHOR, ChunkTextIndex, lenient_text, text_hash_ok
 from qcfuse_core.retrieval.vector_index import CHROMA, VECTOR_MARKER, mark_vector_index
 from qcfuse_core.types import chunk_id
 
@@ -168,6 +171,13 @@ def check(root: Path, linked_nodes: set[str] | None = None, *, probe: bool = Tru
     verified = texts.rows - texts.damaged if texts.present else 0
     expected = (root / VECTOR_MARKER).exists()
     chroma, ids = check_chroma(root / CHROMA, verified if expected else 0, probe=probe)
+    if not texts.present and chroma.present and chroma.rows:
+        try:
+            n = sum(1 for d in vi.documents(root / CHROMA) if d.ok and len(d.text or "") >= ANCHOR)
+        except sqlite3.Error:
+            n = 0
+        if n:
+            texts.problem = f"missing, while the vector index holds {n} texts (it is rebuilt from them)"
     rep = IndexReport(texts, chroma)
     if verified and not chroma.present and not expected:
         rep.notes.append(
@@ -247,11 +257,12 @@ def rebuild_chunk_texts(root: Path, texts: list[tuple[str, str, dict]] | None = 
     n = sum(index.add(text, node_id) for node_id, text, _ in texts)
     index.close()
     target = root / CHUNK_TEXTS
-    if target.exists():
-        _set_aside(target)
     for suffix in ("-wal", "-shm"):
         Path(str(tmp) + suffix).unlink(missing_ok=True)
-    tmp.rename(target)
+    with index_lock(root, exclusive=True):
+        if target.exists():
+            _set_aside(target)
+        tmp.rename(target)
     return n
 
 
@@ -279,9 +290,10 @@ def rebuild_chroma(root: Path, texts: list[tuple[str, str, dict]] | None = None)
     del col
     _forget_chroma_clients()
     target = root / CHROMA
-    if target.exists():
-        target.rename(target.with_name(f"{CHROMA}.bad-{int(time.time())}"))
-    tmp.rename(target)
+    with index_lock(root, exclusive=True):
+        if target.exists():
+            target.rename(target.with_name(f"{CHROMA}.bad-{int(time.time())}"))
+        tmp.rename(target)
     mark_vector_index(root)
     return n
 

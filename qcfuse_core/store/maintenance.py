@@ -11,9 +11,14 @@ A file under `data/` that no manifest row names is either
   token-id hash agree, its name carries the tag of its checksums) - e.g. after the manifest
   was lost or replaced. It is never removed; `repair` indexes it again;
 - an *orphan*: a temporary file of a writer that died, a file published by a writer killed
-  before its manifest commit that does not verify, or a second copy of an indexed entry.
-  Orphans are never read; `remove` deletes them. Files younger than `grace_s` are left
-  alone, since a live writer in another process may be about to commit them.
+  before its manifest commit that does not verify, or a second intact copy of an entry that
+  is indexed (or unindexed and repairable) already. Orphans are never read; `remove`
+  deletes them. Files younger than `grace_s` that do not verify are left alone, since a
+  live writer in another process may be about to commit them.
+
+`verify` classifies every file the same way with or without `repair`: what it lists as
+unindexed, `repair` indexes; what it lists as orphans, `remove` deletes (and `repair`
+leaves). So the advice a report gives is what the named flag then does.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ def manifest_problem(path: Path) -> str:
     if not path.is_file():
         return "missing"
     try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        db = _read_only_db(path)
         try:
             res = db.execute("PRAGMA quick_check").fetchone()[0]
             if res != "ok":
@@ -91,6 +96,27 @@ def manifest_problem(path: Path) -> str:
     except sqlite3.Error as e:
         return f"damaged ({e})"
     return ""
+
+
+def _read_only_db(path: Path) -> sqlite3.Connection:
+    """A read-only connection; on a read-only folder, where SQLite cannot make the -shm file a
+    write-ahead-logged database needs, the file is read as immutable (nothing writes there)."""
+    uri = path.resolve().as_uri()
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        if writable_folder(path.parent):
+            raise
+        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+
+
+def writable_folder(folder: Path) -> bool:
+    """This process may create files in `folder` (what SQLite needs beside a database)."""
+    import os
+
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def set_aside_manifest(path: Path) -> Path:
@@ -209,7 +235,7 @@ def verify(
 ) -> VerifyReport:
     """Read and check every entry and sidecar, then every file no row names; with `repair`,
     index intact unnamed files again (entries before sidecars); with `remove`, delete bad,
-    stale and orphaned ones - never a file that verifies."""
+    stale and orphaned ones - never the only intact copy of an entry."""
     rep = VerifyReport()
     for row in disk.manifest.entries():
         rep.checked += 1
@@ -263,14 +289,34 @@ def verify(
                 p.unlink(missing_ok=True)
                 rep.removed += 1
     recovered.sort(key=lambda pr: isinstance(pr[1], SidecarRow))  # entries first
+    seen: set[tuple] = set()
     for p, rec in recovered:
-        if repair and _reindex(disk, rec):
+        rel = p.relative_to(disk.root).as_posix()
+        ident = (isinstance(rec, SidecarRow), rec.chunk_key, rec.format_version, getattr(rec, "storage", ""))
+        if ident in seen or _indexed_copy(disk, rec):  # a second copy: an orphan, in either mode
+            rep.orphans.append(rel)
+            if remove:
+                p.unlink(missing_ok=True)
+                rep.removed += 1
+            continue
+        seen.add(ident)
+        if not repair:
+            rep.unindexed.append(rel)
+        elif _reindex(disk, rec):
             rep.repaired += 1
-        elif repair:  # another intact copy is indexed for this key: a redundant file
-            rep.orphans.append(p.relative_to(disk.root).as_posix())
-        else:
-            rep.unindexed.append(p.relative_to(disk.root).as_posix())
+        else:  # indexed by another process meanwhile: this copy is a second one
+            rep.orphans.append(rel)
     return rep
+
+
+def _indexed_copy(disk: DiskTier, row: EntryRow | SidecarRow) -> bool:
+    """The manifest already has a usable row for this file's entry or sidecar (the test
+    `_reindex` applies before it indexes a file)."""
+    m = disk.manifest
+    if isinstance(row, SidecarRow):
+        return m.lookup_sidecar(row.chunk_key, row.format_version) is not None
+    old = m.lookup(row.chunk_key, row.format_version, row.storage)
+    return old is not None and disk._entry_ok(old)
 
 
 def gc(disk: DiskTier, max_bytes: int, *, grace_s: float = DEFAULT_GRACE_S) -> GcReport:

@@ -215,10 +215,12 @@ class StudioService:
         self.model: ModelEntry = initial_model(self._models, config.models)
         self._model_job: Job | None = None  # the model switch in progress (status shows it)
         self.engine = engine if engine is not None else self._open_engine(self.model)
-        if collection is None:
+        if collection is None:  # its writes hold the store's index lock: readers never see them half-done
             from qcfuse_core.retrieval.chroma import open_collection
+            from qcfuse_core.retrieval.reader import LockedCollection, index_lock
 
-            collection = open_collection(Path(config.store) / "chroma")
+            with index_lock(Path(config.store), exclusive=True):  # Chroma writes when it opens the index
+                collection = LockedCollection(open_collection(Path(config.store) / "chroma"), Path(config.store))
         self.collection = collection
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
