@@ -37,7 +37,7 @@ def _engine(tiny, **guard) -> QCFuseEngine:
 
 
 def test_config_is_checked():
-    assert GuardConfig().enabled and GuardConfig().ladder == (0.5, 1.0)
+    assert GuardConfig().enabled and GuardConfig().ladder == (1.0,)
     for bad in (dict(threshold=1.5), dict(ladder=()), dict(ladder=(1.0, 0.5)), dict(ladder=(0.0,))):
         with pytest.raises(ValueError):
             GuardConfig(**bad)

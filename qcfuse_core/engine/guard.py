@@ -14,13 +14,16 @@ the probe ranks low). After the fused prefill the guard reads one signal and act
                 <cache_dir>/guard/<fingerprint>.json, else the packaged table
                 qcfuse_core/data/guard.json (by fingerprint, then by name), else the table's
                 nothing (the guard then only reports; logged).
-    ladder      margin < threshold: the request is fused again at each ratio of
-                `GuardConfig.ladder` in turn (the probe's scores re-ranked at the larger
-                budget, nothing probed or tokenized again; the request's KV buffer reused),
-                the signal read again after each; 1.0 is full prefill (HF's own forward of the
-                prompt's token ids: exactly a `full` request's answer). It stops at the first
-                rung whose margin clears the threshold. A selection with no scores to re-rank
-                (the adaptive budget's) goes straight to full prefill.
+    ladder      margin < threshold: the request is answered again at each ratio of
+                `GuardConfig.ladder` in turn - a ratio below 1 fuses the prompt again with the
+                probe's scores re-ranked at the larger budget (nothing probed or tokenized
+                again; the request's KV buffer reused), 1.0 is full prefill (HF's own forward
+                of the prompt's token ids: exactly a `full` request's answer) - reading the
+                signal again after each and stopping at the first rung whose margin clears the
+                threshold. A selection with no scores to re-rank (the adaptive budget's) skips
+                to full prefill. The default ladder is full prefill alone: on the dev sets a
+                0.5 rung first rarely cleared the threshold, so it spent its 0.5 and still went
+                on to full prefill (docs/benchmarks.md, "Quality guard").
     ceiling     `GuardConfig.max_added_ms`: a rung whose estimated time (the fused prefill's
                 time per recomputed row x the rung's rows) would take the added time past it
                 is not run (reason `ceiling`).
@@ -64,7 +67,7 @@ class GuardConfig:
 
     enabled: bool = True
     threshold: float | None = None
-    ladder: tuple[float, ...] = (0.5, 1.0)
+    ladder: tuple[float, ...] = (1.0,)
     max_added_ms: float | None = None
 
     def __post_init__(self) -> None:
