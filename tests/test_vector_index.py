@@ -165,7 +165,7 @@ def test_a_full_disk_when_chroma_opens_is_not_called_damage(tmp_path, monkeypatc
         raise InternalError("error returned from database: (code: 13) database or disk is full")
 
     monkeypatch.setattr(chroma, "open_collection", full)
-    with pytest.raises(StoreError, match="is full and Chroma writes when it opens.*--read-only"):
+    with pytest.raises(StoreError, match="is full and Chroma writes when it opens.*free space first .`qcfuse ask` reads it without writing"):
         cli._collection(tmp_path / "store")
 
 
