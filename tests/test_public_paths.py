@@ -108,6 +108,7 @@ def test_the_studio_api(engine, tmp_path):
     svc = StudioService(StudioConfig(store=tmp_path / "studio", dtype="fp32", warmup=False),
                         engine=internals(engine).replace(store=MemoryStore()))
     with TestClient(create_app(svc)) as client:
+        assert client.get("/").status_code == 200  # the page hands out the token the studio's writes need
         files = [("files", (f"{i}.md", text.encode(), "text/markdown")) for i, text in zip(IDS, DOCS)]
         res = client.post("/api/ingest", files=files)
         assert res.status_code in (200, 202), res.text
