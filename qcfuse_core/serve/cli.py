@@ -133,7 +133,7 @@ def add_commands(sub) -> None:
         "--memory-mb",
         type=int,
         default=None,
-        help="each replica's memory tiers in MiB (default: the store's own default)",
+        help="each replica's host tier in MiB (default: 1/N of the host's share of available RAM, store/sizing.py)",
     )
     p.set_defaults(func=cmd_serve)
 
@@ -265,6 +265,7 @@ def serve_replicas(args, api_key: str | None) -> int:
     except ImportError:
         raise ImportError("qcfuse serve --replicas needs Ray Serve: pip install 'qcfuse[ray]'") from None
     from qcfuse_core.serve.replicas import ReplicaOptions, build_app
+    from qcfuse_core.store.sizing import HOST_SHARE, host_tier_bytes
 
     if args.replicas < 1 or not 1 <= args.port <= 65535:
         raise ValueError(f"--replicas must be >= 1 and --port in [1, 65535], got {args.replicas}, {args.port}")
@@ -276,7 +277,9 @@ def serve_replicas(args, api_key: str | None) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        memory_bytes=None if args.memory_mb is None else args.memory_mb << 20,
+        memory_bytes=(  # the replicas share the host's RAM: each sizes its host tier from 1/N of the share
+            host_tier_bytes(share=HOST_SHARE / args.replicas) if args.memory_mb is None else args.memory_mb << 20
+        ),
         model_name=args.model_name,
         host=args.host,
         serve_config={
