@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcfuse_core.model.fusion import FusedPrompt, FuseItem, KVCache, Segment, fused_prefill_batch, prefill_slices
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.model.fusion import FusedPrompt, FuseItem, KVCache, Segment, fused_prefill_batch, prefill_slices
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore
 from tests.qc_fixtures import engine_config

@@ -448,6 +448,7 @@ class Steps:
         got = self.prefill_batch([(pieces, req, self.prepare(self.request_lookup(pieces, req), req))])[0]
         if isinstance(got, Exception):
             raise got
+        assert isinstance(got, Prefilled)  # not chunked: no `chunk` given
         return got
 
     def request_lookup(self, pieces: Sequence[Piece], req: Request, *, again: bool = False) -> LookedUp:
@@ -500,7 +501,7 @@ class Steps:
                     sessions.append(self.start_sessions([p])[0])
                 except Exception as e:  # noqa: BLE001
                     sessions.append(e)
-        out: list[Prefilled | Exception | None] = [None] * len(batch)
+        out: list[Prefilled | Exception | Slicing | None] = [None] * len(batch)
         live: list[int] = []
         for i, ((_, req, _), session) in enumerate(zip(batch, sessions)):
             if isinstance(session, Exception):

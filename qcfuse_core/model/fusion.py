@@ -512,9 +512,10 @@ def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: 
             st.item.kv_out.length = st.b
     # logits of the prompt's last rows: none for a slice before the last
     ends = [b for b, st in enumerate(states) if st.b == st.T]
-    lasts = [
-        states[b].h if states[b].item.logits_last is None else states[b].h[-states[b].item.logits_last :] for b in ends
-    ]
+    lasts = []
+    for b in ends:
+        last = states[b].item.logits_last
+        lasts.append(states[b].h if last is None else states[b].h[-last:])
     logits: list[torch.Tensor] = [states[0].h.new_empty((0, 0))] * len(states)
     for b, lg in zip(ends, _rowwise(adapter.logits, lasts, exact) if lasts else []):
         logits[b] = lg
