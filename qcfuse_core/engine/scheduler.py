@@ -64,7 +64,13 @@ On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.Gra
 `SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
 rows, so a sequence's bits do not depend on its batch there either.
 
-Not yet: chunked prefill of long prompts (one admitted prompt is prefilled in one step).
+Chunked prefill: a request recomputing more than `step_prefill_tokens` rows is not
+prefilled at admission; `Steps.prefill_batch` hands back its `Slicing` (rows split by position,
+`fusion.prefill_slices`) and each step runs the slices under way before it admits, oldest
+first, within the budget (at least one slice a step), so a long prompt holds the running
+answers for one slice a step, never for its whole prefill. Its slices depend on its rows
+and the budget only: in deterministic mode its bits are the same alone or batched. Rows
+chosen during the prefill (cacheblend's hook) and the guard's rungs still run whole.
 """
 
 from __future__ import annotations
