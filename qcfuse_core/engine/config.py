@@ -55,7 +55,12 @@ class SchedulerConfig:
     admitted - one more raises `EngineBusy` at submit instead of growing without bound; at
     most `max_running` are prefilled or decoding at once; one scheduler step starts new
     requests until their prompts reach `step_prefill_tokens` (at least one per step), so new
-    prompts do not stall the running requests' decode for long.
+    prompts do not stall the running requests' decode for long. It is also the chunked
+    prefill's budget: a prefill recomputing more rows is split by position into slices of at
+    most that many rows, one step's worth each, the running requests decoding between them
+    (engine/scheduler.py). The default, 8192, leaves the CPU machine's prompts whole (its
+    4-client load unchanged, docs/benchmarks.md); smaller bounds a running answer's stall
+    more tightly at the cost of more passes over the weights per prompt.
     batched_prefill: the requests one scheduler step admits are prefilled together - their
     chunk loads shared, one probe pass, one ragged fused prefill whose products run over all
     their rows (engine/pipeline.py `Steps.prefill_batch`). A request's logits then agree

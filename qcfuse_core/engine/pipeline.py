@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -68,6 +68,7 @@ from qcfuse_core.model.fusion import (
     decode_step,
     fill_from_hf,
     fused_prefill_batch,
+    prefill_slices,
 )
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.options import FIXED_BUDGET_OPTIONS
@@ -100,6 +101,29 @@ class FuseJob:
     method: str
     capacity: int = 0  # tokens its cache must hold beyond the prompt (max_new_tokens)
     request: Request | None = None
+
+
+@dataclass(eq=False)
+class Slicing:
+    """One request's chunked prefill between scheduler steps (its own, mutable): the rows it
+    recomputes, split by position into `spans` (`fusion.prefill_slices`), `done` of them run
+    into its KV cache. `Steps.prefill_slice` runs the next one."""
+
+    pieces: Sequence[Piece]
+    job: FuseJob
+    rows: torch.Tensor  # (R,) every row it recomputes (a full prefill: all)
+    spans: list[tuple[int, int]]
+    cache: KVCache
+    done: int = 0
+    fuse_ms: float = 0.0
+    report: dict[str, Any] = field(default_factory=dict)  # its load session's, after the first slice
+    layer_ms: list[float] = field(default_factory=list)
+
+    @property
+    def next_rows(self) -> int:
+        """Rows the next slice recomputes (its prefill work)."""
+        a, b = self.spans[self.done]
+        return int(((self.rows >= a) & (self.rows < b)).sum())
 
 
 class Engine(Protocol):
@@ -328,23 +352,12 @@ class Steps:
     def _fused(self, job: FuseJob, item: FuseItem, res: Any) -> Prefilled | Exception:
         """One request's Prefilled from its fused prefill's output (or its error): its load
         session finished and closed."""
-        report: dict[str, Any] = {}
-        session = job.loading.session
-        try:
-            if isinstance(res, Exception):
-                return res
-            if session is not None:
-                rep = session.finish()
-                report = rep.to_dict()
-                if job.request is not None:
-                    job.request.extra["load_wait_ms"] = rep.total_wait_ms
-        except Exception as e:  # noqa: BLE001
-            return e
-        finally:
+        if isinstance(res, Exception):
             self._close(job)
-        if report.get("failed"):
-            segs = job.loading.prompt.segments
-            return Unreadable(report, [segs[i].chunk.key for i in report["failed"]])
+            return res
+        report = self._finish_session(job)
+        if isinstance(report, Exception):
+            return report
         prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
         assert item.kv_out is not None
         if not get_selector(job.method).fused:
@@ -358,6 +371,26 @@ class Steps:
         }
         recomputed = int(prompt.mask("chunk", "text")[rows[rows < T]].sum())
         return self._prefilled(job, item.kv_out, res.logits, recomputed, report, replace(sel, details=details))
+
+    def _finish_session(self, job: FuseJob) -> dict[str, Any] | Exception:
+        """`job`'s load session finished and closed -> its report ({} without one), or the
+        error: `Unreadable` when a chunk's layers could not be read."""
+        report: dict[str, Any] = {}
+        session = job.loading.session
+        try:
+            if session is not None:
+                rep = session.finish()
+                report = rep.to_dict()
+                if job.request is not None:
+                    job.request.extra["load_wait_ms"] = rep.total_wait_ms
+        except Exception as e:  # noqa: BLE001
+            return e
+        finally:
+            self._close(job)
+        if report.get("failed"):
+            segs = job.loading.prompt.segments
+            return Unreadable(report, [segs[i].chunk.key for i in report["failed"]])
+        return report
 
     @staticmethod
     def _close(job: FuseJob) -> None:
@@ -415,6 +448,7 @@ class Steps:
         got = self.prefill_batch([(pieces, req, self.prepare(self.request_lookup(pieces, req), req))])[0]
         if isinstance(got, Exception):
             raise got
+        assert isinstance(got, Prefilled)  # not chunked: no `chunk` given
         return got
 
     def request_lookup(self, pieces: Sequence[Piece], req: Request, *, again: bool = False) -> LookedUp:
@@ -437,15 +471,24 @@ class Steps:
         return self.start_loading(looked, planned, stream=False)
 
     def prefill_batch(
-        self, batch: Sequence[tuple[Sequence[Piece], Request, Loading]], *, exact: bool = False
-    ) -> list[Prefilled | Exception]:
+        self,
+        batch: Sequence[tuple[Sequence[Piece], Request, Loading]],
+        *,
+        exact: bool = False,
+        chunk: int | None = None,
+    ) -> list[Prefilled | Exception | Slicing]:
         """Steps 3-5 of prepared requests (`prepare`) together: their load sessions started at
         once (shared chunks loaded once), one batched probe (`select_many`), one ragged fused
         prefill (`fuse_many`; `exact`: row-wise work request by request, bit for bit as
         alone). -> per request its Prefilled or the exception that ended it; each request's
         clock is marked through `prefill`. A request whose chunks could not be read runs
         again alone (see `prefill`); when the batched prefill itself fails, every request of
-        the batch runs again alone, so an error stays with the request it came from."""
+        the batch runs again alone, so an error stays with the request it came from.
+
+        chunk (chunked prefill): a request that recomputes more than `chunk` rows - and whose
+        rows are known before its prefill (no `full_layers`, no `on_layer_end` hook) - is not
+        prefilled here: it comes back as its `Slicing`, its load session started, its rows
+        chosen and its KV cache taken, for `prefill_slice` to run slice by slice."""
         prompts = [loading.prompt for _, _, loading in batch]
         try:
             sessions = self.start_sessions(prompts)
@@ -458,7 +501,7 @@ class Steps:
                     sessions.append(self.start_sessions([p])[0])
                 except Exception as e:  # noqa: BLE001
                     sessions.append(e)
-        out: list[Prefilled | Exception | None] = [None] * len(batch)
+        out: list[Prefilled | Exception | Slicing | None] = [None] * len(batch)
         live: list[int] = []
         for i, ((_, req, _), session) in enumerate(zip(batch, sessions)):
             if isinstance(session, Exception):
@@ -476,7 +519,12 @@ class Steps:
             if isinstance(sel, Exception):
                 out[i] = sel
                 continue
-            jobs.append(FuseJob(Loading(prompts[i], req.session), sel, req.method, req.generation.max_new_tokens, req))
+            job = FuseJob(Loading(prompts[i], req.session), sel, req.method, req.generation.max_new_tokens, req)
+            sliced = None if chunk is None else self._slicing(batch[i][0], job, chunk)
+            if sliced is not None:
+                out[i] = sliced
+                continue
+            jobs.append(job)
             fusing.append(i)
         t0 = time.perf_counter()
         fused = self.fuse_many(jobs, exact=exact)
@@ -496,6 +544,78 @@ class Steps:
                 req.clock.mark("prefill")
             out[i] = got
         return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ 5a. chunked prefill
+    def _slicing(self, pieces: Sequence[Piece], job: FuseJob, chunk: int) -> Slicing | Exception | None:
+        """`job`'s Slicing when it recomputes more than `chunk` rows known up front, its KV
+        cache taken (or the error that ended it); None: prefilled whole."""
+        sel, prompt = job.selected.selection, job.loading.prompt
+        fused = get_selector(job.method).fused
+        if fused and (sel.full_layers or sel.on_layer_end is not None):
+            return None  # its rows are chosen during the prefill: not sliced
+        T = prompt.num_tokens
+        rows = sel.rows.to(torch.int64).cpu() if fused else torch.arange(T)
+        if rows.numel() <= chunk:
+            return None
+        try:
+            cache = self.engine.caches.take_kv(T + job.capacity)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            self._close(job)
+            return e
+        if job.request is not None:
+            job.request.cache = cache
+        return Slicing(pieces, job, rows, prefill_slices(rows, chunk), cache)
+
+    def prefill_slice(self, s: Slicing, *, exact: bool = False) -> Prefilled | Exception | None:
+        """The next slice of a chunked prefill: its rows through every layer, attending to the
+        rows before them in the request's KV cache (`FuseItem.span`). The first slice reads
+        the load session's layers and lays every cached row of the prompt into the cache;
+        the last one gives the Prefilled (guarded, as `prefill_batch`'s). -> None while
+        slices remain; the Prefilled; or the error that ended the request (a chunk that
+        could not be read: its steps 1-5 again, whole, as `prefill`)."""
+        job, req = s.job, s.job.request
+        assert req is not None
+        prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
+        a, b = s.spans[s.done]
+        part = s.rows[(s.rows >= a) & (s.rows < b)]
+        item = FuseItem(prompt, part, kv_out=s.cache, span=(a, b), source=job.loading.session if a == 0 else None)
+        t0 = time.perf_counter()
+        try:
+            res = fused_prefill_batch(self.engine.adapter, [item], exact=exact)[0]
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            self._close(job)
+            req.session = None
+            return e
+        s.fuse_ms += (time.perf_counter() - t0) * 1e3
+        s.layer_ms = [x + y for x, y in zip(s.layer_ms, res.layer_ms)] if s.layer_ms else list(res.layer_ms)
+        s.done += 1
+        if a == 0 and job.loading.session is not None:
+            report = self._finish_session(job)
+            req.session = None
+            if isinstance(report, Unreadable):
+                got = self._again(s.pieces, req, report)
+                if not isinstance(got, Exception):
+                    got = self.guard(req, got, s.fuse_ms)
+                if not isinstance(got, Exception):
+                    req.clock.mark("prefill")
+                return got
+            if isinstance(report, Exception):
+                return report
+            s.report = report
+            s.job = job = replace(job, loading=Loading(prompt, None))
+        if s.done < len(s.spans):
+            return None
+        if not get_selector(job.method).fused:
+            pre = self._prefilled(job, s.cache, res.logits, prompt.context_tokens, s.report)
+        else:
+            sel = job.selected.selection
+            details = {**sel.details, "layer_ms": s.layer_ms, "row_sets": [(0, s.rows)], "slices": len(s.spans)}
+            recomputed = int(prompt.mask("chunk", "text")[s.rows[s.rows < T]].sum())
+            pre = self._prefilled(job, s.cache, res.logits, recomputed, s.report, replace(sel, details=details))
+        got = self.guard(req, pre, s.fuse_ms)
+        if not isinstance(got, Exception):
+            req.clock.mark("prefill")
+        return got
 
     # ------------------------------------------------------------------ 5b. the quality guard
     def guard_threshold(self) -> tuple[float | None, str]:

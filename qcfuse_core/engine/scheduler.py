@@ -64,7 +64,13 @@ On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.Gra
 `SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
 rows, so a sequence's bits do not depend on its batch there either.
 
-Not yet: chunked prefill of long prompts (one admitted prompt is prefilled in one step).
+Chunked prefill: a request recomputing more than `step_prefill_tokens` rows is not
+prefilled at admission; `Steps.prefill_batch` hands back its `Slicing` (rows split by position,
+`fusion.prefill_slices`) and each step runs the slices under way before it admits, oldest
+first, within the budget (at least one slice a step), so a long prompt holds the running
+answers for one slice a step, never for its whole prefill. Its slices depend on its rows
+and the budget only: in deterministic mode its bits are the same alone or batched. Rows
+chosen during the prefill (cacheblend's hook) and the guard's rungs still run whole.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ import torch
 from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
 from qcfuse_core.cache.chunks import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
-from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
+from qcfuse_core.engine.pipeline import Decoding, Slicing, Steps, fusion_result
 from qcfuse_core.engine.request import Loading, Prefilled, Prompt, Request, StageClock, Status
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.runner import ModelRunner
@@ -131,6 +137,7 @@ class SchedulerStats:
     deferred: int  # admissions put off because a KV cache did not fit yet
     batched_prefills: int  # steps whose admitted requests were prefilled together (2 or more)
     max_prefill_batch: int  # the most requests one such prefill has run
+    prefill_slices: int  # slices of chunked prefills run (prompts split over several steps)
 
 
 @dataclass(eq=False)
@@ -148,6 +155,7 @@ class Job:
     loading: Loading | None = None  # its fused prompt, from admission to its prefill
     reservation: Reservation | None = None  # its KV cache's room in the budget, while it runs
     decoding: Decoding | None = None  # from the first token on
+    slicing: Slicing | None = None  # a chunked prefill between its slices
 
 
 class Scheduler:
@@ -161,6 +169,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()  # guarded by _cv
         self._running: list[Job] = []  # the worker's own; admitted jobs, prefilling or decoding
+        self._budget = 0  # the worker's own: prefill tokens the current step may still run
         self._thread: threading.Thread | None = None
         self._stopping = False  # set by shutdown(); submit refuses from then on
         _LIVE.add(self)
@@ -175,6 +184,7 @@ class Scheduler:
                 "deferred",
                 "batched_prefills",
                 "max_prefill_batch",
+                "prefill_slices",
             ),
             0,
         )
@@ -304,8 +314,11 @@ class Scheduler:
         leave, then schedule -> run -> postprocess, for the jobs it admits (steps 1-5 and
         their first tokens) and for the decoding ones (one decode step)."""
         self._drop_aborted()  # 1.
-        for admitted in self._admissions():  # 2. admission
+        self._budget = self.engine.config.scheduler.step_prefill_tokens
+        self._run_slices(first=True)  # 2. chunked prefills under way, oldest first
+        for admitted in self._admissions():  # admission
             self._first_tokens(admitted, self._run_prefill(admitted))
+        self._run_slices(first=False)  # the first slices of those admitted now, within the budget
         batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
         if batch:  # 3. one decode step for all
             self._take_tokens(batch, self._run_decode(batch))
@@ -331,9 +344,8 @@ class Scheduler:
         with `batched_prefill` all together at the end. A job whose KV cache does not fit yet
         waits at the queue's head, and admission ends for this step."""
         cfg = self.engine.config.scheduler
-        budget = cfg.step_prefill_tokens
         admitted: list[Job] = []
-        while budget > 0 and len(self._running) < cfg.max_running:
+        while self._budget > 0 and len(self._running) < cfg.max_running:
             job = self._next_waiting()
             if job is None:
                 break
@@ -344,11 +356,13 @@ class Scheduler:
             if status is not Status.PREFILLING:  # it failed alone
                 continue
             assert job.loading is not None
-            budget -= job.loading.prompt.num_tokens
+            self._budget -= job.loading.prompt.num_tokens  # a sliced one's is given back (_first_tokens)
             admitted.append(job)
             if not cfg.batched_prefill:
                 yield admitted
                 admitted = []
+                if job.slicing is not None:  # its slices take the rest of the budget
+                    return
         if admitted:
             yield admitted
 
@@ -398,14 +412,17 @@ class Scheduler:
             self._counts["deferred"] += 1
 
     # ------------------------------------------------------------------ run
-    def _run_prefill(self, admitted: list[Job]) -> list[Prefilled | Exception]:
+    def _run_prefill(self, admitted: list[Job]) -> list[Prefilled | Exception | Slicing]:
         """Steps 3-5 of jobs admitted in this step, together (`Steps.prefill_batch`: shared chunk
         loads, one batched probe, one ragged fused prefill) -> per job its Prefilled or its
-        error. With `SchedulerConfig.batched_prefill` off, each job alone as soon as it is prepared."""
+        error, or its Slicing where it recomputes more than `step_prefill_tokens` rows (chunked
+        prefill: its slices run in `_run_slices`). With `SchedulerConfig.batched_prefill` off,
+        each job alone as soon as it is prepared."""
         batch = [(job.prompt.pieces, job.request, job.loading) for job in admitted]
+        chunk = self.engine.config.scheduler.step_prefill_tokens
         if len(batch) == 1:
-            return self.steps.prefill_batch(batch)  # type: ignore[arg-type]
-        results = self.steps.prefill_batch(batch, exact=self.engine.config.deterministic)  # type: ignore[arg-type]
+            return self.steps.prefill_batch(batch, chunk=chunk)  # type: ignore[arg-type]
+        results = self.steps.prefill_batch(batch, exact=self.engine.config.deterministic, chunk=chunk)  # type: ignore[arg-type]
         with self._cv:
             self._counts["batched_prefills"] += 1
             self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(batch))
@@ -420,11 +437,40 @@ class Scheduler:
         return self.runner.decode_each(caches, tokens)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ postprocess
-    def _first_tokens(self, admitted: list[Job], prefilled: list[Prefilled | Exception]) -> None:
-        """Each admitted job's first token from its prefill (or its failure)."""
+    def _run_slices(self, *, first: bool) -> None:
+        """The next slices of the chunked prefills under way, oldest job first, while they fit
+        in the step's budget (`step_prefill_tokens`; first: at least one slice in a step that
+        has run no prefill yet); a job whose last slice ran gets its first token."""
+        full = self.engine.config.scheduler.step_prefill_tokens
+        for job in list(self._running):
+            while job.slicing is not None and not job.abort.is_set():
+                rows = job.slicing.next_rows
+                if rows > self._budget and not (first and self._budget == full):
+                    return  # oldest first: the rest wait for the next step
+                self._budget -= rows
+                try:
+                    got = self.steps.prefill_slice(job.slicing, exact=self.engine.config.deterministic)
+                except Exception as e:  # noqa: BLE001 - this request fails alone
+                    got = e
+                with self._cv:
+                    self._counts["prefill_slices"] += 1
+                if got is not None:
+                    job.slicing = None
+                    self._first_tokens([job], [got])
+
+    def _first_tokens(self, admitted: list[Job], prefilled: list[Prefilled | Exception | Slicing]) -> None:
+        """Each admitted job's first token from its prefill (or its failure); a job whose
+        prefill is chunked keeps its Slicing for `_run_slices` (its prompt's tokens go back to
+        the step's budget: its slices count as they run)."""
         engine = self.engine
         for job, pre in zip(admitted, prefilled):
             req = job.request
+            if isinstance(pre, Slicing):
+                assert job.loading is not None
+                self._budget += job.loading.prompt.num_tokens
+                job.loading = None
+                job.slicing = pre
+                continue
             job.loading = None
             if isinstance(pre, Exception):
                 self._release(job, Status.FAILED, pre)
@@ -481,6 +527,7 @@ class Scheduler:
         """End `job` with `status`: its resources given back, its counters, then its caller
         told (the result or the error; nothing when aborted, the caller has gone)."""
         req, engine = job.request, self.engine
+        job.slicing = None
         out: object = None
         if status is Status.FINISHED:
             assert job.decoding is not None

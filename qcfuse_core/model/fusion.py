@@ -274,6 +274,17 @@ class FuseItem:
     logits_last: int | None = 1
     capture_pre_rope: bool = False
     source: LayerSource | None = None
+    span: tuple[int, int] | None = None  # a slice of positions [a, b) (`prefill_slices`); None: all
+
+
+def prefill_slices(rows: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Chunked prefill: the spans [a, b) of positions that split the recomputed `rows` (sorted,
+    ending at the prompt's last position) into slices of at most `size` rows each, end to
+    end from 0 - a function of the rows and `size` alone, so a request's slices (and so its
+    bits in deterministic mode) do not depend on what runs beside it. One span: not split."""
+    rows = rows.to(torch.int64).cpu()
+    ends = [int(rows[min(i + size, rows.numel()) - 1]) + 1 for i in range(0, rows.numel(), size)]
+    return list(zip([0, *ends[:-1]], ends))
 
 
 @torch.inference_mode()
@@ -303,14 +314,21 @@ def fused_prefill(
 
 class _Fusing:
     """One item's state in the layer loop: its current rows (a host copy, and on the device),
-    their RoPE rows and masks, its hidden states."""
+    their RoPE rows and masks, its hidden states; for a slice (`FuseItem.span` [a, b)) its
+    key range: keys 0..b-1."""
 
     def __init__(self, adapter: ModelAdapter, item: FuseItem) -> None:
         self.item, self.T = item, item.prompt.num_tokens
         if item.logits_last is not None and item.logits_last < 1:
             raise ValueError(f"logits_last must be >= 1 or None, got {item.logits_last}")
+        self.a, self.b = item.span if item.span is not None else (0, self.T)
+        if item.span is not None:
+            if not 0 <= self.a < self.b <= self.T:
+                raise ValueError(f"span {item.span} is not within the prompt's {self.T} positions")
+            if item.kv_out is None or item.full_layers or item.on_layer_end is not None or item.capture_pre_rope:
+                raise ValueError("a slice needs kv_out, and no full_layers, on_layer_end or capture_pre_rope")
         rows = item.rows.to(torch.int64).cpu()
-        _check_rows(rows, item.prompt)
+        _check_rows(rows, item.prompt, (self.a, self.b))
         self.rows = rows
         dev = adapter.device
         # device copies made once per row set (not per layer): no host syncs in the layer loop
@@ -329,11 +347,15 @@ class _Fusing:
         self.cur_dev = to_device(rows, adapter.device)
         self.ropes_cur = _rows_of(self.ropes, self.cur_dev)  # per layer (R, D) cos, sin
         self.inv = K.inverse_rows(self.cur_dev, self.T)  # (T,) position -> row index or -1
-        self.masks = _masks_for(rows, self.T, adapter)
+        self.masks = _masks_for(rows, self.b, adapter)
 
     @property
     def all_rows(self) -> bool:
         return self.cur.shape[0] == self.T
+
+    @property
+    def sliced(self) -> bool:
+        return (self.a, self.b) != (0, self.T)
 
 
 def _rowwise(fn: Callable[[torch.Tensor], Any], parts: list[torch.Tensor], exact: bool) -> list[Any]:
@@ -418,11 +440,14 @@ def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: 
         qkv = _rowwise(lambda x: adapter.qkv(layer, adapter.attn_norm(layer, x)), [st.h for st in states], exact)
         window = adapter.windows[layer]
         attn: list[torch.Tensor | None] = [None] * len(states)
-        sparse = [b for b, st in enumerate(states) if ragged and not st.all_rows]
+        sparse = [b for b, st in enumerate(states) if ragged and not st.all_rows and not st.sliced]
         scratch = _Ragged(states, sparse, qkv[sparse[0]][1]) if len(sparse) > 1 else None
         qs = {}
         for b, (st, (q_pre, k_new, v_new)) in enumerate(zip(states, qkv)):
             it = st.item
+            if st.a > 0:  # a later slice: the keys before it and its cached rows are in kv_out
+                attn[b] = _later_slice(adapter, st, layer, q_pre, k_new, v_new, window)
+                continue
             k_cached, v_cached = (it.source or it.prompt).layer(layer, k_new)  # (T, Hkv, D) each
             st.cached = (k_cached, v_cached)  # for its on_layer_end hook
             dst: tuple[torch.Tensor, torch.Tensor] | None
@@ -454,7 +479,8 @@ def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: 
                     it.kv_out.v[layer, : st.T].copy_(v_all)
             else:
                 masks = None if st.masks is None else st.masks[window]
-                attn[b] = attend(q, k_rot, v_all, st.cur_dev, adapter.scale, masks, window)  # (R, H, D)
+                n = st.b  # a first slice sees keys 0..b-1 (it wrote every cached row of the prompt)
+                attn[b] = attend(q, k_rot[:n], v_all[:n], st.cur_dev, adapter.scale, masks, window)  # (R, H, D)
         if scratch is not None:
             got = scratch.attend(
                 [qs[b] for b in scratch.order], [states[b].cur_dev for b in scratch.order], adapter.scale, window
@@ -483,15 +509,46 @@ def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: 
             st.layer_ms.append(ms)
     for st in states:
         if st.item.kv_out is not None:
-            st.item.kv_out.length = st.T
-    lasts = [st.h if st.item.logits_last is None else st.h[-st.item.logits_last :] for st in states]
-    logits = _rowwise(adapter.logits, lasts, exact)
+            st.item.kv_out.length = st.b
+    # logits of the prompt's last rows: none for a slice before the last
+    ends = [b for b, st in enumerate(states) if st.b == st.T]
+    lasts = []
+    for b in ends:
+        last = states[b].item.logits_last
+        lasts.append(states[b].h if last is None else states[b].h[-last:])
+    logits: list[torch.Tensor] = [states[0].h.new_empty((0, 0))] * len(states)
+    for b, lg in zip(ends, _rowwise(adapter.logits, lasts, exact) if lasts else []):
+        logits[b] = lg
     return [
         PrefillOutput(
             lg, st.cur, st.layer_ms, torch.stack(st.captured) if st.captured is not None else None, st.row_sets
         )
         for st, lg in zip(states, logits)
     ]
+
+
+def _later_slice(
+    adapter: ModelAdapter,
+    st: _Fusing,
+    layer: int,
+    q_pre: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of a slice after the first (span [a, b), a > 0) at `layer`: its rows' rotated
+    K/V written into kv_out at their positions, then its rows attend to kv_out's keys 0..b-1 -
+    the rows of earlier slices as they recomputed them, the cached rows as the first slice
+    laid them down, its own fresh rows. Exact by causality: no row sees a later position."""
+    kv = st.item.kv_out
+    assert kv is not None
+    cos, sin = st.ropes_cur[layer]
+    kv.k[layer].index_copy_(0, st.cur_dev, K.apply_rope(k_new, cos, sin).to(kv.k.dtype))
+    kv.v[layer].index_copy_(0, st.cur_dev, v_new.to(kv.v.dtype))
+    q = K.apply_rope(q_pre, cos, sin)
+    masks = None if st.masks is None else st.masks[window]
+    n = st.b
+    return attend(q, kv.k[layer, :n], kv.v[layer, :n], st.cur_dev, adapter.scale, masks, window)
 
 
 def _rows_of(
@@ -518,15 +575,18 @@ def _masks_for(rows: torch.Tensor, T: int, adapter: ModelAdapter):
     return out if any(m is not None for m in out.values()) else None
 
 
-def _check_rows(rows: torch.Tensor, prompt: FusedPrompt) -> None:
+def _check_rows(rows: torch.Tensor, prompt: FusedPrompt, span: tuple[int, int] | None = None) -> None:
+    """rows: sorted, unique, within the span [a, b) (default: the whole prompt), ending at its
+    last position, every uncached position of the span among them."""
     T = prompt.num_tokens
+    a, b = span if span is not None else (0, T)
     if rows.dim() != 1 or rows.numel() == 0:
         raise ValueError("rows must be a non-empty 1-D tensor of positions")
-    if rows[0] < 0 or rows[-1] != T - 1 or (rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all())):
+    if rows[0] < a or rows[-1] != b - 1 or (rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all())):
         raise ValueError("rows must be sorted, unique, within [0, T) and include the last position")
-    need = prompt.uncached_mask()
-    have = torch.zeros(T, dtype=torch.bool)
-    have[rows] = True
+    need = prompt.uncached_mask()[a:b]
+    have = torch.zeros(b - a, dtype=torch.bool)
+    have[rows - a] = True
     if bool((need & ~have).any()):
         raise ValueError("every uncached position (glue text, suffix) must be recomputed")
 
