@@ -44,6 +44,7 @@ def service(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(service):
     with TestClient(create_app(service)) as c:
+        assert c.get("/").status_code == 200  # the page hands out the token its writes need (a cookie)
         yield c
 
 
