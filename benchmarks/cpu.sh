@@ -196,6 +196,24 @@ if has quality; then
           --jsonl "$OUT/quality/smollm2-135m.hotpot.$storage.records.jsonl" \
           --json "$OUT/quality/smollm2-135m.hotpot.$storage.json" 2>&1 | tail -8
     done
+    # the quality guard (docs/benchmarks.md, "Quality guard"): 32-token answers for questions
+    # 0-49 of each set, first tokens for the rest; the threshold calibrated on hotpotqa_train
+    G="bench quality --threads 1 --methods full qcfuse"
+    for set in hotpot:$HOTPOT musique:$MUSIQUE wikimqa:$WIKI; do
+      name=${set%%:*} file=${set#*:}
+      step "quality guard: $name, answers (0-49) and first tokens (50-)"
+      timeout 259200 $QC $G --ratios 0.15 0.3 0.5 --limit 50 --max-new-tokens 32 --dataset "$file" \
+          --jsonl "$OUT/quality/guard.ans.$name.records.jsonl" --json "$OUT/quality/guard.ans.$name.json" 2>&1 | tail -3
+      timeout 259200 $QC $G --ratios 0.15 --offset 50 --max-new-tokens 1 --dataset "$file" \
+          --jsonl "$OUT/quality/guard.ft.$name.records.jsonl" --json "$OUT/quality/guard.ft.$name.json" 2>&1 | tail -3
+    done
+    $QC calibrate-guard --records "$OUT/quality/guard.ans.hotpot.records.jsonl" \
+        "$OUT/quality/guard.ft.hotpot.records.jsonl" --catch 0.9 --out "$OUT/quality/guard.calibration.json"
+    cat "$OUT"/quality/guard.ans.*.records.jsonl "$OUT"/quality/guard.ft.*.records.jsonl > "$OUT/quality/guard.all.records.jsonl"
+    $QC bench quality --aggregate-only --guard --dataset "$HOTPOT" --jsonl "$OUT/quality/guard.all.records.jsonl" \
+        --json "$OUT/quality/guard.all.json" 2>&1 | tail -8
+    $QC bench quality --aggregate-only --guard --dataset "$HOTPOT" --jsonl "$OUT/quality/guard.ans.hotpot.records.jsonl" \
+        --json "$OUT/quality/guard.ans.hotpot.json" --pareto "$OUT/quality/guard-pareto.png" 2>&1 | tail -4
   fi
 fi
 echo; echo "results under $OUT"
