@@ -407,7 +407,7 @@ def run_tier(args, adapter, work: Workload, root: Path, tier: str, size: tuple[i
 
 def measure_ingest(args, adapter, root: Path, rows: list[dict]) -> dict:
     """`engine.build_chunks` on fresh chunks of the largest size into a store with the default
-    configuration (a 2 GiB host tier, the disk under --store), store writes included, against
+    configuration (the host tier sized from available RAM, the disk under --store), store writes included, against
     the best full-prefill tokens/s measured above."""
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.engine.config import EngineConfig
