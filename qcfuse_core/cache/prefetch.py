@@ -691,6 +691,8 @@ class LoadSession:
         tier = getattr(self.store, "gpu", None)
         if not self.config.fill_device_tier or tier is None or tier.device.type != self.device.type:
             return []
+        from qcfuse_core.store.entry import EntryImage  # the store's image format (imported where it is used)
+
         fills: dict[ChunkKey, _Fill] = {}
         for s in self._srcs:
             if s.kind != "host":
@@ -703,8 +705,6 @@ class LoadSession:
                 charged = tier.claim(image.nbytes)
                 if charged is None:  # the running requests hold the room: stream it as usual
                     continue
-                from qcfuse_core.store.entry import EntryImage
-
                 data = torch.empty(image.nbytes, dtype=torch.uint8, device=self.device)
                 first = image.layout.layer_spans[0][0] if image.layout.layer_spans else image.nbytes
                 with self._on_side():

@@ -94,16 +94,6 @@ class _Vectors:
     matrix: np.ndarray  # (N, dim) float32, unit rows
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    uri = path.resolve().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        return db
-    except sqlite3.OperationalError:
-        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
-
-
 def _graph_vectors(folder: Path) -> dict[str, np.ndarray]:
     """id -> unit vector of every live element of one HNSW folder (nothing when none is
     persisted yet). The files were checked by `vector_index.structure_problem` first."""
@@ -144,7 +134,7 @@ def _log_ops(db: sqlite3.Connection, segment: str) -> list[tuple[str, str, np.nd
 def _load(path: Path) -> _Vectors:
     if not (path / vi.CHROMA_DB).is_file():  # no index yet: nothing to find
         return _Vectors([], np.zeros((0, 0), np.float32))
-    db = _ro(path / vi.CHROMA_DB)
+    db = vi._ro(path / vi.CHROMA_DB)
     try:
         segments = [r[0] for r in db.execute("SELECT id FROM segments WHERE scope = 'VECTOR'")]
         vectors: dict[str, np.ndarray] = {}
@@ -167,7 +157,7 @@ def _rows(path: Path, ids: Sequence[str]) -> dict[str, tuple[str | None, dict]]:
     """id -> (document, metadata) from SQLite."""
     if not ids:
         return {}
-    db = _ro(path / vi.CHROMA_DB)
+    db = vi._ro(path / vi.CHROMA_DB)
     try:
         segs = vi._metadata_segment(db)
         got = db.execute(

@@ -87,12 +87,11 @@ class StoreConfig:
         get_policy(self.policy)
         if self.admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {self.admission!r}")
-        for name in ("memory_bytes", "gpu_bytes", "sidecar_cache_bytes"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
+        for name, v in (("memory_bytes", self.memory_bytes), ("gpu_bytes", self.gpu_bytes)):
+            if v is not None and v < 0:  # None: sized from the machine
                 raise ValueError(f"{name} must be >= 0, got {v}")
-        if self.sidecar_cache_bytes is None:
-            raise ValueError("sidecar_cache_bytes must be >= 0, got None")
+        if self.sidecar_cache_bytes is None or self.sidecar_cache_bytes < 0:
+            raise ValueError(f"sidecar_cache_bytes must be >= 0, got {self.sidecar_cache_bytes}")
         if self.disk_bytes is not None and self.disk_bytes < 0:
             raise ValueError(f"disk_bytes must be >= 0 or None, got {self.disk_bytes}")
         if any(l < 0 for l in self.sidecar_layers):
