@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load hot batch kernels store serve. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot batch crowd kernels store serve. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch kernels store serve}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch crowd kernels store serve}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -188,6 +188,46 @@ if has batch; then
       --max-new-tokens 128 --duration-s 60 --json "$OUT/batch_load.json" --markdown "$OUT/batch_load.md" \
       > "$OUT/batch_load.log" 2>&1
   tail -10 "$OUT/batch_load.log"; rm -rf "$STORE"
+fi
+
+if has crowd; then
+  # issue 54, the crowd's pace on the configuration a user gets (the default tiers): the decode
+  # step of 1/8/32 sequences at 10K (plain and deterministic) with where one sequence's step
+  # goes; one request end to end (128 new tokens), whose runs also measure the planner's
+  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget; a burst
+  # of 8 sharing 7 of 10 chunks with batched_prefill off and on (about 11 minutes)
+  PEAK=${PEAK_TBPS:-4.8}
+  step "crowd: decode step, 1/8/32 sequences at 10,440 tokens"
+  timeout 300 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
+      --streams 1 8 32 --profile --peak-tbps "$PEAK" --json "$OUT/decode.json" --markdown "$OUT/decode.md" \
+      > "$OUT/decode.log" 2>&1
+  tail -22 "$OUT/decode.log"
+  CROWD=$SCRATCH/crowd; RATES=$SCRATCH/crowd_rates.json; rm -rf "$CROWD"
+  step "crowd: one request end to end, 10 x 1024, 128 new tokens (gpu and host tiers)"
+  timeout 300 $BENCH --context-sizes 10x1024 --tier gpu host --methods full qcfuse --ratios 0.15 \
+      --runs 3 --warmup 2 --breakdown-runs 1 --max-new-tokens 128 --store "$CROWD" --rates "$RATES" \
+      --json "$OUT/crowd_e2e.json" --markdown "$OUT/crowd_e2e.md" > "$OUT/crowd_e2e.log" 2>&1
+  tail -8 "$OUT/crowd_e2e.log"; rm -rf "$CROWD"
+  LOAD="$PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default
+      --pool-chunks 50 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --methods full qcfuse
+      --ratios 0.15 --rates $RATES --store $CROWD --max-new-tokens 128 --requests-per-client 2"
+  step "crowd: 1/8/32 clients, default tiers, fresh draws, 128 new tokens"
+  timeout 480 $LOAD --clients 1 8 32 --duration-s 45 --json "$OUT/crowd_load.json" \
+      --markdown "$OUT/crowd_load.md" --plot "$OUT/crowd_load.png" > "$OUT/crowd_load.log" 2>&1
+  tail -10 "$OUT/crowd_load.log"
+  step "crowd: 8 clients, chunked-prefill budget 2048"
+  timeout 240 $LOAD --clients 8 --duration-s 45 --step-prefill-tokens 2048 --json "$OUT/crowd_budget.json" \
+      --markdown "$OUT/crowd_budget.md" > "$OUT/crowd_budget.log" 2>&1
+  tail -6 "$OUT/crowd_budget.log"; rm -rf "$CROWD"
+  if [ -z "${NO_BURST:-}" ]; then
+    step "crowd: burst of 8 sharing 7 of 10 chunks, batched_prefill off and on"
+    timeout 240 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier host \
+        --pool-chunks 50 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --methods full qcfuse \
+        --ratios 0.15 --batched-prefill both --step-prefill-tokens 131072 --store "$CROWD" --burst 8 \
+        --shared-chunks 7 --max-new-tokens 1 --duration-s 90 --json "$OUT/crowd_burst.json" \
+        --markdown "$OUT/crowd_burst.md" > "$OUT/crowd_burst.log" 2>&1
+    tail -6 "$OUT/crowd_burst.log"; rm -rf "$CROWD"
+  fi
 fi
 
 if has kernels; then
