@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/benchmarks.md: store reads, TTFT on both packaged models, 4 concurrent
-# clients against 1 (`bench load`), the default tiers under uniform and Zipf draws, requests fused together against one at a time (bursts of 8,
-# 8 clients), 8 clients in process against 8 over HTTP (`qcfuse serve`), chunks the server learns from prompts
+# clients against 1 (`bench load`), the default tiers under uniform and Zipf draws, 8 clients in process against 8
+# over HTTP (`qcfuse serve`), chunks the server learns from prompts
 # (k=10, full prefill against qcfuse over HTTP),
 # chunk-affinity routing on 2 Ray Serve replicas (`bench routing`), the demo, and the quality tables. Run from the repository root after `make setup` (or `make test`):
 #
@@ -9,7 +9,7 @@
 #     QUICK=1 DATA=path/to/data bash benchmarks/cpu.sh        # smoke run: few runs, one question a set
 #     STEPS="store ttft" bash benchmarks/cpu.sh               # some steps only
 #
-# Steps: store ttft load tiers batch http learned routing demo quality. Results go under $OUT (default bench-results/cpu), one
+# Steps: store ttft load tiers http learned routing demo quality. Results go under $OUT (default bench-results/cpu), one
 # JSON (and a log) per figure. The quality step needs DATA: a folder holding
 # hotpotqa/hotpotqa_train.json, musique/musique_s.json, musique/musique_train.json and
 # 2wikimqa/wikimqa_s_clean.json (the evaluation sets are not shipped); without it the step
@@ -18,7 +18,7 @@
 # under $OUT/reference and reused by the later commands.
 set -uo pipefail
 OUT=${OUT:-bench-results/cpu}
-STEPS=${STEPS:-store ttft load tiers batch http learned routing demo quality}
+STEPS=${STEPS:-store ttft load tiers http learned routing demo quality}
 QUICK=${QUICK:-}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -81,26 +81,6 @@ if has tiers; then
     timeout 1200 $QC bench load $TIERW "$@" --json "$OUT/tiers_$name.json" --markdown "$OUT/tiers_$name.md" \
         --plot "$OUT/tiers_$name.png" 2>&1 | tee "$OUT/tiers_$name.log" | tail -4
   done
-fi
-
-if has batch; then
-  # SchedulerConfig.batched_prefill off and on, the same requests, one process (SmolLM2-135M,
-  # fp32): a burst of 1 and of 8 (first token only) from a pool of 50 chunks of 128 tokens,
-  # 10 a request; the burst of 8 sharing 7 of its 10 chunks; 8 closed-loop clients with 32
-  # new tokens (about 10 minutes on 2 cores)
-  BATCHW="--device cpu --dtype fp32 --tier host --pool-chunks 50 --chunk-tokens 128 --chunks-per-request 10
-          --query-tokens 16 --methods full qcfuse --ratios 0.15 --batched-prefill both --duration-s 300"
-  step "batch: bursts of 1 and 8, prefilled one at a time and together"
-  timeout 1800 $QC bench load $BATCHW --burst 1 8 --max-new-tokens 1 --json "$OUT/batch_burst_cpu.json" \
-      --markdown "$OUT/batch_burst_cpu.md" 2>&1 | tee "$OUT/batch_burst_cpu.log" | tail -8
-  step "batch: a burst of 8 sharing 7 of its 10 chunks"
-  timeout 1800 $QC bench load $BATCHW --burst 8 --shared-chunks 7 --max-new-tokens 1 \
-      --json "$OUT/batch_shared_cpu.json" --markdown "$OUT/batch_shared_cpu.md" 2>&1 \
-      | tee "$OUT/batch_shared_cpu.log" | tail -6
-  step "batch: 8 closed-loop clients, 32 new tokens"
-  timeout 1800 $QC bench load $BATCHW --clients 8 --requests-per-client 2 --max-new-tokens 32 \
-      --json "$OUT/batch_load_cpu.json" --markdown "$OUT/batch_load_cpu.md" 2>&1 \
-      | tee "$OUT/batch_load_cpu.log" | tail -6
 fi
 
 if has http; then

@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load hot batch crowd kernels store serve. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot batch crowd kernels store serve}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -53,7 +53,7 @@ if has tests; then
   timeout 600 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_pointwise.py \
       tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py tests/test_fusion_exact.py tests/test_store_gpu.py \
       tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
-      tests/test_kernels_varlen.py tests/test_prefetch_shared.py tests/test_fuse_batch.py \
+      tests/test_prefetch_pins.py tests/test_probe_batch.py \
       tests/test_gpu_budget.py tests/test_store_tiers.py tests/test_arena.py tests/test_promote.py \
       -k "not embedded" > "$OUT/tests.log" 2>&1
   echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
@@ -164,38 +164,12 @@ if has hot; then
   tail -8 "$OUT/hot_zipf.log"; rm -rf "$HOT"
 fi
 
-if has batch; then
-  # requests fused together (SchedulerConfig.batched_prefill) against one at a time, same
-  # requests, one process: a burst of 8 (first token only) from a pool of 50 chunks, then
-  # the same burst sharing 7 of its 10 chunks, then 8 and 16 closed-loop clients with 128
-  # new tokens; full prefill batched likewise (about 4 minutes). One step admits up to 131072
-  # prompt tokens, so that 8 prompts of 10K tokens can be admitted (and fused) together: at the
-  # default 8192 each step admits one of them.
-  COMMON="--shape llama-3.1-8b --device cuda --dtype bf16 --tier host --pool-chunks 50 --chunk-tokens 1024
-      --chunks-per-request 10 --query-tokens 32 --methods full qcfuse --ratios 0.15 --batched-prefill both
-      --step-prefill-tokens 131072 --store $STORE"
-  step "batch: bursts of 8, alone and together"
-  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --burst 1 8 --max-new-tokens 1 --duration-s 120 \
-      --json "$OUT/batch_burst.json" --markdown "$OUT/batch_burst.md" > "$OUT/batch_burst.log" 2>&1
-  tail -8 "$OUT/batch_burst.log"
-  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --burst 8 --shared-chunks 7 --max-new-tokens 1 \
-      --duration-s 120 --json "$OUT/batch_shared.json" --markdown "$OUT/batch_shared.md" \
-      > "$OUT/batch_shared.log" 2>&1
-  tail -6 "$OUT/batch_shared.log"
-  if [ -n "$QUICK" ]; then CLIENTS="8"; else CLIENTS="8 16"; fi
-  step "batch: closed loop, clients $CLIENTS, 128 new tokens"
-  timeout 600 $PY -m qcfuse_core.cli bench load $COMMON --clients $CLIENTS --requests-per-client 2 \
-      --max-new-tokens 128 --duration-s 60 --json "$OUT/batch_load.json" --markdown "$OUT/batch_load.md" \
-      > "$OUT/batch_load.log" 2>&1
-  tail -10 "$OUT/batch_load.log"; rm -rf "$STORE"
-fi
-
 if has crowd; then
   # issue 54, the crowd's pace on the configuration a user gets (the default tiers): the decode
   # step of 1/8/32 sequences at 10K (plain and deterministic) with where one sequence's step
   # goes; one request end to end (128 new tokens), whose runs also measure the planner's
-  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget; a burst
-  # of 8 sharing 7 of 10 chunks with batched_prefill off and on (about 11 minutes)
+  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget (about 9
+  # minutes)
   PEAK=${PEAK_TBPS:-4.8}
   step "crowd: decode step, 1/8/32 sequences at 10,440 tokens"
   timeout 300 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
@@ -219,15 +193,6 @@ if has crowd; then
   timeout 240 $LOAD --clients 8 --duration-s 45 --step-prefill-tokens 2048 --json "$OUT/crowd_budget.json" \
       --markdown "$OUT/crowd_budget.md" > "$OUT/crowd_budget.log" 2>&1
   tail -6 "$OUT/crowd_budget.log"; rm -rf "$CROWD"
-  if [ -z "${NO_BURST:-}" ]; then
-    step "crowd: burst of 8 sharing 7 of 10 chunks, batched_prefill off and on"
-    timeout 240 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier host \
-        --pool-chunks 50 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --methods full qcfuse \
-        --ratios 0.15 --batched-prefill both --step-prefill-tokens 131072 --store "$CROWD" --burst 8 \
-        --shared-chunks 7 --max-new-tokens 1 --duration-s 90 --json "$OUT/crowd_burst.json" \
-        --markdown "$OUT/crowd_burst.md" > "$OUT/crowd_burst.log" 2>&1
-    tail -6 "$OUT/crowd_burst.log"; rm -rf "$CROWD"
-  fi
 fi
 
 if has kernels; then

@@ -3,8 +3,6 @@
 Public operations, each with a plain PyTorch reference in `reference.py`:
 
     sparse_attention(q, k, v, q_pos, scale, window=None)      -> (R, H, D)
-    sparse_attention_varlen(q, k, v, q_pos, cu_rows, cu_keys, scale, window=None)
-                                                               -> (R_total, H, D), B requests in one launch
     attention_mass(q, k, q_pos, scale)                        -> (T,) fp32
     rerotate_scatter(k_pre, v, rows, k_new_pre, v_new, cos, sin, inv=None) -> (k_rot, v_out)
     inverse_rows(rows, T)                                      -> (T,) int32, reusable across layers
@@ -39,7 +37,6 @@ from qcfuse_kernels.ops import (
     set_backend,
     silu_mul,
     sparse_attention,
-    sparse_attention_varlen,
 )
 from qcfuse_kernels.reference import rotate_half
 
@@ -59,5 +56,4 @@ __all__ = [
     "set_backend",
     "silu_mul",
     "sparse_attention",
-    "sparse_attention_varlen",
 ]

@@ -13,9 +13,7 @@ under "triton", CUDA tensors under "interpret") runs the reference. Validation i
 on every backend, so a call that fails on the GPU fails on the CPU too.
 
 Value checks that would need a device->host sync (positions inside [0, T), unique rows)
-run for CPU tensors only; on CUDA they are preconditions. One exception:
-`sparse_attention_varlen` reads offset tables that live on the device back to the host
-(its grid needs the longest request) unless the caller passes that bound, `max_rows`.
+run for CPU tensors only; on CUDA they are preconditions.
 """
 
 from __future__ import annotations
@@ -176,8 +174,8 @@ def _check_attention_inputs(q, k, q_pos, scale) -> tuple[int, int, int, int, int
 
 
 def _check_sparse_inputs(q, k, v, q_pos, scale, window) -> tuple[int, int, int, int, int, int | None, torch.device]:
-    """Shared checks of sparse_attention / sparse_attention_varlen -> (R, H, D, T, Hkv,
-    window, device); window becomes None when it is at least T (no row loses a key to it)."""
+    """Checks of sparse_attention -> (R, H, D, T, Hkv, window, device); window becomes None
+    when it is at least T (no row loses a key to it)."""
     R, H, D, T, Hkv = _check_attention_inputs(q, k, q_pos, scale)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
@@ -190,28 +188,6 @@ def _check_sparse_inputs(q, k, v, q_pos, scale, window) -> tuple[int, int, int, 
     if window is not None and window >= T:
         window = None  # no row can see a key outside its window
     return R, H, D, T, Hkv, window, device
-
-
-def _check_offsets(name: str, cu, total: int, what: str, device: torch.device, read: bool) -> torch.Tensor | None:
-    """Checks of a (B + 1,) cumulative offset table -> its values on the host, or None when
-    it lives on `device` and `read` is False (its values are then preconditions).
-
-    On the CPU the checks are free; on the device they read the table back (a sync)."""
-    if cu.device.type != "cpu" and cu.device != device:
-        raise ValueError(f"{name} must be on the CPU or on q's device ({device}), got {cu.device}")
-    if cu.device.type != "cpu" and not read:
-        return None
-    host = cu.cpu()  # device -> host copy: waits for the device
-    first, last = int(host[0]), int(host[-1])
-    if first != 0 or last != total:
-        raise ValueError(f"{name} must run from 0 to the number of {what} ({total}), got {first} .. {last}")
-    down = torch.nonzero(host.diff() < 0)
-    if down.numel():
-        b = int(down[0])
-        raise ValueError(
-            f"{name} must not decrease: {name}[{b}] = {int(host[b])} > {name}[{b + 1}] = {int(host[b + 1])}"
-        )
-    return host
 
 
 # ---------------------------------------------------------------- launch configs
@@ -287,9 +263,8 @@ def _mass_config(group: int, block_d: int, interpret: bool) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: bool, varlen: bool = False):
-    """The sparse attention kernel (`varlen`: its batched form) wrapped in triton.autotune
-    over `_attention_configs`; both forms run the same tile code and share the candidates.
+def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: bool):
+    """The sparse attention kernel wrapped in triton.autotune over `_attention_configs`.
 
     Under the interpreter the list has exactly one config (autotune with several fails
     there), so the same launch path runs in CPU tests.
@@ -298,13 +273,13 @@ def _tuned_attention_kernel(group: int, block_d: int, interpret: bool, fp32: boo
 
     from qcfuse_kernels import triton_sparse_attention as sa
 
-    kernel = sa.sparse_attention_varlen_kernel if varlen else sa.sparse_attention_kernel
-
     configs = [
         triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
         for c in _attention_configs(group, block_d, interpret, fp32)
     ]
-    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM", "WINDOWED"])(kernel)
+    return triton.autotune(configs=configs, key=["NUM_KV_HEADS", "GROUP", "HEAD_DIM", "WINDOWED"])(
+        sa.sparse_attention_kernel
+    )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -360,110 +335,6 @@ def sparse_attention(q, k, v, q_pos, scale: float, window: int | None = None) ->
         WINDOWED=window is not None,
     )
     return out
-
-
-def sparse_attention_varlen(
-    q,
-    k,
-    v,
-    q_pos,
-    cu_rows,
-    cu_keys,
-    scale: float,
-    window: int | None = None,
-    *,
-    max_rows: int | None = None,
-) -> torch.Tensor:
-    """`sparse_attention` for B requests in one launch, each over its own prompt.
-
-    q (R_total, H, D), k/v (T_total, Hkv, D), q_pos (R_total,) int32/int64, cu_rows/cu_keys
-    (B + 1,) int32/int64 cumulative offsets (flash-attn's cu_seqlens) -> (R_total, H, D):
-
-        q, q_pos, out   | req 0 rows | req 1 rows (may be none) | ... |   cu_rows[b]..cu_rows[b+1]
-        k, v            | req 0 keys (T_0) | req 1 keys (T_1)  | ... |   cu_keys[b]..cu_keys[b+1]
-
-    Row i of request b sees keys cu_keys[b] + j for 0 <= j <= q_pos[i] (local position,
-    0 <= q_pos[i] < T_b), with a sliding `window` W only j > q_pos[i] - W; never another
-    request's keys. Request b's rows equal `sparse_attention(q_b, k_b, v_b, q_pos_b, scale,
-    window)`: same fp32 softmax and accumulation, same tiles (bit for bit under the
-    interpreter). Any row order is correct; rows sorted by position within each request
-    are fast (as for `sparse_attention`).
-
-    Host syncs: cu_rows/cu_keys on the CPU cost none (they are checked there and copied to
-    q's device without waiting). On q's device they are read back (a sync) for the checks
-    and the grid, unless `max_rows` (an upper bound on any request's row count) is
-    given: then nothing is read and their values are preconditions. As in
-    `sparse_attention`, q_pos is range-checked only on the CPU.
-    """
-    R, H, D, T, Hkv, window, device = _check_sparse_inputs(q, k, v, q_pos, scale, window)
-    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
-        raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
-    for name, cu in (("cu_rows", cu_rows), ("cu_keys", cu_keys)):
-        _check_tensor(name, cu, 1, INDEX_DTYPES)
-    if cu_rows.shape[0] < 2 or cu_keys.shape[0] != cu_rows.shape[0]:
-        raise ValueError(
-            f"cu_rows ({cu_rows.shape[0]} entries) and cu_keys ({cu_keys.shape[0]}) must both hold B + 1 >= 2 offsets"
-        )
-    B = cu_rows.shape[0] - 1
-    read = max_rows is None
-    rows_h = _check_offsets("cu_rows", cu_rows, R, "query rows", device, read)  # (B + 1,) or None
-    keys_h = _check_offsets("cu_keys", cu_keys, T, "keys", device, read)
-    if rows_h is not None:
-        longest = int(rows_h.diff().max())
-        if max_rows is not None and max_rows < longest:
-            raise ValueError(f"max_rows = {max_rows} but a request holds {longest} rows")
-        max_rows = longest if max_rows is None else max_rows
-    if rows_h is not None and keys_h is not None and q_pos.device.type == "cpu" and R:
-        _check_local_positions(q_pos, rows_h, keys_h)
-    if not _use_kernels(device):
-        return ref.sparse_attention_varlen_ref(q, k, v, q_pos, cu_rows, cu_keys, scale, window)
-
-    out = torch.empty_like(q)  # (R_total, H, D)
-    if R == 0:
-        return out
-    assert max_rows is not None  # read from cu_rows, or given
-    cu_rows, cu_keys = (t if t.device == device else t.to(device, non_blocking=True) for t in (cu_rows, cu_keys))
-    group = H // Hkv
-    block_d = _block_d(D)
-    interpret = backend() == "interpret"
-    kernel = _tuned_attention_kernel(group, block_d, interpret, q.dtype == torch.float32, varlen=True)
-
-    def grid(meta):  # program id 0 = tile rank * B + request: every request's heaviest tile first
-        return (B * _cdiv(max_rows, meta["BLOCK_M"] // group), Hkv)
-
-    kernel[grid](
-        q,
-        k,
-        v,
-        q_pos,
-        out,
-        cu_rows,
-        cu_keys,
-        B,
-        float(scale) * _LOG2E,
-        window or 0,
-        NUM_KV_HEADS=Hkv,
-        GROUP=group,
-        HEAD_DIM=D,
-        BLOCK_D=block_d,
-        UPCAST=interpret and q.dtype == torch.bfloat16,
-        PRECISION=_dot_precision(q.dtype),
-        WINDOWED=window is not None,
-    )
-    return out
-
-
-def _check_local_positions(q_pos: torch.Tensor, cu_rows: torch.Tensor, cu_keys: torch.Tensor) -> None:
-    """Every row's position inside its own request's keys: 0 <= q_pos[i] < T_b (host tensors)."""
-    limit = torch.repeat_interleave(cu_keys.diff(), cu_rows.diff())  # (R_total,) T_b of each row's request
-    bad = (q_pos < 0) | (q_pos >= limit)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
-        b = int(torch.searchsorted(cu_rows, torch.tensor(i, dtype=cu_rows.dtype), right=True)) - 1
-        raise ValueError(
-            f"q_pos[{i}] = {int(q_pos[i])} lies outside [0, {int(limit[i])}), the keys of its request {b} "
-            f"(rows {int(cu_rows[b])}..{int(cu_rows[b + 1]) - 1})"
-        )
 
 
 def attention_mass(q, k, q_pos, scale: float) -> torch.Tensor:

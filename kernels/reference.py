@@ -90,33 +90,6 @@ def sparse_attention_ref(
     return out.transpose(0, 1).to(q.dtype).contiguous()
 
 
-def sparse_attention_varlen_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    cu_rows: torch.Tensor,
-    cu_keys: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """`sparse_attention_ref` for B requests laid end to end, one request at a time.
-
-    q (R_total, H, D), k/v (T_total, Hkv, D), q_pos (R_total,) local to each request,
-    cu_rows/cu_keys (B + 1,) cumulative offsets from 0 -> out (R_total, H, D) in q's dtype:
-
-        rows  q[cu_rows[b]:cu_rows[b+1]]  attend to  keys k[cu_keys[b]:cu_keys[b+1]]
-        row i of request b sees cu_keys[b] + j for j <= q_pos[i] (window: j > q_pos[i] - W)
-    """
-    out = torch.empty_like(q)
-    rows, keys = cu_rows.tolist(), cu_keys.tolist()
-    for b in range(len(rows) - 1):
-        r0, r1, k0, k1 = rows[b], rows[b + 1], keys[b], keys[b + 1]
-        if r1 > r0:
-            out[r0:r1] = sparse_attention_ref(q[r0:r1], k[k0:k1], v[k0:k1], q_pos[r0:r1], scale, window)
-    return out
-
-
 def attention_mass_ref(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention mass each key receives from probe queries, averaged over heads and queries.
 

@@ -32,19 +32,11 @@ never loaded; the keys every row of the tile sees lie in [hi - W + 1, lo]:
 than W positions). A row may meet whole blocks it sees no key of before its window starts, so
 the masked sweeps subtract 0 while a row's running max is still -inf.
 
-Batched ("varlen") form, `sparse_attention_varlen_kernel`: B requests, each its own prompt,
-in one launch. Request b owns rows cu_rows[b]..cu_rows[b+1]-1 and keys cu_keys[b]..
-cu_keys[b+1]-1; its rows' positions are local to its keys. A program reads its request's
-offsets from the two (B + 1,) tables and runs the same tile code (`_attn_tile`) on pointers
-shifted to that request, so a tile never mixes requests and never reads another's keys.
-
 Invariants the launcher guarantees: q, k, v, out contiguous with the shapes in the
-signature; 0 <= q_pos < T (varlen: < T_b of the row's request, offsets monotone from 0);
-BLOCK_M >= GROUP; BLOCK_D = next power of two >= HEAD_DIM.
-Correctness never depends on row order; speed does - rows sorted ascending by position
-(within each request, for the varlen kernel) make each tile's [lo, hi] span narrow, so the
-masked phase is short and later keys skipped. Tiles are launched heaviest (largest
-positions) first to shorten the tail.
+signature; 0 <= q_pos < T; BLOCK_M >= GROUP; BLOCK_D = next power of two >= HEAD_DIM.
+Correctness never depends on row order; speed does - rows sorted ascending by position make
+each tile's [lo, hi] span narrow, so the masked phase is short and later keys skipped. Tiles
+are launched heaviest (largest positions) first to shorten the tail.
 """
 
 from __future__ import annotations
@@ -155,7 +147,7 @@ def _attn_tile(
     """One program's work: tile `tile` of rows x the GROUP query heads of KV head `kvh`.
 
     Writes out[rows of the tile, heads of kvh]. The pointers address one prompt's rows and
-    keys (the batched kernel offsets them to its request); 0 <= tile < cdiv(R, ROWS).
+    keys; 0 <= tile < cdiv(R, ROWS).
     """
     ROWS: tl.constexpr = BLOCK_M // GROUP
     KV_STRIDE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # token stride of k/v
@@ -341,76 +333,6 @@ def sparse_attention_kernel(
         OUT,
         R,
         T,
-        tile,
-        tl.program_id(1),
-        qk_scale,
-        window,
-        NUM_KV_HEADS,
-        GROUP,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        UPCAST,
-        PRECISION,
-        WINDOWED,
-    )
-
-
-@triton.jit
-def sparse_attention_varlen_kernel(
-    Q,
-    K,
-    V,
-    POS,
-    OUT,  # q/out (R_total, H, D), k/v (T_total, Hkv, D), pos (R_total,) int, local to its request
-    CU_ROWS,
-    CU_KEYS,  # (B + 1,) int: request b owns rows [cu_rows[b], cu_rows[b+1]), keys [cu_keys[b], cu_keys[b+1])
-    B,
-    qk_scale,  # qk_scale = softmax scale * log2(e)
-    window,  # sliding window W (read only when WINDOWED)
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-    WINDOWED: tl.constexpr,
-):
-    """Grid (B * cdiv(max rows of a request, BLOCK_M // GROUP), Hkv): program (m * B + b, kvh)
-    runs request b's m-th heaviest tile, or returns when the request has fewer tiles.
-
-    Each request is one prompt of `sparse_attention_kernel`, seen through offset pointers:
-
-        q/out rows  | req 0: cu_rows[0]=0 .. cu_rows[1] | req 1: .. cu_rows[2] | ... (R_total)
-        k/v keys    | req 0: cu_keys[0]=0 .. cu_keys[1] | req 1: .. cu_keys[2] | ... (T_total)
-
-    so a row's position and its tile's key range are local to its request, and no program
-    reads another request's keys. Base offsets are int64 (T_total * Hkv * D may pass 2^31).
-    Request index fastest (and on axis 0, which has no 65535 limit): the first programs
-    launched are every request's heaviest tile, the last ones the lightest.
-    """
-    b = tl.program_id(0) % B
-    rank = tl.program_id(0) // B
-    row_start = tl.load(CU_ROWS + b).to(tl.int64)
-    n_rows = (tl.load(CU_ROWS + b + 1) - row_start).to(tl.int32)
-    tile = tl.cdiv(n_rows, BLOCK_M // GROUP) - 1 - rank  # heaviest tiles first
-    if tile < 0:  # this request has fewer tiles than the longest one (or no rows)
-        return
-    key_start = tl.load(CU_KEYS + b).to(tl.int64)
-    n_keys = (tl.load(CU_KEYS + b + 1) - key_start).to(tl.int32)
-    q_off = row_start * (NUM_KV_HEADS * GROUP * HEAD_DIM)
-    kv_off = key_start * (NUM_KV_HEADS * HEAD_DIM)
-    _attn_tile(
-        Q + q_off,
-        K + kv_off,
-        V + kv_off,
-        POS + row_start,
-        OUT + q_off,
-        n_rows,
-        n_keys,
         tile,
         tl.program_id(1),
         qk_scale,

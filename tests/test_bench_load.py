@@ -120,7 +120,7 @@ def test_closed_loop_cli_writes_rows_table_and_plot(tmp_path, capsys):
     assert all(r["max_batch_seen"] == 1 for r in rows if r["clients"] == 1)
     assert all(r["max_batch_seen"] > 1 for r in rows if r["clients"] == 4)
     table = capsys.readouterr()
-    assert "| closed | 4 clients | qcfuse | 0.30 | off | 8/8 | 0 |" in table.out
+    assert "| closed | 4 clients | qcfuse | 0.30 | 8/8 | 0 |" in table.out
     assert "[4/4] qcfuse 0.3: closed loop, 4 clients, 8 requests" in table.err  # progress, point by point
     assert (tmp_path / "load.md").read_text().startswith("| mode | load | method |")
     png = (tmp_path / "load.png").read_bytes()
@@ -239,10 +239,9 @@ def test_requests_share_pool_chunks_in_their_own_order():
         make_requests(tok, pool, 1, 13, 6, seed=0)
 
 
-def test_a_burst_with_shared_chunks_prefilled_together_and_alone(tmp_path, capsys):
-    """A burst of 4 requests sharing 2 of their 3 chunks, with prefill batching off and on:
-    every request finishes; on, they were prefilled together and the shared chunks crossed
-    once (bytes to the device below separate loads); off, each loaded its own."""
+def test_a_burst_with_shared_chunks(tmp_path, capsys):
+    """A burst of 4 requests sharing 2 of their 3 chunks: every request finishes, each
+    loading its chunks to the device; one row, and its line in the burst table."""
     out = tmp_path / "burst.json"
     rc = main(
         [
@@ -259,8 +258,6 @@ def test_a_burst_with_shared_chunks_prefilled_together_and_alone(tmp_path, capsy
             "qcfuse",
             "--ratios",
             "0.3",
-            "--batched-prefill",
-            "both",
             "--duration-s",
             "120",
             "--json",
@@ -269,24 +266,20 @@ def test_a_burst_with_shared_chunks_prefilled_together_and_alone(tmp_path, capsy
     )
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["batched_prefill"]) for r in rows] == [("burst", False), ("burst", True)]
-    off, on = rows
-    for r in rows:
-        _counts_add_up(r)
-        assert r["finished"] == r["submitted"] == 4 and r["errors"] == 0
-        assert r["ttft_ms_p50"] <= r["ttft_ms_max"] and r["fuse_ms_busy"] > 0
-        assert r["bytes_separate"] > 0
-    assert off["max_prefill_batch"] == 0 and off["bytes_loaded"] == off["bytes_separate"]
-    assert on["max_prefill_batch"] > 1 and on["bytes_loaded"] < on["bytes_separate"]
-    assert on["bytes_separate"] == off["bytes_separate"]  # the same requests
+    assert [r["mode"] for r in rows] == ["burst"]
+    (r,) = rows
+    _counts_add_up(r)
+    assert r["finished"] == r["submitted"] == 4 and r["errors"] == 0
+    assert r["ttft_ms_p50"] <= r["ttft_ms_max"] and r["fuse_ms_busy"] > 0
+    assert r["bytes_loaded"] > 0
     table = capsys.readouterr().out
-    assert "| burst | method | ratio | batched prefill |" in table and "| 4 | qcfuse | 0.30 | on | 4/4 |" in table
+    assert "| burst | method | ratio | finished |" in table and "| 4 | qcfuse | 0.30 | 4/4 |" in table
 
 
 def test_busy_time_counts_overlapping_spans_once():
     from qcfuse_core.eval.load import _covered, _stage_span
 
-    assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # a batch's spans overlap
+    assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # overlapping spans count once
     assert _covered([(0.0, 1.0), (1.0, 2.0)]) == 2.0 and _covered([]) == 0.0
     stages = {
         "queue_ms": 100.0,

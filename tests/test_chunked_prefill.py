@@ -1,5 +1,5 @@
 """Chunked prefill: a prompt's prefill split into slices of positions run over several
-scheduler steps (model/fusion.py `FuseItem.span`, `prefill_slices`; engine/scheduler.py).
+scheduler steps (model/fusion.py `fused_prefill`'s `span`, `prefill_slices`; engine/scheduler.py).
 
 Oracles: the same prefill unsliced (fp32, tiny random models: logits and every layer's
 K/V to float tolerance, answers token for token); the same request alone in deterministic
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.model.fusion import FusedPrompt, FuseItem, KVCache, Segment, fused_prefill_batch, prefill_slices
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill, prefill_slices
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore
 from tests.qc_fixtures import engine_config
@@ -28,14 +28,14 @@ def test_prefill_slices_split_the_rows_end_to_end():
     assert prefill_slices(torch.arange(10), 4) == [(0, 4), (4, 8), (8, 10)]
 
 
-def _sliced(m, prompt: FusedPrompt, rows: torch.Tensor, size: int, exact: bool = False):
+def _sliced(m, prompt: FusedPrompt, rows: torch.Tensor, size: int):
     """The prompt's fused prefill slice by slice into one cache -> (last logits, cache)."""
     cache = KVCache(m, prompt.num_tokens + 2)
     spans = prefill_slices(rows, size)
     assert len(spans) > 1
     for a, b in spans:
         part = rows[(rows >= a) & (rows < b)]
-        out = fused_prefill_batch(m, [FuseItem(prompt, part, kv_out=cache, span=(a, b))], exact=exact)[0]
+        out = fused_prefill(m, prompt, part, kv_out=cache, span=(a, b))
         assert out.logits.numel() == 0 if b < prompt.num_tokens else out.logits.shape[0] == 1
         assert cache.length == b
     return out.logits, cache
@@ -53,7 +53,7 @@ def test_a_sliced_prefill_equals_the_whole(arch, share):
     g = torch.Generator().manual_seed(4)
     rows = torch.nonzero((torch.rand(T, generator=g) < share) | prompt.uncached_mask()).flatten()
     whole = KVCache(m, T + 2)
-    ref = fused_prefill_batch(m, [FuseItem(prompt, rows, kv_out=whole)])[0].logits
+    ref = fused_prefill(m, prompt, rows, kv_out=whole).logits
     for size in (5, 16):
         logits, cache = _sliced(m, prompt, rows, size)
         assert torch.allclose(logits, ref, atol=ATOL, rtol=0), _report(logits, ref)
@@ -66,11 +66,11 @@ def test_a_slice_checks_its_rows_and_span():
     prompt = FusedPrompt([Segment("suffix", torch.arange(1, 11))])
     cache = KVCache(m, 10)
     with pytest.raises(ValueError, match="uncached"):  # position 3 of the span has no cache
-        fused_prefill_batch(m, [FuseItem(prompt, torch.tensor([0, 1, 2, 4]), kv_out=cache, span=(0, 5))])
+        fused_prefill(m, prompt, torch.tensor([0, 1, 2, 4]), kv_out=cache, span=(0, 5))
     with pytest.raises(ValueError, match="within"):
-        fused_prefill_batch(m, [FuseItem(prompt, torch.arange(10), kv_out=cache, span=(0, 11))])
+        fused_prefill(m, prompt, torch.arange(10), kv_out=cache, span=(0, 11))
     with pytest.raises(ValueError, match="kv_out"):
-        fused_prefill_batch(m, [FuseItem(prompt, torch.arange(5), span=(0, 5))])
+        fused_prefill(m, prompt, torch.arange(5), span=(0, 5))
 
 
 # ---------------------------------------------------------------------- the scheduler's steps

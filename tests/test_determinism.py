@@ -41,7 +41,7 @@ DOCS = [
 QUESTION = "Where was the first keeper of the Orvell Lighthouse born?"
 
 # the embedded model in bf16 and fp32, its own loads: the slow tier (tests/tiers.py); the fast
-# tier's bitwise checks run on tiny models (test_fuse_batch.py, test_scheduler.py)
+# tier's bitwise checks run on tiny models (test_scheduler.py, test_chunked_prefill.py)
 pytestmark = pytest.mark.slow
 
 

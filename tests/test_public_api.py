@@ -90,8 +90,8 @@ def test_the_config_is_split_by_concern_and_each_part_is_frozen_and_checked():
         FrameConfig(question_template="no slot")
     with pytest.raises(ValueError, match="max_running must be a positive int"):
         SchedulerConfig(max_running=0)
-    with pytest.raises(ValueError, match="batched_prefill must be True or False"):
-        SchedulerConfig(batched_prefill=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        SchedulerConfig(cuda_graphs=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_cache_bytes must be a positive int or None"):
         CacheConfig(kv_cache_bytes=-1)
     with pytest.raises(TypeError, match="scheduler must be a SchedulerConfig, got dict"):

@@ -258,7 +258,7 @@ def test_models_health_metrics(client):
     for name in ("qcfuse_ttft_seconds_bucket", "qcfuse_e2e_seconds_count", "qcfuse_prompt_tokens_total",
                  "qcfuse_completion_tokens_total", "qcfuse_cache_misses_total", "qcfuse_recompute_share_bucket",
                  "qcfuse_queue_length", "qcfuse_running_requests", "qcfuse_max_batch_seen",
-                 "qcfuse_max_prefill_batch", "qcfuse_batched_prefills_total",
+                 "qcfuse_scheduler_steps_total",
                  "qcfuse_scheduler_requests_total", "qcfuse_kv_pool_idle_bytes"):
         assert name in text, name
     assert _metric(text, 'qcfuse_requests_total{outcome="ok",route="completions"}') == before + 1

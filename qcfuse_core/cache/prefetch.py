@@ -16,9 +16,7 @@ only copied RAM to RAM beside the compute threads and slowed their team).
 
 The shared `Prefetcher` keeps what outlives a request (the side stream, reusable buffers,
 probe sidecars on the compute device); each request's loads, events and report live in its
-`LoadSession`, closed in the engine's `finally`. Requests prefilled together share their
-loads: `batch.start_batch` gives each one a `batch.BatchSession` reading one `LoadSession` over
-the batch's unique chunks (cache/batch.py).
+`LoadSession`, closed in the engine's `finally`.
 
 Pins: a session pins every memory-tier entry it streams from (`store.pin`, when it starts)
 and unpins them when it closes (also after an error), so the tier never evicts, and never
@@ -277,16 +275,6 @@ class PrefetchReport:
     order: list[str] = field(default_factory=list)  # "sidecar:<segment>", "layer:<l>"
     failed: list[int] = field(default_factory=list)  # segments whose layer read failed
     sync_layer_loads: int = 0
-    # Batched requests (`batch.start_batch`; a lone request is a batch of one):
-    # bytes_loaded is the request's share of the batch's shared load (a chunk's bytes go to
-    # the first request that reads them), bytes_shared what it read that another request's
-    # share brought; the batch figures are the same on every member: what crossed to the
-    # device for the whole batch, and what separate sessions would have moved for the same
-    # layers.
-    bytes_shared: int = 0
-    batch_size: int = 1
-    batch_bytes_loaded: int = 0
-    batch_bytes_separate: int = 0
 
     @property
     def total_wait_ms(self) -> float:
@@ -501,7 +489,6 @@ class LoadSession:
         self._closed = False
         self._need: list[torch.cuda.Event] | None = None  # CUDA: where the compute asked for each layer
         self._pins: list[TierPin] = []  # memory-tier entries held against eviction until close
-        self.layers_loaded = 0  # layers whose loads are issued (a shared session's readers count them)
         self._fills: list[_Fill] = []  # host images copied onto the device tier as they stream
         try:
             self._setup(prompt)
@@ -583,27 +570,6 @@ class LoadSession:
             raise RuntimeError("this load session is closed")
         if layer != self._next:
             raise ValueError(f"layers must be asked for in order: expected {self._next}, got {layer}")
-        kv = self.layer_kv(layer)  # (2, T, Hkv, D)
-        k, v = kv[0], kv[1]
-        if like.dtype != k.dtype or like.device != k.device:
-            k, v = k.to(like.device, like.dtype), v.to(like.device, like.dtype)
-        return k, v
-
-    def layer_kv(self, layer: int) -> torch.Tensor:
-        """Layer `layer` as it sits in the session's buffer: (2, T, Hkv, D), K then V, in the
-        prefetcher's dtype, ordered after its load on the current stream. The next layer
-        advances the session as `layer` does; an earlier one is read again (for the readers
-        of a shared session, cache/batch.py). Valid until the session closes."""
-        if self._closed:
-            raise RuntimeError("this load session is closed")
-        if layer < self._next:
-            if self._error is not None:
-                raise RuntimeError("prefetch failed") from self._error
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self._ready[layer])
-            return self._buf[:, layer, : self._prompt.num_tokens]
-        if layer != self._next:
-            raise ValueError(f"layers must be asked for in order: expected {self._next}, got {layer}")
         self._next += 1
         self._credits.release()  # the consumer moved on: the loader may start one more layer
         t0 = time.perf_counter()
@@ -630,15 +596,11 @@ class LoadSession:
             cur.wait_event(self._ready[layer])
         else:
             self.report.wait_ms[layer] = host_wait
-        return self._buf[:, layer, :T]
-
-    def ready_event(self, layer: int) -> "torch.cuda.Event | None":
-        """CUDA: the event recorded on the side stream once layer `layer` is loaded (None on a CPU)."""
-        return self._ready[layer] if self.cuda else None
-
-    def source_kinds(self) -> list[str]:
-        """Per segment of the prompt: where its rows come from (tensor | gpu | host | disk | none)."""
-        return [s.kind for s in self._srcs]
+        kv = self._buf[:, layer, :T]  # (2, T, Hkv, D), ordered after its load on the current stream
+        k, v = kv[0], kv[1]
+        if like.dtype != k.dtype or like.device != k.device:
+            k, v = k.to(like.device, like.dtype), v.to(like.device, like.dtype)
+        return k, v
 
     def finish(self) -> PrefetchReport:
         """Join the loader; on CUDA turn the events into per-layer waits (synchronizes).
@@ -821,8 +783,6 @@ class LoadSession:
             self._copy_fills(layer)
             dst, src = self._layer_copies(layer)
             self.report.bytes_loaded += self._layer_bytes
-            self.report.batch_bytes_loaded = self.report.batch_bytes_separate = self.report.bytes_loaded
-            self.layers_loaded += 1
             for kind, n in self._source_bytes.items():
                 self.report.bytes_by_source[kind] = self.report.bytes_by_source.get(kind, 0) + n
             if dst:  # one call for the layer's copies

@@ -61,14 +61,6 @@ class SchedulerConfig:
     (engine/scheduler.py). The default, 8192, leaves the CPU machine's prompts whole (its
     4-client load unchanged, docs/benchmarks.md); smaller bounds a running answer's stall
     more tightly at the cost of more passes over the weights per prompt.
-    batched_prefill: the requests one scheduler step admits are prefilled together - their
-    chunk loads shared, one probe pass, one ragged fused prefill whose products run over all
-    their rows (engine/pipeline.py `Steps.prefill_batch`). A request's logits then agree
-    with its logits alone to float tolerance; with `EngineConfig.deterministic` the row-wise
-    work runs request by request (bit for bit as alone) and only the loads and the layer loop
-    are shared. Off (the default), each admitted request is prefilled alone: on the CPU
-    machine batching made bursts no faster and full prefill slower (docs/benchmarks.md,
-    "Requests fused together").
     cuda_graphs: on a CUDA device the scheduler replays its decode steps from CUDA graphs
     (`model.graphs.GraphDecoder`); off, or where a step cannot be captured, it decodes eagerly.
     """
@@ -76,11 +68,10 @@ class SchedulerConfig:
     max_queue: int = 256
     max_running: int = 32
     step_prefill_tokens: int = 8192
-    batched_prefill: bool = False
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        _check_bools(self, "batched_prefill", "cuda_graphs")
+        _check_bools(self, "cuda_graphs")
         for name in ("max_queue", "max_running", "step_prefill_tokens"):
             v = getattr(self, name)
             if not _positive_int(v):

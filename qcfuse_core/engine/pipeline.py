@@ -14,7 +14,7 @@
                                                       for a selector that does not fuse)
     6 decode        Steps.decode         text deltas  first token (TTFT), then the rest
 
-Steps 1-5 run together as `Steps.prefill` (`request_lookup`, `prepare`, `prefill_batch`:
+Steps 1-5 run together as `Steps.prefill` (`request_lookup`, `prepare`, `prefill_prepared`:
 the scheduler reserves a request's KV cache between the first two), step 6 as a `Decoding`
 per request. The engine's scheduler (engine/scheduler.py) drives every request the engine
 runs - many at once, one batched decode step for all; `Steps.run` chains the same steps for
@@ -37,7 +37,6 @@ from typing import Any, Protocol
 
 import torch
 
-from qcfuse_core.cache.batch import start_batch
 from qcfuse_core.cache.chunks import ChunkCaches
 from qcfuse_core.cache.lookup import LookedUp, check_context
 from qcfuse_core.cache.planner import Rates
@@ -62,17 +61,17 @@ from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.model.batched import decode_batch, deterministic_tile
 from qcfuse_core.model.fusion import (
     FusedPrompt,
-    FuseItem,
     KVCache,
+    PrefillOutput,
     Segment,
     decode_step,
     fill_from_hf,
-    fused_prefill_batch,
+    fused_prefill,
     prefill_slices,
 )
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.options import FIXED_BUDGET_OPTIONS
-from qcfuse_core.selection.selectors import rechoose, select_batch
+from qcfuse_core.selection.selectors import rechoose
 from qcfuse_core.types import FusionResult, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ class Unreadable(Exception):
 
 @dataclass(frozen=True)
 class FuseJob:
-    """One request's input to step 5 (`Steps.fuse_many`)."""
+    """One request's input to step 5 (`Steps._fuse_job`)."""
 
     loading: Loading
     selected: Selected
@@ -194,8 +193,8 @@ class Steps:
     # ------------------------------------------------------------------ 3. start loading
     def start_loading(self, looked: LookedUp, planned: Planned, *, stream: bool = True) -> Loading:
         """The fused prompt (sidecars of the loaded chunks for the probe) and, on a store that
-        streams layers, the load session (stream=False: the prompt only; `start_sessions`
-        starts the sessions of a batch together)."""
+        streams layers, the load session (stream=False: the prompt only; `start_session`
+        starts it later)."""
         caches = self.engine.caches
         depth = max(caches.critical_layers) + 1 if get_selector(planned.method).probes else 0
         segments, n = [], 0
@@ -214,20 +213,15 @@ class Steps:
                 n += 1
             segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
         prompt = FusedPrompt(segments)
-        return Loading(prompt, self.start_sessions([prompt])[0] if stream else None)
+        return Loading(prompt, self.start_session(prompt) if stream else None)
 
-    def start_sessions(self, prompts: Sequence[FusedPrompt]) -> list[Any]:
-        """The load sessions of prompts fused together (None for a prompt whose caches are all
-        in memory): one chunk used by several of them is loaded once per layer
-        (`cache.batch.start_batch`)."""
+    def start_session(self, prompt: FusedPrompt) -> Any:
+        """The prompt's load session (`Prefetcher.start`), or None when all of its caches are
+        in memory (or the engine streams no layers)."""
         pf = self.engine.caches.prefetcher
-        out: list[Any] = [None] * len(prompts)
-        lazy = [i for i, p in enumerate(prompts) if any(isinstance(s.chunk, ChunkView) for s in p.segments)]
-        if pf is None or not lazy:
-            return out
-        for i, session in zip(lazy, start_batch(pf, [prompts[i] for i in lazy])):
-            out[i] = session
-        return out
+        if pf is None or not any(isinstance(s.chunk, ChunkView) for s in prompt.segments):
+            return None
+        return pf.start(prompt)
 
     # ------------------------------------------------------------------ 4. select
     def select(self, prompt: FusedPrompt, method: str, ratio: float, options: dict | None = None) -> Selected:
@@ -240,35 +234,6 @@ class Steps:
         if source is not None:
             sel.details["layers_source"] = source
         return Selected(sel)
-
-    def select_many(
-        self, jobs: Sequence[tuple[FusedPrompt, str, float]], *, exact: bool = False
-    ) -> list[Selected | Exception]:
-        """`select` of several requests (prompt, method, ratio) with the engine's options: the
-        probes of all of them in one pass (`selectors.select_batch`; exact: one by one). A
-        request whose selection raises gets its exception in its place."""
-        ctxs: list[tuple[Any, SelectionContext]] = []
-        sources: list[str | None] = []
-        out: list[Selected | Exception | None] = [None] * len(jobs)
-        index = []
-        for i, (prompt, method, ratio) in enumerate(jobs):
-            try:
-                opts, source = self._options(method, None)
-                ctx = SelectionContext(self.engine.adapter, prompt, ratio, seed=self.engine.config.seed, options=opts)
-                ctxs.append((get_selector(method), ctx))
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                out[i] = e
-                continue
-            sources.append(source)
-            index.append(i)
-        for i, got, source in zip(index, select_batch(ctxs, exact=exact), sources):
-            if isinstance(got, Exception):
-                out[i] = got
-                continue
-            if source is not None:
-                got.details["layers_source"] = source
-            out[i] = Selected(got)
-        return out  # type: ignore[return-value]
 
     def selection_options(self, method: str, options: dict | None = None) -> dict:
         """The options `select` hands the selector: the caller's (else the engine's config),
@@ -302,66 +267,47 @@ class Steps:
         """Fused prefill of the prompt (HF's own forward for a selector that does not fuse)
         into a cache with room for `capacity` more tokens. Closes the load session; raises
         `Unreadable` when a chunk's layers could not be read."""
-        got = self.fuse_many([FuseJob(loading, selected, method, capacity, request)])[0]
+        got = self._fuse_job(FuseJob(loading, selected, method, capacity, request))
         if isinstance(got, Exception):
             raise got
         return got
 
-    def fuse_many(self, jobs: Sequence[FuseJob], *, exact: bool = False) -> list[Prefilled | Exception]:
-        """Step 5 of several requests in one ragged fused prefill (`fusion.fused_prefill_batch`):
-        every layer's row-wise work runs once over all their recomputed rows. A request
-        without chunk caches to fuse (`full`) joins the batch with every row recomputed (our
-        own forward, equal to HF's to float tolerance); alone, or with `exact`, it runs HF's
-        own forward. Each request's load session is finished and closed. -> per request its
-        Prefilled, or the exception that ended it (`Unreadable`: a chunk's layers could not
-        be read). If the batched prefill itself raises, every request in it gets that error."""
+    def _fuse_job(self, job: FuseJob) -> Prefilled | Exception:
+        """Step 5 of one request into a KV cache taken from the pool (also `job.request.cache`):
+        layer-wise fused prefill (`fusion.fused_prefill`), or HF's own forward for a selector
+        that does not fuse. Its load session is finished and closed. -> its Prefilled, or the
+        exception that ended it (`Unreadable`: a chunk's layers could not be read)."""
         engine = self.engine
-        out: list[Prefilled | Exception | None] = [None] * len(jobs)
-        items: list[FuseItem] = []
-        batched: list[int] = []
-        for i, job in enumerate(jobs):
-            prompt, sel = job.loading.prompt, job.selected.selection
-            try:
-                cache = engine.caches.take_kv(prompt.num_tokens + job.capacity)
-                if job.request is not None:
-                    job.request.cache = cache
-                if get_selector(job.method).fused:
-                    items.append(
-                        FuseItem(prompt, sel.rows, sel.full_layers, sel.on_layer_end, cache, source=job.loading.session)
-                    )
-                elif len(jobs) > 1 and not exact:
-                    items.append(FuseItem(prompt, torch.arange(prompt.num_tokens), kv_out=cache))
-                else:
-                    logits, kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
-                    fill_from_hf(cache, kv)
-                    out[i] = self._prefilled(job, cache, logits, prompt.context_tokens, {})
-                    continue
-                batched.append(i)
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                out[i] = e
-                self._close(job)
-        if items:
-            try:
-                results: list[Any] = fused_prefill_batch(engine.adapter, items, exact=exact)
-            except Exception as e:  # noqa: BLE001 - every request of the batch gets it
-                results = [e] * len(items)
-            for i, item, res in zip(batched, items, results):
-                out[i] = self._fused(jobs[i], item, res)
-        return out  # type: ignore[return-value]
-
-    def _fused(self, job: FuseJob, item: FuseItem, res: Any) -> Prefilled | Exception:
-        """One request's Prefilled from its fused prefill's output (or its error): its load
-        session finished and closed."""
-        if isinstance(res, Exception):
+        prompt, sel = job.loading.prompt, job.selected.selection
+        try:
+            cache = engine.caches.take_kv(prompt.num_tokens + job.capacity)
+            if job.request is not None:
+                job.request.cache = cache
+            if not get_selector(job.method).fused:
+                logits, kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
+                fill_from_hf(cache, kv)
+                return self._prefilled(job, cache, logits, prompt.context_tokens, {})
+            res = fused_prefill(
+                engine.adapter,
+                prompt,
+                sel.rows,
+                full_layers=sel.full_layers,
+                on_layer_end=sel.on_layer_end,
+                kv_out=cache,
+                source=job.loading.session,
+            )
+        except Exception as e:  # noqa: BLE001 - this request fails alone
             self._close(job)
-            return res
+            return e
+        return self._fused(job, cache, res)
+
+    def _fused(self, job: FuseJob, cache: KVCache, res: PrefillOutput) -> Prefilled | Exception:
+        """One request's Prefilled from its fused prefill's output: its load session finished
+        and closed."""
         report = self._finish_session(job)
         if isinstance(report, Exception):
             return report
         prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
-        assert item.kv_out is not None
-        if not get_selector(job.method).fused:
-            return self._prefilled(job, item.kv_out, res.logits, prompt.context_tokens, report)
         rows = res.rows
         sel = job.selected.selection
         details = {
@@ -370,7 +316,7 @@ class Steps:
             "row_sets": sel.details.get("row_sets", res.row_sets),
         }
         recomputed = int(prompt.mask("chunk", "text")[rows[rows < T]].sum())
-        return self._prefilled(job, item.kv_out, res.logits, recomputed, report, replace(sel, details=details))
+        return self._prefilled(job, cache, res.logits, recomputed, report, replace(sel, details=details))
 
     def _finish_session(self, job: FuseJob) -> dict[str, Any] | Exception:
         """`job`'s load session finished and closed -> its report ({} without one), or the
@@ -445,7 +391,7 @@ class Steps:
         A chunk whose layers cannot be read in step 5 (`Unreadable`) is deleted and steps 1-5
         run again with it as a miss; a second failure raises RuntimeError. The caller gives
         `req.cache` back and closes `req` however this ends."""
-        got = self.prefill_batch([(pieces, req, self.prepare(self.request_lookup(pieces, req), req))])[0]
+        got = self.prefill_prepared(pieces, req, self.prepare(self.request_lookup(pieces, req), req))
         if isinstance(got, Exception):
             raise got
         assert isinstance(got, Prefilled)  # not chunked: no `chunk` given
@@ -470,80 +416,46 @@ class Steps:
         req.clock.mark("plan")
         return self.start_loading(looked, planned, stream=False)
 
-    def prefill_batch(
-        self,
-        batch: Sequence[tuple[Sequence[Piece], Request, Loading]],
-        *,
-        exact: bool = False,
-        chunk: int | None = None,
-    ) -> list[Prefilled | Exception | Slicing]:
-        """Steps 3-5 of prepared requests (`prepare`) together: their load sessions started at
-        once (shared chunks loaded once), one batched probe (`select_many`), one ragged fused
-        prefill (`fuse_many`; `exact`: row-wise work request by request, bit for bit as
-        alone). -> per request its Prefilled or the exception that ended it; each request's
-        clock is marked through `prefill`. A request whose chunks could not be read runs
-        again alone (see `prefill`); when the batched prefill itself fails, every request of
-        the batch runs again alone, so an error stays with the request it came from.
+    def prefill_prepared(
+        self, pieces: Sequence[Piece], req: Request, loading: Loading, *, chunk: int | None = None
+    ) -> Prefilled | Exception | Slicing:
+        """Steps 3-5 of a prepared request (`prepare`): its load session started, its rows
+        selected (`select`), its fused prefill (`_fuse_job`) and the quality guard -> its
+        Prefilled or the exception that ended it; its clock is marked through `prefill`. A
+        request whose chunks could not be read runs again with them rebuilt (see `prefill`).
 
         chunk (chunked prefill): a request that recomputes more than `chunk` rows - and whose
         rows are known before its prefill (no `full_layers`, no `on_layer_end` hook) - is not
         prefilled here: it comes back as its `Slicing`, its load session started, its rows
         chosen and its KV cache taken, for `prefill_slice` to run slice by slice."""
-        prompts = [loading.prompt for _, _, loading in batch]
+        prompt = loading.prompt
         try:
-            sessions = self.start_sessions(prompts)
-        except Exception:  # noqa: BLE001 - find the request it came from
-            if len(batch) == 1:
-                raise
-            sessions = []
-            for p in prompts:
-                try:
-                    sessions.append(self.start_sessions([p])[0])
-                except Exception as e:  # noqa: BLE001
-                    sessions.append(e)
-        out: list[Prefilled | Exception | Slicing | None] = [None] * len(batch)
-        live: list[int] = []
-        for i, ((_, req, _), session) in enumerate(zip(batch, sessions)):
-            if isinstance(session, Exception):
-                out[i] = session
-                continue
-            req.session = session
-            req.clock.mark("load_start")
-            live.append(i)
-        selected = self.select_many([(prompts[i], batch[i][1].method, batch[i][1].ratio) for i in live], exact=exact)
-        jobs: list[FuseJob] = []
-        fusing: list[int] = []
-        for i, sel in zip(live, selected):
-            req = batch[i][1]
-            req.clock.mark("select")
-            if isinstance(sel, Exception):
-                out[i] = sel
-                continue
-            job = FuseJob(Loading(prompts[i], req.session), sel, req.method, req.generation.max_new_tokens, req)
-            sliced = None if chunk is None else self._slicing(batch[i][0], job, chunk)
-            if sliced is not None:
-                out[i] = sliced
-                continue
-            jobs.append(job)
-            fusing.append(i)
+            req.session = self.start_session(prompt)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            return e
+        req.clock.mark("load_start")
+        try:
+            selected: Selected | Exception = self.select(prompt, req.method, req.ratio)
+        except Exception as e:  # noqa: BLE001
+            selected = e
+        req.clock.mark("select")
+        if isinstance(selected, Exception):
+            return selected
+        job = FuseJob(Loading(prompt, req.session), selected, req.method, req.generation.max_new_tokens, req)
+        sliced = None if chunk is None else self._slicing(pieces, job, chunk)
+        if sliced is not None:
+            return sliced
         t0 = time.perf_counter()
-        fused = self.fuse_many(jobs, exact=exact)
+        got = self._fuse_job(job)
         fuse_ms = (time.perf_counter() - t0) * 1e3
-        for i, got in zip(fusing, fused):
-            pieces, req, _ = batch[i]
-            req.session = None  # fuse_many closed it
-            if isinstance(got, Unreadable):
-                got = self._again(pieces, req, got)
-                if not isinstance(got, Exception):
-                    got = self.guard(req, got, fuse_ms)
-            elif isinstance(got, Exception) and len(batch) > 1:
-                got = self._alone(pieces, req)  # guarded there
-            elif not isinstance(got, Exception):
-                got = self.guard(req, got, fuse_ms)
-            if not isinstance(got, Exception):
-                req.clock.mark("prefill")
-            out[i] = got
-        return out  # type: ignore[return-value]
+        req.session = None  # _fuse_job closed it
+        if isinstance(got, Unreadable):
+            got = self._again(pieces, req, got)
+        if not isinstance(got, Exception):
+            got = self.guard(req, got, fuse_ms)
+        if not isinstance(got, Exception):
+            req.clock.mark("prefill")
+        return got
 
     # ------------------------------------------------------------------ 5a. chunked prefill
     def _slicing(self, pieces: Sequence[Piece], job: FuseJob, chunk: int) -> Slicing | Exception | None:
@@ -566,11 +478,11 @@ class Steps:
             job.request.cache = cache
         return Slicing(pieces, job, rows, prefill_slices(rows, chunk), cache)
 
-    def prefill_slice(self, s: Slicing, *, exact: bool = False) -> Prefilled | Exception | None:
+    def prefill_slice(self, s: Slicing) -> Prefilled | Exception | None:
         """The next slice of a chunked prefill: its rows through every layer, attending to the
-        rows before them in the request's KV cache (`FuseItem.span`). The first slice reads
+        rows before them in the request's KV cache (`fused_prefill`'s `span`). The first slice reads
         the load session's layers and lays every cached row of the prompt into the cache;
-        the last one gives the Prefilled (guarded, as `prefill_batch`'s). -> None while
+        the last one gives the Prefilled (guarded, as `prefill_prepared`'s). -> None while
         slices remain; the Prefilled; or the error that ended the request (a chunk that
         could not be read: its steps 1-5 again, whole, as `prefill`)."""
         job, req = s.job, s.job.request
@@ -578,10 +490,10 @@ class Steps:
         prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
         a, b = s.spans[s.done]
         part = s.rows[(s.rows >= a) & (s.rows < b)]
-        item = FuseItem(prompt, part, kv_out=s.cache, span=(a, b), source=job.loading.session if a == 0 else None)
+        source = job.loading.session if a == 0 else None
         t0 = time.perf_counter()
         try:
-            res = fused_prefill_batch(self.engine.adapter, [item], exact=exact)[0]
+            res = fused_prefill(self.engine.adapter, prompt, part, kv_out=s.cache, span=(a, b), source=source)
         except Exception as e:  # noqa: BLE001 - this request fails alone
             self._close(job)
             req.session = None
@@ -701,15 +613,15 @@ class Steps:
         full prefill (HF's own forward, as a `full` request alone), into the request's KV
         buffer."""
         engine, prompt = self.engine, pre.prompt
-        engine.caches.give_kv(req.cache)  # the same buffer serves the rung (fuse_many takes it)
+        engine.caches.give_kv(req.cache)  # the same buffer serves the rung (_fuse_job takes it)
         req.cache = None
         if ratio >= 1.0 or sel is None:
             full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
             job = FuseJob(Loading(prompt, None), Selected(full), "full", req.generation.max_new_tokens, req)
         else:
-            session = self.start_sessions([prompt])[0]
+            session = self.start_session(prompt)
             job = FuseJob(Loading(prompt, session), Selected(sel), req.method, req.generation.max_new_tokens, req)
-        got = self.fuse_many([job])[0]
+        got = self._fuse_job(job)
         if isinstance(got, Exception):
             raise got
         return replace(got, load_report=pre.load_report or got.load_report)
@@ -737,15 +649,6 @@ class Steps:
         except Exception as e2:  # noqa: BLE001
             return e2
         return replace(pre, load_report=failed)
-
-    def _alone(self, pieces: Sequence[Piece], req: Request) -> Prefilled | Exception:
-        """Steps 1-5 of one request of a failed batch, again alone."""
-        self.engine.caches.give_kv(req.cache)
-        req.cache = None
-        try:
-            return self.prefill(pieces, req)
-        except Exception as e:  # noqa: BLE001
-            return e
 
     # ------------------------------------------------------------------ one request alone
     def run(

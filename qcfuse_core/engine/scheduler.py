@@ -15,11 +15,10 @@ nearly free throughput; and with one thread on the device no two requests fight 
     close / cancel -> the job's abort flag           schedule     steps 1-3 of each (lookup;
                                                                   its KV cache reserved; plan,
                                                                   the fused prompt)
-                                                     run          steps 3-5 (Steps.prefill_batch)
-                                                                  of it alone, or with
-                                                                  batched_prefill of all of
-                                                                  them together
-                                                     postprocess  their first tokens
+                                                     run          steps 3-5 of it
+                                                                  (Steps.prefill_prepared),
+                                                                  then the next one's
+                                                     postprocess  its first token
                                                   3. decode every decoding job:
                                                      schedule     the decoding jobs
                                                      run          one decode step for all
@@ -34,12 +33,6 @@ The scheduler decides what runs and keeps each request's state; the model runner
 `decode_batch` otherwise or where a graph cannot be captured - and takes the plain greedy
 rows' argmax together; the cache manager (`cache.chunks.ChunkCaches`) answers the lookup and
 holds the KV budget.
-
-With `SchedulerConfig.batched_prefill`, requests admitted in one step are prefilled together: the
-chunks they share are loaded once per layer, their probes run as one pass over the critical
-layers, and their recomputed rows go through each layer together - one product per weight
-over all rows, one ragged sparse-attention launch (model/fusion.py `fused_prefill_batch`).
-A burst of requests then costs one pass over the weights per layer instead of one each.
 
 Requests join the batch when their prefill ends and leave it when they finish, between
 steps (continuous batching). A request whose step raises fails alone: its caller gets the
@@ -65,7 +58,7 @@ On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.Gra
 rows, so a sequence's bits do not depend on its batch there either.
 
 Chunked prefill: a request recomputing more than `step_prefill_tokens` rows is not
-prefilled at admission; `Steps.prefill_batch` hands back its `Slicing` (rows split by position,
+prefilled at admission; `Steps.prefill_prepared` hands back its `Slicing` (rows split by position,
 `fusion.prefill_slices`) and each step runs the slices under way before it admits, oldest
 first, within the budget (at least one slice a step), so a long prompt holds the running
 answers for one slice a step, never for its whole prefill. Its slices depend on its rows
@@ -135,8 +128,6 @@ class SchedulerStats:
     steps: int
     max_batch_seen: int  # the most sequences one decode step has run
     deferred: int  # admissions put off because a KV cache did not fit yet
-    batched_prefills: int  # steps whose admitted requests were prefilled together (2 or more)
-    max_prefill_batch: int  # the most requests one such prefill has run
     prefill_slices: int  # slices of chunked prefills run (prompts split over several steps)
 
 
@@ -182,8 +173,6 @@ class Scheduler:
                 "steps",
                 "max_batch_seen",
                 "deferred",
-                "batched_prefills",
-                "max_prefill_batch",
                 "prefill_slices",
             ),
             0,
@@ -316,8 +305,8 @@ class Scheduler:
         self._drop_aborted()  # 1.
         self._budget = self.engine.config.scheduler.step_prefill_tokens
         self._run_slices(first=True)  # 2. chunked prefills under way, oldest first
-        for admitted in self._admissions():  # admission
-            self._first_tokens(admitted, self._run_prefill(admitted))
+        for job in self._admissions():  # admission, one request after another
+            self._first_token(job, self._run_prefill(job))
         self._run_slices(first=False)  # the first slices of those admitted now, within the budget
         batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
         if batch:  # 3. one decode step for all
@@ -337,14 +326,13 @@ class Scheduler:
         for j in gone:
             self._release(j, Status.ABORTED)
 
-    def _admissions(self) -> Iterator[list[Job]]:
+    def _admissions(self) -> Iterator[Job]:
         """The waiting jobs this step admits, oldest first (at most `max_running` running, their
         prompts up to `step_prefill_tokens`, at least one), each prepared (`_prepare`): yielded
-        one at a time, so its prefill and first token come before the next one's lookup, or
-        with `batched_prefill` all together at the end. A job whose KV cache does not fit yet
-        waits at the queue's head, and admission ends for this step."""
+        one at a time, so its prefill and first token come before the next one's lookup. A job
+        whose KV cache does not fit yet waits at the queue's head, and admission ends for this
+        step; so does a chunked prefill's admission (its slices take the rest of the budget)."""
         cfg = self.engine.config.scheduler
-        admitted: list[Job] = []
         while self._budget > 0 and len(self._running) < cfg.max_running:
             job = self._next_waiting()
             if job is None:
@@ -356,15 +344,10 @@ class Scheduler:
             if status is not Status.PREFILLING:  # it failed alone
                 continue
             assert job.loading is not None
-            self._budget -= job.loading.prompt.num_tokens  # a sliced one's is given back (_first_tokens)
-            admitted.append(job)
-            if not cfg.batched_prefill:
-                yield admitted
-                admitted = []
-                if job.slicing is not None:  # its slices take the rest of the budget
-                    return
-        if admitted:
-            yield admitted
+            self._budget -= job.loading.prompt.num_tokens  # a sliced one's is given back (_first_token)
+            yield job
+            if job.slicing is not None:  # its slices take the rest of the budget
+                return
 
     def _next_waiting(self) -> Job | None:
         """The oldest waiting job not aborted (aborted ones leave the queue now), or None."""
@@ -412,21 +395,13 @@ class Scheduler:
             self._counts["deferred"] += 1
 
     # ------------------------------------------------------------------ run
-    def _run_prefill(self, admitted: list[Job]) -> list[Prefilled | Exception | Slicing]:
-        """Steps 3-5 of jobs admitted in this step, together (`Steps.prefill_batch`: shared chunk
-        loads, one batched probe, one ragged fused prefill) -> per job its Prefilled or its
-        error, or its Slicing where it recomputes more than `step_prefill_tokens` rows (chunked
-        prefill: its slices run in `_run_slices`). With `SchedulerConfig.batched_prefill` off,
-        each job alone as soon as it is prepared."""
-        batch = [(job.prompt.pieces, job.request, job.loading) for job in admitted]
+    def _run_prefill(self, job: Job) -> Prefilled | Exception | Slicing:
+        """Steps 3-5 of a job admitted in this step (`Steps.prefill_prepared`), as soon as it
+        is prepared -> its Prefilled or its error, or its Slicing where it recomputes more
+        than `step_prefill_tokens` rows (chunked prefill: its slices run in `_run_slices`)."""
+        assert job.loading is not None
         chunk = self.engine.config.scheduler.step_prefill_tokens
-        if len(batch) == 1:
-            return self.steps.prefill_batch(batch, chunk=chunk)  # type: ignore[arg-type]
-        results = self.steps.prefill_batch(batch, exact=self.engine.config.deterministic, chunk=chunk)  # type: ignore[arg-type]
-        with self._cv:
-            self._counts["batched_prefills"] += 1
-            self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(batch))
-        return results
+        return self.steps.prefill_prepared(job.prompt.pieces, job.request, job.loading, chunk=chunk)
 
     def _run_decode(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
         """One decode step of the decoding jobs on the model runner -> per job its logits row
@@ -449,42 +424,40 @@ class Scheduler:
                     return  # oldest first: the rest wait for the next step
                 self._budget -= rows
                 try:
-                    got = self.steps.prefill_slice(job.slicing, exact=self.engine.config.deterministic)
+                    got = self.steps.prefill_slice(job.slicing)
                 except Exception as e:  # noqa: BLE001 - this request fails alone
                     got = e
                 with self._cv:
                     self._counts["prefill_slices"] += 1
                 if got is not None:
                     job.slicing = None
-                    self._first_tokens([job], [got])
+                    self._first_token(job, got)
 
-    def _first_tokens(self, admitted: list[Job], prefilled: list[Prefilled | Exception | Slicing]) -> None:
-        """Each admitted job's first token from its prefill (or its failure); a job whose
+    def _first_token(self, job: Job, pre: Prefilled | Exception | Slicing) -> None:
+        """An admitted job's first token from its prefill (or its failure); a job whose
         prefill is chunked keeps its Slicing for `_run_slices` (its prompt's tokens go back to
         the step's budget: its slices count as they run)."""
-        engine = self.engine
-        for job, pre in zip(admitted, prefilled):
-            req = job.request
-            if isinstance(pre, Slicing):
-                assert job.loading is not None
-                self._budget += job.loading.prompt.num_tokens
-                job.loading = None
-                job.slicing = pre
-                continue
+        engine, req = self.engine, job.request
+        if isinstance(pre, Slicing):
+            assert job.loading is not None
+            self._budget += job.loading.prompt.num_tokens
             job.loading = None
-            if isinstance(pre, Exception):
-                self._release(job, Status.FAILED, pre)
-                continue
-            try:
-                if req.cache is not None and job.reservation is not None:
-                    engine.caches.hold(job.reservation, req.cache)
-                job.decoding = Decoding(engine, pre, req)
-                delta = job.decoding.first()
-            except Exception as e:
-                self._release(job, Status.FAILED, e)
-                continue
-            req.status = Status.DECODING
-            self._advance(job, delta)
+            job.slicing = pre
+            return
+        job.loading = None
+        if isinstance(pre, Exception):
+            self._release(job, Status.FAILED, pre)
+            return
+        try:
+            if req.cache is not None and job.reservation is not None:
+                engine.caches.hold(job.reservation, req.cache)
+            job.decoding = Decoding(engine, pre, req)
+            delta = job.decoding.first()
+        except Exception as e:
+            self._release(job, Status.FAILED, e)
+            return
+        req.status = Status.DECODING
+        self._advance(job, delta)
 
     def _take_tokens(self, batch: list[Job], rows: list[torch.Tensor | Exception]) -> None:
         """Each decoding job's token from its row of the step (its sampler; plain greedy rows

@@ -62,7 +62,6 @@ the most sequences one decode step ran) are that run's alone.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import shutil
@@ -235,7 +234,6 @@ class Trace:
     ran_as: str = ""
     fuse: tuple[float, float] | None = None  # its fused prefill (the `prefill` stage): start, end (s)
     bytes_loaded: int = 0  # chunk-cache bytes loaded to the device on its behalf
-    bytes_shared: int = 0  # bytes it read that another request of its batch had loaded
     chunk_tiers: dict[str, int] = field(default_factory=dict)  # chunk segments per CHUNK_TIERS (in process)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # bytes moved to the device per stored tier
 
@@ -295,7 +293,7 @@ async def _client_request(engine, req: LoadRequest, method: Method, new_tokens: 
         trace.itl_ms = (r.total_ms - r.ttft_ms) / (trace.tokens - 1)
     trace.prompt_tokens, trace.recomputed_tokens, trace.ran_as = r.prompt_tokens, r.recomputed_tokens, r.method
     trace.fuse = _stage_span(trace.submit, r.timings_ms, "prefill")
-    trace.bytes_loaded, trace.bytes_shared = int(r.load.get("bytes_loaded", 0)), int(r.load.get("bytes_shared", 0))
+    trace.bytes_loaded = int(r.load.get("bytes_loaded", 0))
     trace.chunk_tiers = chunk_tiers(r)
     by_source = r.load.get("bytes_by_source", {})
     trace.bytes_by_tier = {t: int(by_source.get(t, 0)) for t in STORED_TIERS}
@@ -398,8 +396,7 @@ def _stage_span(submit: float, timings_ms: dict, stage: str) -> tuple[float, flo
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
-    """Seconds covered by the union of the spans: the fused prefills of requests prefilled
-    together overlap, and are counted once (summed, a batch would count once per request)."""
+    """Seconds covered by the union of the spans (where spans overlap, that time counts once)."""
     total, reach = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > reach:
@@ -461,7 +458,6 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
         "ttft_ms_max": _ms(max(ttft)) if ttft else None,
         "fuse_ms_busy": _ms(_covered([t.fuse for t in done if t.fuse is not None])),
         "bytes_loaded": sum(t.bytes_loaded for t in done),
-        "bytes_separate": sum(t.bytes_loaded + t.bytes_shared for t in done),
         **tier_fields(done),
     }
 
@@ -497,16 +493,12 @@ def methods_of(args) -> list[Method]:
     return out
 
 
-def run_point(
-    base_engine, pool: Workload, reqs: list[LoadRequest], point: LoadPoint, method: Method, args, batched: bool = True
-) -> dict:
+def run_point(base_engine, pool: Workload, reqs: list[LoadRequest], point: LoadPoint, method: Method, args) -> dict:
     """One (point, method) on a fresh engine over the same model and store -> the row's
-    measured fields. batched: SchedulerConfig.batched_prefill."""
+    measured fields."""
     from qcfuse_core.eval.hooks import internals
 
-    cfg = base_engine.config
-    config = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, batched_prefill=batched))
-    engine = internals(base_engine).replace(config=config)
+    engine = internals(base_engine).replace()
     for text in pool.texts:  # token ids and keys of every pool chunk, as a long-running server has them
         engine.caches.chunk_tokens(text)
     warm = reqs[-1]
@@ -531,7 +523,6 @@ def run_point(
         **summarize(traces, wall),
         "capped": capped,
         "max_batch_seen": stats.max_batch_seen,
-        "max_prefill_batch": stats.max_prefill_batch,
         "scheduler_steps": stats.steps,
     }
 
@@ -687,21 +678,18 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
         build_chunks_s=round(build_s, 3),
     )
     rows: list[dict] = []
-    settings = {"on": [True], "off": [False], "both": [False, True]}[getattr(args, "batched_prefill", "off")]
-    total = len(points) * len(methods) * len(settings)
+    total = len(points) * len(methods)
     try:
         for point in points:  # every method at one point before the next: a drift reaches them alike
             for method in methods:
-                for batched in settings:
-                    ratio = "" if method.reported_ratio is None else f" {method.reported_ratio:g}"
-                    how = "" if len(settings) == 1 else f" (batched prefill {'on' if batched else 'off'})"
-                    progress(f"[{len(rows) + 1}/{total}] {method.label}{ratio}{how}: {point.describe()}")
-                    got = run_point(engine, pool, reqs, point, method, args, batched)
-                    row = {**base, **point_fields(point, method), "batched_prefill": batched, **got}
-                    row["store_tiers"] = tier_state(store)  # after the point: occupancy, hits, evictions
-                    rows.append(row)
-                    write_json(args, rows, TIMED_CALL, partial=True)  # a point's row survives a later timeout
-                    progress("    " + one_line(row))
+                ratio = "" if method.reported_ratio is None else f" {method.reported_ratio:g}"
+                progress(f"[{len(rows) + 1}/{total}] {method.label}{ratio}: {point.describe()}")
+                got = run_point(engine, pool, reqs, point, method, args)
+                row = {**base, **point_fields(point, method), **got}
+                row["store_tiers"] = tier_state(store)  # after the point: occupancy, hits, evictions
+                rows.append(row)
+                write_json(args, rows, TIMED_CALL, partial=True)  # a point's row survives a later timeout
+                progress("    " + one_line(row))
     finally:
         store.close()
         shutil.rmtree(kv_root, ignore_errors=True)
@@ -741,20 +729,16 @@ def one_line(r: dict) -> str:
     )
 
 
-def _batched(r: dict) -> str:
-    return "-" if "batched_prefill" not in r else "on" if r["batched_prefill"] else "off"
-
-
 def markdown(rows: list[dict]) -> str:
     loops = [r for r in rows if r["mode"] != "burst"]
     bursts = [r for r in rows if r["mode"] == "burst"]
     out: list[str] = []
     if loops:
         out += [
-            "| mode | load | method | ratio | batched prefill | finished/submitted | errors | req/s | output tok/s "
+            "| mode | load | method | ratio | finished/submitted | errors | req/s | output tok/s "
             "| TTFT p50 ms | TTFT p95 | TTFT p99 | ITL p50 ms | ITL p95 | E2E p50 ms | E2E p95 | max batch "
             "| chunks from GPU / host / disk / recomputed | MiB per request from GPU / host / disk |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in loops:
         load = f"{r['clients']} client{'s' * (r['clients'] != 1)}" if r["mode"] == "closed" else f"{r['rate']:g} req/s"
@@ -763,7 +747,7 @@ def markdown(rows: list[dict]) -> str:
             f" ({r['cancelled']} cancelled at the cap)" if r["capped"] else ""
         )
         out.append(
-            f"| {r['mode']} | {load} | {r['method']} | {ratio} | {_batched(r)} | {done} | {r['errors']} "
+            f"| {r['mode']} | {load} | {r['method']} | {ratio} | {done} | {r['errors']} "
             f"| {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(r['ttft_ms_p50'])} | {_f(r['ttft_ms_p95'])} | {_f(r['ttft_ms_p99'])} "
             f"| {_f(r['itl_ms_p50'], 2)} | {_f(r['itl_ms_p95'], 2)} | {_f(r['e2e_ms_p50'])} | {_f(r['e2e_ms_p95'])} "
@@ -773,18 +757,16 @@ def markdown(rows: list[dict]) -> str:
         if out:
             out.append("")
         out += [
-            "| burst | method | ratio | batched prefill | finished | TTFT p50 ms | last TTFT ms "
-            "| fused prefill busy ms | chunk bytes to device | of separate loads | largest prefill batch "
-            "| chunks from GPU / host / disk / recomputed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| burst | method | ratio | finished | TTFT p50 ms | last TTFT ms "
+            "| fused prefill busy ms | chunk bytes to device | chunks from GPU / host / disk / recomputed |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
     for r in bursts:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        share = f"{r['bytes_loaded'] / r['bytes_separate']:.0%}" if r["bytes_separate"] else "-"
         out.append(
-            f"| {r['submitted']} | {r['method']} | {ratio} | {_batched(r)} | {r['finished']}/{r['submitted']} "
+            f"| {r['submitted']} | {r['method']} | {ratio} | {r['finished']}/{r['submitted']} "
             f"| {_f(r['ttft_ms_p50'])} | {_f(r['ttft_ms_max'])} | {_f(r['fuse_ms_busy'])} "
-            f"| {r['bytes_loaded'] / 2**20:.1f} MiB | {share} | {r.get('max_prefill_batch', '-')} | {tier_shares(r)} |"
+            f"| {r['bytes_loaded'] / 2**20:.1f} MiB | {tier_shares(r)} |"
         )
     return "\n".join(out)
 
@@ -805,8 +787,6 @@ def plot(rows: list[dict], path: Path) -> Path:
             for r in mine:
                 if r[metric] is not None:
                     label = r["method"] if r["ratio"] is None else f"{r['method']} {r['ratio']:g}"
-                    if not r.get("batched_prefill", True):
-                        label += " (prefill alone)"
                     lines.setdefault(label, []).append((r["load"], r[metric]))
             panels.append(Panel(f"{title}, {mode} loop", xlabel, lines, log_x=mode == "closed"))
         panels.append(

@@ -96,12 +96,6 @@ def add_load_parser(bench_sub) -> None:
         default=0,
         help="chunks every request holds (the pool's first ones), of its --chunks-per-request",
     )
-    p.add_argument(
-        "--batched-prefill",
-        default="off",
-        choices=["on", "off", "both"],
-        help="SchedulerConfig.batched_prefill: requests admitted together prefilled together; both: each point twice",
-    )
     p.add_argument("--open-requests", type=positive_int, default=32, help="open loop: requests submitted per rate")
     p.add_argument(
         "--requests",

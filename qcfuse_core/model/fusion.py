@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -261,22 +261,6 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out[0].transpose(0, 1)
 
 
-@dataclass
-class FuseItem:
-    """One request of a batched fused prefill (`fused_prefill_batch`); the fields are
-    `fused_prefill`'s arguments of the same names."""
-
-    prompt: FusedPrompt
-    rows: torch.Tensor
-    full_layers: int = 0
-    on_layer_end: Callable[[LayerState], torch.Tensor | None] | None = None
-    kv_out: KVCache | None = None
-    logits_last: int | None = 1
-    capture_pre_rope: bool = False
-    source: LayerSource | None = None
-    span: tuple[int, int] | None = None  # a slice of positions [a, b) (`prefill_slices`); None: all
-
-
 def prefill_slices(rows: torch.Tensor, size: int) -> list[tuple[int, int]]:
     """Chunked prefill: the spans [a, b) of positions that split the recomputed `rows` (sorted,
     ending at the prompt's last position) into slices of at most `size` rows each, end to
@@ -299,6 +283,7 @@ def fused_prefill(
     logits_last: int | None = 1,
     capture_pre_rope: bool = False,
     source: LayerSource | None = None,
+    span: tuple[int, int] | None = None,
 ) -> PrefillOutput:
     """Run the layer loop; `rows` (R,) sorted unique positions recomputed after `full_layers`.
 
@@ -307,154 +292,31 @@ def fused_prefill(
     `rows` must contain every uncached position (glue text, suffix), including the last.
     `on_layer_end` may return a new row set (a subset of the current one) for later layers.
     `source` supplies the cached layers (default: read the prompt's in-memory chunk caches).
+
+    `span` (chunked prefill, `prefill_slices`): the slice of positions [a, b) that `rows` lie
+    in, its rows attending to keys 0..b-1 of `kv_out`, which it fills to b:
+
+        positions   [0, a)                [a, b)                 [b, T)
+                    earlier slices        this slice's rows      later slices
+                    (read from kv_out)    (attend to 0..b-1)     (not seen)
+
+    The first slice (a = 0) reads `source` and lays every cached row of the prompt into
+    `kv_out`; a later one reads what is before it from `kv_out`. Logits only when b = T; a
+    slice takes no `full_layers`, `on_layer_end` or `capture_pre_rope`.
     """
-    item = FuseItem(prompt, rows, full_layers, on_layer_end, kv_out, logits_last, capture_pre_rope, source)
-    return fused_prefill_batch(adapter, [item])[0]
-
-
-class _Fusing:
-    """One item's state in the layer loop: its current rows (a host copy, and on the device),
-    their RoPE rows and masks, its hidden states; for a slice (`FuseItem.span` [a, b)) its
-    key range: keys 0..b-1."""
-
-    def __init__(self, adapter: ModelAdapter, item: FuseItem) -> None:
-        self.item, self.T = item, item.prompt.num_tokens
-        if item.logits_last is not None and item.logits_last < 1:
-            raise ValueError(f"logits_last must be >= 1 or None, got {item.logits_last}")
-        self.a, self.b = item.span if item.span is not None else (0, self.T)
-        if item.span is not None:
-            if not 0 <= self.a < self.b <= self.T:
-                raise ValueError(f"span {item.span} is not within the prompt's {self.T} positions")
-            if item.kv_out is None or item.full_layers or item.on_layer_end is not None or item.capture_pre_rope:
-                raise ValueError("a slice needs kv_out, and no full_layers, on_layer_end or capture_pre_rope")
-        rows = item.rows.to(torch.int64).cpu()
-        _check_rows(rows, item.prompt, (self.a, self.b))
-        self.rows = rows
-        dev = adapter.device
-        # device copies made once per row set (not per layer): no host syncs in the layer loop
-        self.ropes = adapter.rope_layers(torch.arange(self.T, device=dev), max_position=self.T - 1)
-        self.captured: list[torch.Tensor] | None = [] if item.capture_pre_rope else None
-        self.layer_ms: list[float] = []
-        self.row_sets: list[tuple[int, torch.Tensor]] = []
-        self.cached: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's cached K/V
-        self.narrow(adapter, torch.arange(self.T) if item.full_layers > 0 else rows, 0)
-        self.h = adapter.embed(item.prompt.token_ids[self.cur])  # (R, hidden)
-
-    def narrow(self, adapter: ModelAdapter, rows: torch.Tensor, layer: int) -> None:
-        """Recompute `rows` from `layer` on (the hidden states are cut by the caller)."""
-        self.cur = rows
-        self.row_sets.append((layer, rows))
-        self.cur_dev = to_device(rows, adapter.device)
-        self.ropes_cur = _rows_of(self.ropes, self.cur_dev)  # per layer (R, D) cos, sin
-        self.inv = K.inverse_rows(self.cur_dev, self.T)  # (T,) position -> row index or -1
-        self.masks = _masks_for(rows, self.b, adapter)
-
-    @property
-    def all_rows(self) -> bool:
-        return self.cur.shape[0] == self.T
-
-    @property
-    def sliced(self) -> bool:
-        return (self.a, self.b) != (0, self.T)
-
-
-def _rowwise(fn: Callable[[torch.Tensor], Any], parts: list[torch.Tensor], exact: bool) -> list[Any]:
-    """fn over each part's rows: one call over all rows laid end to end, split again (a
-    tuple result split element-wise); with `exact`, one call per part (bit for bit as alone)."""
-    if exact or len(parts) == 1:
-        return [fn(p) for p in parts]
-    sizes = [p.shape[0] for p in parts]
-    out = fn(torch.cat(parts))
-    if isinstance(out, tuple):
-        return list(zip(*(o.split(sizes) for o in out)))
-    return list(out.split(sizes))
-
-
-def _residual(
-    adapter: ModelAdapter, layer: int, hs: list[torch.Tensor], attn: list[torch.Tensor], exact: bool
-) -> list[torch.Tensor]:
-    """o_proj and the MLP of every item's rows (`_rowwise`): the next layer's hidden states."""
-    if exact or len(hs) == 1:
-        return [adapter.mlp(layer, adapter.attn_out(layer, h, a)) for h, a in zip(hs, attn)]
-    sizes = [h.shape[0] for h in hs]
-    return list(adapter.mlp(layer, adapter.attn_out(layer, torch.cat(hs), torch.cat(attn))).split(sizes))
-
-
-class _Ragged:
-    """One layer's keys of the sparse items laid end to end, for one ragged attention launch:
-    each item's rotated K/V is written into its slice (and copied into its own cache)."""
-
-    def __init__(self, states: list[_Fusing], order: list[int], like: torch.Tensor) -> None:
-        self.order = order
-        self.offsets: dict[int, int] = {}
-        total = 0
-        for b in order:
-            self.offsets[b] = total
-            total += states[b].T
-        self.sizes = {b: states[b].T for b in order}
-        shape = (total, *like.shape[1:])
-        self.k = like.new_empty(shape)
-        self.v = like.new_empty(shape)
-        self.cu_keys = torch.tensor([0] + [self.offsets[b] + self.sizes[b] for b in order], dtype=torch.int32)
-
-    def slices(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        o = self.offsets[b]
-        return self.k[o : o + self.sizes[b]], self.v[o : o + self.sizes[b]]
-
-    def attend(
-        self, qs: list[torch.Tensor], rows: list[torch.Tensor], scale: float, window: int | None
-    ) -> list[torch.Tensor]:
-        """Every sparse item's rows over its own keys, one launch -> per item (R, H, D)."""
-        sizes = [q.shape[0] for q in qs]
-        cu_rows = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-        out = K.sparse_attention_varlen(
-            torch.cat(qs).contiguous(), self.k, self.v, torch.cat(rows), cu_rows, self.cu_keys, scale, window=window
-        )
-        return list(out.split(sizes))
-
-
-@torch.inference_mode()
-def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: bool = False) -> list[PrefillOutput]:
-    """Fused prefill of several prompts at once: each item as `fused_prefill` would run it alone.
-
-    Per layer the recomputed rows of every item go through the row-wise work together - the
-    norms, the Q/K/V projections, o_proj and the MLP are one product over all rows - and
-    the sparse rows of every item attend in one ragged kernel launch
-    (`qcfuse_kernels.sparse_attention_varlen`, where the kernels run; each row attends to its
-    own item's fused cache, at its own positions). The layers of the cached chunks come from
-    each item's source, and each item's rotated K/V go into its own `kv_out`. Rows recomputed
-    whole (full prefill, CacheBlend's first layers) attend by SDPA, item by item.
-
-    A product over more rows rounds differently from one over an item's rows alone (the BLAS
-    picks kernels by shape): logits agree to float tolerance, not bit for bit. `exact` runs
-    the row-wise work and the attention item by item instead (bit for bit as alone; the
-    engine's deterministic mode), still sharing the layer loop and the loads.
-    """
-    if not items:
-        return []
-    states = [_Fusing(adapter, it) for it in items]
+    st = _Fusing(adapter, prompt, rows, full_layers, on_layer_end, kv_out, logits_last, capture_pre_rope, span)
     dev = adapter.device
-    ragged = len(items) > 1 and K.backend() != "torch" and not exact  # kernels tuned per shape: not with exact
     for layer in range(adapter.num_layers):
         t0 = time.perf_counter()
-        qkv = _rowwise(lambda x: adapter.qkv(layer, adapter.attn_norm(layer, x)), [st.h for st in states], exact)
+        q_pre, k_new, v_new = adapter.qkv(layer, adapter.attn_norm(layer, st.h))
         window = adapter.windows[layer]
-        attn: list[torch.Tensor | None] = [None] * len(states)
-        sparse = [b for b, st in enumerate(states) if ragged and not st.all_rows and not st.sliced]
-        scratch = _Ragged(states, sparse, qkv[sparse[0]][1]) if len(sparse) > 1 else None
-        qs = {}
-        for b, (st, (q_pre, k_new, v_new)) in enumerate(zip(states, qkv)):
-            it = st.item
-            if st.a > 0:  # a later slice: the keys before it and its cached rows are in kv_out
-                attn[b] = _later_slice(adapter, st, layer, q_pre, k_new, v_new, window)
-                continue
-            k_cached, v_cached = (it.source or it.prompt).layer(layer, k_new)  # (T, Hkv, D) each
-            st.cached = (k_cached, v_cached)  # for its on_layer_end hook
-            dst: tuple[torch.Tensor, torch.Tensor] | None
-            if scratch is not None and b in scratch.offsets:  # rotated into the batch's key buffer
-                dst = scratch.slices(b)
-            else:  # written in place
-                dst = (it.kv_out.k[layer, : st.T], it.kv_out.v[layer, : st.T]) if it.kv_out is not None else None
+        cached: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's cached K/V, for the hook
+        if st.a > 0:  # a later slice: the keys before it and its cached rows are in kv_out
+            attn = _later_slice(adapter, st, layer, q_pre, k_new, v_new, window)
+        else:
+            k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
+            cached = (k_cached, v_cached)
+            dst = (kv_out.k[layer, : st.T], kv_out.v[layer, : st.T]) if kv_out is not None else None
             cos_all, sin_all = st.ropes[layer]
             k_rot, v_all = K.rerotate_scatter(
                 k_cached,
@@ -472,59 +334,78 @@ def fused_prefill_batch(adapter: ModelAdapter, items: list[FuseItem], *, exact: 
                 kp[st.cur_dev] = k_new
                 st.captured.append(kp)
             q = K.apply_rope(q_pre, *st.ropes_cur[layer])
-            if scratch is not None and b in scratch.offsets:
-                qs[b] = q
-                if it.kv_out is not None:
-                    it.kv_out.k[layer, : st.T].copy_(k_rot)
-                    it.kv_out.v[layer, : st.T].copy_(v_all)
-            else:
-                masks = None if st.masks is None else st.masks[window]
-                n = st.b  # a first slice sees keys 0..b-1 (it wrote every cached row of the prompt)
-                attn[b] = attend(q, k_rot[:n], v_all[:n], st.cur_dev, adapter.scale, masks, window)  # (R, H, D)
-        if scratch is not None:
-            got = scratch.attend(
-                [qs[b] for b in scratch.order], [states[b].cur_dev for b in scratch.order], adapter.scale, window
-            )
-            for b, a in zip(scratch.order, got):
-                attn[b] = a
-        hs = _residual(adapter, layer, [st.h for st in states], attn, exact)  # type: ignore[arg-type]
-        for b, (st, h) in enumerate(zip(states, hs)):
-            st.h = h
-            it = st.item
-            nxt = None
-            if it.on_layer_end is not None:
-                assert st.cached is not None
-                _, k_new, v_new = qkv[b]
-                nxt = it.on_layer_end(LayerState(layer, st.cur, k_new, v_new, st.cached[0], st.cached[1]))
-            st.cached = None
-            if nxt is None and layer + 1 == it.full_layers and it.full_layers > 0:
-                nxt = it.rows
-            if nxt is not None:
-                nxt = nxt.to(torch.int64).cpu()
-                _check_rows(nxt, it.prompt)
-                st.h = st.h[to_device(_positions_in(st.cur, nxt), dev)]
-                st.narrow(adapter, nxt, layer + 1)
-        ms = (time.perf_counter() - t0) * 1e3
-        for st in states:
-            st.layer_ms.append(ms)
-    for st in states:
-        if st.item.kv_out is not None:
-            st.item.kv_out.length = st.b
+            masks = None if st.masks is None else st.masks[window]
+            n = st.b  # a first slice sees keys 0..b-1 (it wrote every cached row of the prompt)
+            attn = attend(q, k_rot[:n], v_all[:n], st.cur_dev, adapter.scale, masks, window)  # (R, H, D)
+        st.h = adapter.mlp(layer, adapter.attn_out(layer, st.h, attn))
+        nxt = None
+        if on_layer_end is not None:
+            assert cached is not None
+            nxt = on_layer_end(LayerState(layer, st.cur, k_new, v_new, cached[0], cached[1]))
+        if nxt is None and layer + 1 == full_layers and full_layers > 0:
+            nxt = rows
+        if nxt is not None:
+            nxt = nxt.to(torch.int64).cpu()
+            _check_rows(nxt, prompt)
+            st.h = st.h[to_device(_positions_in(st.cur, nxt), dev)]
+            st.narrow(adapter, nxt, layer + 1)
+        st.layer_ms.append((time.perf_counter() - t0) * 1e3)
+    if kv_out is not None:
+        kv_out.length = st.b
     # logits of the prompt's last rows: none for a slice before the last
-    ends = [b for b, st in enumerate(states) if st.b == st.T]
-    lasts = []
-    for b in ends:
-        last = states[b].item.logits_last
-        lasts.append(states[b].h if last is None else states[b].h[-last:])
-    logits: list[torch.Tensor] = [states[0].h.new_empty((0, 0))] * len(states)
-    for b, lg in zip(ends, _rowwise(adapter.logits, lasts, exact) if lasts else []):
-        logits[b] = lg
-    return [
-        PrefillOutput(
-            lg, st.cur, st.layer_ms, torch.stack(st.captured) if st.captured is not None else None, st.row_sets
-        )
-        for st, lg in zip(states, logits)
-    ]
+    if st.b < st.T:
+        logits = st.h.new_empty((0, 0))
+    else:
+        logits = adapter.logits(st.h if logits_last is None else st.h[-logits_last:])
+    captured = torch.stack(st.captured) if st.captured is not None else None
+    return PrefillOutput(logits, st.cur, st.layer_ms, captured, st.row_sets)
+
+
+class _Fusing:
+    """The layer loop's state: the current rows (a host copy, and on the device), their RoPE
+    rows and masks, the hidden states; for a slice ([a, b)) its key range: keys 0..b-1."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        prompt: FusedPrompt,
+        rows: torch.Tensor,
+        full_layers: int,
+        on_layer_end: Callable[[LayerState], torch.Tensor | None] | None,
+        kv_out: KVCache | None,
+        logits_last: int | None,
+        capture_pre_rope: bool,
+        span: tuple[int, int] | None,
+    ) -> None:
+        self.T = prompt.num_tokens
+        self.kv_out = kv_out
+        if logits_last is not None and logits_last < 1:
+            raise ValueError(f"logits_last must be >= 1 or None, got {logits_last}")
+        self.a, self.b = span if span is not None else (0, self.T)
+        if span is not None:
+            if not 0 <= self.a < self.b <= self.T:
+                raise ValueError(f"span {span} is not within the prompt's {self.T} positions")
+            if kv_out is None or full_layers or on_layer_end is not None or capture_pre_rope:
+                raise ValueError("a slice needs kv_out, and no full_layers, on_layer_end or capture_pre_rope")
+        rows = rows.to(torch.int64).cpu()
+        _check_rows(rows, prompt, (self.a, self.b))
+        dev = adapter.device
+        # device copies made once per row set (not per layer): no host syncs in the layer loop
+        self.ropes = adapter.rope_layers(torch.arange(self.T, device=dev), max_position=self.T - 1)
+        self.captured: list[torch.Tensor] | None = [] if capture_pre_rope else None
+        self.layer_ms: list[float] = []
+        self.row_sets: list[tuple[int, torch.Tensor]] = []
+        self.narrow(adapter, torch.arange(self.T) if full_layers > 0 else rows, 0)
+        self.h = adapter.embed(prompt.token_ids[self.cur])  # (R, hidden)
+
+    def narrow(self, adapter: ModelAdapter, rows: torch.Tensor, layer: int) -> None:
+        """Recompute `rows` from `layer` on (the hidden states are cut by the caller)."""
+        self.cur = rows
+        self.row_sets.append((layer, rows))
+        self.cur_dev = to_device(rows, adapter.device)
+        self.ropes_cur = _rows_of(self.ropes, self.cur_dev)  # per layer (R, D) cos, sin
+        self.inv = K.inverse_rows(self.cur_dev, self.T)  # (T,) position -> row index or -1
+        self.masks = _masks_for(rows, self.b, adapter)
 
 
 def _later_slice(
@@ -540,7 +421,7 @@ def _later_slice(
     K/V written into kv_out at their positions, then its rows attend to kv_out's keys 0..b-1 -
     the rows of earlier slices as they recomputed them, the cached rows as the first slice
     laid them down, its own fresh rows. Exact by causality: no row sees a later position."""
-    kv = st.item.kv_out
+    kv = st.kv_out
     assert kv is not None
     cos, sin = st.ropes_cur[layer]
     kv.k[layer].index_copy_(0, st.cur_dev, K.apply_rope(k_new, cos, sin).to(kv.k.dtype))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +22,6 @@ from qcfuse_core.selection.probe import (
     gather_context,
     query_mass,
     run_probe,
-    run_probe_batch,
 )
 from qcfuse_core.selection.scoring import AdaptiveBudget, adaptive_count, chunk_quotas, covered_share, rank, top_budget
 from qcfuse_core.types import SelectionResult
@@ -44,55 +42,6 @@ class ProbeRequest:
     opts: QCFuseOptions
     details: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # a subclass's own (the adaptive budget's target)
-
-
-class _OneByOne(Exception):
-    """select_batch: probe each request alone."""
-
-
-def select_batch(
-    jobs: Sequence[tuple[Selector, SelectionContext]], *, exact: bool = False
-) -> list[SelectionResult | Exception]:
-    """The selections of several requests on one model, with the probes of every probing
-    selector in the batch run as one pass (`run_probe_batch`); other selectors select alone.
-    exact: probe request by request (bit for bit as alone: the deterministic mode).
-    A request whose selection raises gets its exception in its place; the others go on
-    (a failed batched probe is run again one request at a time)."""
-    out: list[SelectionResult | Exception | None] = [None] * len(jobs)
-    probing: list[tuple[int, QueryAwareSelector, ProbeRequest]] = []
-    for i, (selector, ctx) in enumerate(jobs):
-        try:
-            req = selector.probe_request(ctx) if isinstance(selector, QueryAwareSelector) else None
-            if req is not None:
-                assert isinstance(selector, QueryAwareSelector)
-                probing.append((i, selector, req))
-            else:
-                out[i] = selector.select(ctx)
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            out[i] = e
-    if probing:
-        adapter = probing[0][2].ctx.adapter
-        try:
-            if exact:
-                raise _OneByOne
-            probes: list[ProbeResult | Exception] = list(run_probe_batch(adapter, [r.item for _, _, r in probing]))
-        except Exception:  # noqa: BLE001 - find the request it came from (or exact)
-            probes = []
-            for _, _, r in probing:
-                try:
-                    probes.append(run_probe_batch(adapter, [r.item])[0])
-                except Exception as e:  # noqa: BLE001
-                    probes.append(e)
-        for (i, selector, req), probe in zip(probing, probes):
-            if isinstance(probe, Exception):
-                out[i] = probe
-                continue
-            try:
-                out[i] = selector.from_probe(req, probe)
-            except Exception as e:  # noqa: BLE001
-                out[i] = e
-    assert all(o is not None for o in out)
-    return out  # type: ignore[return-value]
 
 
 def rechoose(ctx: SelectionContext, sel: SelectionResult) -> SelectionResult | None:
@@ -129,8 +78,7 @@ class QueryAwareSelector(Selector):
 
     def probe_request(self, ctx: SelectionContext) -> ProbeRequest | None:
         """What to probe for this request (its query, context and layers) and what the
-        selection needs afterwards; None for a selector that probes its own way in `select`
-        (it then selects alone, also in a batch)."""
+        selection needs afterwards; None for a selector that probes its own way in `select`."""
         return None
 
     def from_probe(self, req: ProbeRequest, probe: ProbeResult) -> SelectionResult:

@@ -16,8 +16,8 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
                                                 quality guard's threshold: what it did (ratio R,
                                                 full, kept) and why (low_margin, ceiling)
     qcfuse_queue_length, qcfuse_running_requests              now (scheduler)
-    qcfuse_max_batch_seen, qcfuse_max_prefill_batch, qcfuse_scheduler_steps_total,
-    qcfuse_batched_prefills_total               steps whose admitted requests were fused together
+    qcfuse_max_batch_seen                       the most sequences one decode step has run
+    qcfuse_scheduler_steps_total                scheduler steps run
     qcfuse_scheduler_requests_total{state}      submitted | finished | aborted | failed | deferred
     qcfuse_kv_pool_idle_bytes                   KV buffers pooled for reuse (idle)
 """
@@ -50,7 +50,6 @@ class _SchedulerCollector:
             ("qcfuse_queue_length", "requests waiting to be admitted", s.waiting),
             ("qcfuse_running_requests", "requests admitted (prefilling or decoding): the running batch", s.running),
             ("qcfuse_max_batch_seen", "the most sequences one decode step has run", s.max_batch_seen),
-            ("qcfuse_max_prefill_batch", "the most requests one batched prefill has fused", s.max_prefill_batch),
             ("qcfuse_kv_pool_idle_bytes", "KV buffers pooled for reuse", stats.kv_pooled_bytes),
         ):
             g = GaugeMetricFamily(name, doc)
@@ -59,11 +58,6 @@ class _SchedulerCollector:
         steps = CounterMetricFamily("qcfuse_scheduler_steps", "scheduler steps run")
         steps.add_metric([], s.steps)
         yield steps
-        batched = CounterMetricFamily(
-            "qcfuse_batched_prefills", "scheduler steps that fused their admitted requests together"
-        )
-        batched.add_metric([], s.batched_prefills)
-        yield batched
         states = CounterMetricFamily("qcfuse_scheduler_requests", "requests by scheduler state", labels=["state"])
         for state in ("submitted", "finished", "aborted", "failed", "deferred"):
             states.add_metric([state], getattr(s, state))
