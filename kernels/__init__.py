@@ -11,9 +11,13 @@ Public operations, each with a plain PyTorch reference in `reference.py`:
     silu_mul(gate, up)                                         -> silu(gate) * up
     decode_attention(q, ks, vs, lens, scale, window=None)      -> (B, H, D), each row its own cache
     kv_append(ks, vs, pos, k, v)                               -> each row's new key/value written
+    add_rms_norm(x, d, weight, eps)                            -> (x + d, its RMSNorm), one pass
+    silu_mul_packed(gu)                                        -> silu(gate) * up of one (rows, 2I) product
 
-`decode_attention_ptrs` / `kv_append_ptrs` take the caches by address (`cache_addresses`):
-the form a CUDA graph captures.
+`decode_attention_ptrs` / `kv_append_ptrs` / `rope_append_ptrs` (RoPE of a decode step's
+packed q, k, v and the cache write, one pass) take the caches by address
+(`cache_addresses`): the form a CUDA graph captures; `decode_splits` picks the attention's
+key ranges for a batch size.
 
 `ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
 reference once per process (see `ops.backend()`), with an override for tests. The jitted
@@ -23,37 +27,45 @@ lazily: this package imports without triton).
 """
 
 from qcfuse_kernels.ops import (
+    add_rms_norm,
     apply_rope,
     attention_mass,
     backend,
     cache_addresses,
     decode_attention,
     decode_attention_ptrs,
+    decode_splits,
     inverse_rows,
     kv_append,
     kv_append_ptrs,
     rerotate_scatter,
     rms_norm,
+    rope_append_ptrs,
     set_backend,
     silu_mul,
+    silu_mul_packed,
     sparse_attention,
 )
 from qcfuse_kernels.reference import rotate_half
 
 __all__ = [
+    "add_rms_norm",
     "apply_rope",
     "attention_mass",
     "backend",
     "cache_addresses",
     "decode_attention",
     "decode_attention_ptrs",
+    "decode_splits",
     "inverse_rows",
     "kv_append",
     "kv_append_ptrs",
     "rerotate_scatter",
     "rms_norm",
+    "rope_append_ptrs",
     "rotate_half",
     "set_backend",
     "silu_mul",
+    "silu_mul_packed",
     "sparse_attention",
 ]

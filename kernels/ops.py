@@ -627,10 +627,70 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def add_rms_norm(
+    x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one pass: h = x + d (x, d (rows, N), one dtype),
+    y = rms_norm(h, weight, eps) -> (h, y), new tensors, each rounded as `reference.add_rms_norm_ref`."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, d, weight)):
+        raise TypeError("x, d and weight must be torch.Tensors")
+    if x.dim() != 2 or d.shape != x.shape or d.dtype != x.dtype or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"x {tuple(x.shape)} and d {tuple(d.shape)} must be one (rows, N) shape and dtype, "
+            f"weight (N,), got {tuple(weight.shape)}"
+        )
+    eps = _check_scale(eps)
+    device = _check_same_device(x=x, d=d, weight=weight)
+    if not _use_kernels(device) or x.dtype != weight.dtype or x.dtype not in FLOAT_DTYPES or x.numel() == 0:
+        return ref.add_rms_norm_ref(x, d, weight, eps)
+    from qcfuse_kernels.triton_pointwise import add_rms_norm_kernel
+
+    N = x.shape[-1]
+    x, d = _rows_of(x), _rows_of(d)
+    h, y = torch.empty_like(x), torch.empty_like(x)
+    block = _next_pow2(N)
+    add_rms_norm_kernel[(x.shape[0],)](
+        x, d, _rows_of(weight), h, y, N, eps, BLOCK_N=block, num_warps=max(1, min(16, block // 256))
+    )
+    return h, y
+
+
+def silu_mul_packed(gu: torch.Tensor) -> torch.Tensor:
+    """gu (rows, 2I) holding the gate's then the up projection's outputs -> silu(gate) * up
+    (rows, I), rounded as `silu_mul`."""
+    if not isinstance(gu, torch.Tensor):
+        raise TypeError("gu must be a torch.Tensor")
+    if gu.dim() != 2 or gu.shape[1] % 2:
+        raise ValueError(f"gu must be (rows, 2I), got {tuple(gu.shape)}")
+    if not _use_kernels(gu.device) or gu.dtype not in FLOAT_DTYPES or gu.numel() == 0:
+        return ref.silu_mul_packed_ref(gu)
+    from qcfuse_kernels.triton_pointwise import silu_mul_packed_kernel
+
+    gu = _rows_of(gu)
+    rows, inner = gu.shape[0], gu.shape[1] // 2
+    y = torch.empty((rows, inner), device=gu.device, dtype=gu.dtype)
+    block = 1024 if backend() == "triton" else 256
+    silu_mul_packed_kernel[(rows, _cdiv(inner, block))](gu, y, inner, BLOCK=block, num_warps=4)
+    return y
+
+
 # ---------------------------------------------------------------- decode attention
 
-DECODE_SPLITS = 32  # key ranges per (sequence, KV head): 8 KV heads x 32 = 256 programs for one sequence
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # the partial pass's launch on CUDA
+DECODE_SPLITS = 32  # key ranges per (sequence, KV head) where the caller names none
+DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}  # the partial pass's launch on CUDA
+DECODE_PROGRAMS = 512  # partial-pass programs `decode_splits` aims at (about 4 per SM of an H100/H200)
+
+
+def decode_splits(rows: int, num_kv_heads: int) -> int:
+    """Key ranges per (sequence, KV head) for a decode step of `rows` sequences: enough
+    programs to fill the GPU (B * Hkv * splits ~ DECODE_PROGRAMS), a power of two in [4, 64].
+    On an H100 at 10K keys (Llama-3.1-8B shape) one sequence is fastest at 64 ranges of 32-key
+    blocks and eight at 8 (docs/benchmarks.md, "Decode"). A row's bits follow its length and
+    the split count, so a caller that needs them independent of the batch passes one count."""
+    if rows < 1 or num_kv_heads < 1:
+        raise ValueError(f"rows and num_kv_heads must be positive, got {rows} and {num_kv_heads}")
+    want = -(-DECODE_PROGRAMS // (rows * num_kv_heads))
+    return max(4, min(64, _next_pow2(want)))
 
 
 def _check_caches(ks, vs, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
@@ -765,6 +825,53 @@ def kv_append(ks, vs, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         ref.kv_append_ref(ks, vs, pos, k, v)
         return
     kv_append_ptrs(cache_addresses(ks).to(device), cache_addresses(vs).to(device), pos, k, v)
+
+
+def rope_append_ptrs(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_ptrs: torch.Tensor,
+    v_ptrs: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """One decode step's RoPE and cache write in one pass: qkv (B, (H + 2 Hkv) D) each row's
+    query, key and value projections (pre-RoPE), cos/sin (B, D) its position's -> the rotated
+    queries (B, H, D); row b's rotated key and its value written at pos[b] of the caches at
+    k_ptrs[b] / v_ptrs[b] (`apply_rope` then `kv_append_ptrs`, the same arithmetic; the
+    preconditions of `kv_append_ptrs`). Kernel backends only (graph-capturable)."""
+    if not _use_kernels(qkv.device):
+        raise RuntimeError(f"rope_append_ptrs needs a kernel backend for {qkv.device} tensors (backend {backend()})")
+    from qcfuse_kernels.triton_decode_attention import rope_append_kernel
+
+    B = qkv.shape[0]
+    D = cos.shape[-1]
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or D % 2:
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} is not (B, (H + 2 Hkv) D) for H={num_heads}, Hkv={num_kv_heads}, D={D} (even)"
+        )
+    q = torch.empty((B, num_heads, D), device=qkv.device, dtype=qkv.dtype)
+    rope_append_kernel[(B,)](
+        _rows_of(qkv),
+        _rows_of(cos),
+        _rows_of(sin),
+        k_ptrs,
+        v_ptrs,
+        pos,
+        q,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=D,
+        HALF=D // 2,
+        BLOCK_HQ=_next_pow2(num_heads),
+        BLOCK_HKV=_next_pow2(num_kv_heads),
+        BLOCK_HALF=_next_pow2(D // 2),
+        num_warps=4,
+    )
+    return q
 
 
 def kv_append_ptrs(

@@ -42,6 +42,20 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm_ref(
+    x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm: h = x + d, (h, rms_norm_ref(h))."""
+    h = x + d
+    return h, rms_norm_ref(h, weight, eps)
+
+
+def silu_mul_packed_ref(gu: torch.Tensor) -> torch.Tensor:
+    """gu (..., 2I) holding gate then up -> silu_mul_ref(gate, up) (..., I)."""
+    gate, up = gu.chunk(2, dim=-1)
+    return silu_mul_ref(gate, up)
+
+
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, the gated MLP's activation (HF: act_fn(gate_proj(x)) * up_proj(x))."""
     return torch.nn.functional.silu(gate) * up
@@ -165,3 +179,22 @@ def kv_append_ref(
     for b, p in enumerate(pos.tolist()):
         ks[b][p] = k[b]
         vs[b][p] = v[b]
+
+
+def rope_append_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    pos: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """qkv (B, (H + 2 Hkv) D) each row's q, k, v projections, cos/sin (B, D): the rotated
+    queries (B, H, D); row b's rotated key and its value written at pos[b] of ks[b], vs[b]."""
+    B = qkv.shape[0]
+    D = cos.shape[-1]
+    q, k, v = qkv.view(B, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    kv_append_ref(ks, vs, pos, apply_rope(k, cos, sin), v)
+    return apply_rope(q, cos, sin)

@@ -8,6 +8,9 @@ block of one layer - so a launch needs no gather of the caches into one tensor, 
 addresses live in device memory: a CUDA graph captured once replays for any set of caches
 whose addresses are written into the same table.
 
+`rope_append_kernel` is the step before: one row's projections in, its rotated queries out,
+its rotated key and its value written into its caches.
+
 Split-KV, two passes, no atomics (the same bits every run, and a row's bits do not depend on
 the other rows of the batch):
 
@@ -149,3 +152,58 @@ def kv_append_kernel(
     vbase = tl.load(VP + b).to(tl.pointer_type(K_NEW.dtype.element_ty))
     tl.store(kbase + pos * ROW + offs, tl.load(K_NEW + b * ROW + offs, mask=ok), mask=ok)
     tl.store(vbase + pos * ROW + offs, tl.load(V_NEW + b * ROW + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def rope_append_kernel(
+    QKV,  # (B, (H + 2 * Hkv) * D) contiguous: each row's q, k, v projections, pre-RoPE
+    COS,  # (B, D) fp32
+    SIN,
+    KP,  # (B,) int64 addresses as in decode_partial_kernel
+    VP,
+    POS,  # (B,) int: where sequence b's new key and value go
+    Q_OUT,  # (B, H, D) rotated queries
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Grid (B,): RoPE of row b's queries and key (rope_kernel's arithmetic), the rotated key
+    and the value written at the row's position of its caches (kv_append_kernel's)."""
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    c_ok = offs_c < HALF
+    cos1 = tl.load(COS + b * HEAD_DIM + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(COS + b * HEAD_DIM + HALF + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(SIN + b * HEAD_DIM + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(SIN + b * HEAD_DIM + HALF + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    ROW = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    KV_ROW = NUM_KV_HEADS * HEAD_DIM
+    src = QKV + b * ROW
+
+    hq = tl.arange(0, BLOCK_HQ)
+    ok = (hq < NUM_HEADS)[:, None] & c_ok[None, :]
+    off = hq[:, None] * HEAD_DIM + offs_c[None, :]
+    x1 = tl.load(src + off, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + off + HALF, mask=ok, other=0.0).to(tl.float32)
+    dst = Q_OUT + b * NUM_HEADS * HEAD_DIM
+    tl.store(dst + off, (x1 * cos1 - x2 * sin1).to(Q_OUT.dtype.element_ty), mask=ok)
+    tl.store(dst + off + HALF, (x2 * cos2 + x1 * sin2).to(Q_OUT.dtype.element_ty), mask=ok)
+
+    kbase = tl.load(KP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
+    vbase = tl.load(VP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
+    hk = tl.arange(0, BLOCK_HKV)
+    ok = (hk < NUM_KV_HEADS)[:, None] & c_ok[None, :]
+    off = hk[:, None] * HEAD_DIM + offs_c[None, :]
+    k_src = src + NUM_HEADS * HEAD_DIM
+    x1 = tl.load(k_src + off, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(k_src + off + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(kbase + off, (x1 * cos1 - x2 * sin1).to(QKV.dtype.element_ty), mask=ok)
+    tl.store(kbase + off + HALF, (x2 * cos2 + x1 * sin2).to(QKV.dtype.element_ty), mask=ok)
+    v_src = k_src + KV_ROW
+    tl.store(vbase + off, tl.load(v_src + off, mask=ok), mask=ok)
+    tl.store(vbase + off + HALF, tl.load(v_src + off + HALF, mask=ok), mask=ok)

@@ -11,6 +11,13 @@ reference, so bf16 results agree with it to an ulp:
     silu_mul   y = bf16(silu(g)) * u                         (HF's act_fn(gate) * up)
     rope       y = x * cos + rotate_half(x) * sin            (fp32, like reference.apply_rope)
 
+and two for the decode step, where each row is one sequence's token:
+
+    add_rms_norm     h = x + d (rounded like torch's add), y = rms_norm(h): the residual add
+                     and the next norm in one pass
+    silu_mul_packed  silu_mul of one (rows, 2I) product holding gate then up (the gated
+                     MLP's two projections read as one matrix)
+
 Invariants the launchers guarantee: tensors contiguous; rms_norm's BLOCK_N >= N (a whole
 row per program); rope's cos/sin are (T, D) with HALF = D // 2 and BLOCK_HALF, BLOCK_H the
 next powers of two >= HALF and >= the head count.
@@ -78,3 +85,32 @@ def rope_kernel(
     sin2 = tl.load(SIN + trig_off + HALF, mask=trig_ok, other=0.0).to(tl.float32)[:, None, :]
     tl.store(Y + off, (x1 * cos1 - x2 * sin1).to(Y.dtype.element_ty), mask=ok)
     tl.store(Y + off + HALF, (x2 * cos2 + x1 * sin2).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_rms_norm_kernel(X, D, W, H_OUT, Y, N, eps, BLOCK_N: tl.constexpr):
+    """Grid (rows,): h = x + d rounded to the dtype (torch's add), then rms_norm_kernel's y of h."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    ok = offs < N
+    x = tl.load(X + row * N + offs, mask=ok, other=0.0).to(tl.float32)
+    d = tl.load(D + row * N + offs, mask=ok, other=0.0).to(tl.float32)
+    h = (x + d).to(H_OUT.dtype.element_ty)
+    tl.store(H_OUT + row * N + offs, h, mask=ok)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / N
+    normed = (hf * tl.rsqrt(var + eps)).to(Y.dtype.element_ty)
+    w = tl.load(W + offs, mask=ok, other=0.0)
+    tl.store(Y + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_packed_kernel(GU, Y, I, BLOCK: tl.constexpr):
+    """Grid (rows, cdiv(I, BLOCK)): row r of GU (rows, 2I) holds gate then up; Y (rows, I)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    g = tl.load(GU + row * 2 * I + offs, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
+    u = tl.load(GU + row * 2 * I + I + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * I + offs, (act.to(tl.float32) * u).to(Y.dtype.element_ty), mask=ok)

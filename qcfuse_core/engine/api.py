@@ -95,6 +95,8 @@ class QCFuseEngine:
     ) -> None:
         self._adapter = adapter
         self._config = cfg = config or EngineConfig()
+        if adapter.device.type == "cuda" and cfg.scheduler.cuda_graphs:
+            adapter.packed_projections()  # before any caller runs the model (the decode step's products)
         sink = _chunk_sink(adapter) if cfg.cache.chunk_sink else None
         self._caches = ChunkCaches(
             adapter,

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
                     "deterministic": det,
                     "graphs": runner._graphs is not None,
                     "ms_per_step": round(ms, 3),
-                    "floor_ms": round(fl, 3),
+                    "floor_ms": round(fl, 6),
                     "ms_per_token": round(ms / n, 3),
                 }
             )

@@ -13,6 +13,8 @@ GeLU-tanh MLP, its declared query scaling, sliding-window layers with their own 
     h    = adapter.mlp(l, h)                      residual + mlp(norm(h))   (Gemma: pre/post feed-forward norms)
     logits = adapter.logits(h)                    (R, vocab)
     cos, sin = adapter.rope(positions, l)         (R, D) each, fp32, layer l's RoPE (None: a full layer's)
+    adapter.packed_projections()                  per layer, q/k/v and gate/up as one matrix each (the
+                                                  decode step's products), or None for other layer kinds
     adapter.windows[l]                            layer l's sliding window W (None: full attention):
                                                   a row at position p sees keys p-W < j <= p
 
@@ -326,6 +328,18 @@ def load_model(
 
 
 @dataclass(frozen=True)
+class PackedLayer:
+    """One layer's projections that read the same input, as one matrix each: q, k, v stacked
+    by output rows ((H + 2 Hkv) D, hidden), and gate, up ((2 I, hidden)); biases likewise or
+    None. The HF modules' own weights are views into these (no second copy)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class ModelShape:
     num_layers: int
     num_heads: int
@@ -378,6 +392,8 @@ class ModelAdapter:
         self.rope_tables: bool | None = None
         self._rope_tab: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_lock = threading.Lock()
+        self._packed: list[PackedLayer] | None = None
+        self._pack_lock = threading.Lock()
         self._fingerprint: str | None = None
         self.weights_digest = weights_digest  # content hash of the weight files (fingerprint.py)
         # HF's plain RMSNorm and a SiLU-gated MLP (every supported architecture as shipped) run
@@ -520,6 +536,63 @@ class ModelAdapter:
             return h + lyr.mlp(x)
         m = lyr.mlp
         return h + m.down_proj(K.silu_mul(m.gate_proj(x), m.up_proj(x)))
+
+    @property
+    def packable(self) -> bool:
+        """Whether `packed_projections` applies: plain RMSNorms, a SiLU-gated MLP, no q/k norm
+        (Llama, Mistral, Qwen2 as shipped), each group's biases all present or all absent."""
+        if not (self.fused_norm and self.fused_mlp) or self.gemma or self.has_qk_norm:
+            return False
+        for lyr in self.layers:
+            a, m = lyr.self_attn, lyr.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+                if not all(isinstance(x, torch.nn.Linear) for x in group):
+                    return False
+                if len({x.bias is None for x in group}) != 1:
+                    return False
+        return True
+
+    def packed_projections(self) -> list[PackedLayer] | None:
+        """Per layer, q/k/v and gate/up as one matrix each (`PackedLayer`): a decode step then
+        reads each group in one product instead of three and two. Made at the first call by
+        concatenating each group's weights and rebinding the modules' weights as row views of
+        the result, so memory does not grow and HF's modules compute what they did (the same
+        values). None where `packable` is false. The engine packs a CUDA model when it is made,
+        before any request runs (replacing weights under a running product is not safe);
+        a model moved to another device is packed again at the next call."""
+        packed = self._packed
+        if packed is not None and packed[0].qkv.device == self.device:
+            return packed
+        if not self.packable:
+            return None
+        with self._pack_lock, torch.inference_mode(False), torch.no_grad():
+            if self._packed is None or self._packed[0].qkv.device != self.device:  # new, or the model moved
+                cuda = self.device.type == "cuda"
+                if cuda:  # nothing in flight reads the weights about to be replaced
+                    torch.cuda.synchronize(self.device)
+                self._packed = [self._pack_layer(lyr) for lyr in self.layers]
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+        return self._packed
+
+    @staticmethod
+    def _pack_layer(lyr: Any) -> PackedLayer:
+        def pack(mods: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            w = torch.cat([m.weight.detach() for m in mods])
+            b = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+            start = 0
+            for m in mods:
+                n = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(w[start : start + n], requires_grad=False)
+                if b is not None:
+                    m.bias = torch.nn.Parameter(b[start : start + n], requires_grad=False)
+                start += n
+            return w, b
+
+        a, m = lyr.self_attn, lyr.mlp
+        qkv, qkv_b = pack((a.q_proj, a.k_proj, a.v_proj))
+        gu, gu_b = pack((m.gate_proj, m.up_proj))
+        return PackedLayer(qkv, qkv_b, gu, gu_b)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = self.model.lm_head(self._norm(self.model.model.norm, h)).float()

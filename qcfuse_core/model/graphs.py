@@ -18,9 +18,12 @@ A graph fixes its tensors' addresses and shapes, so:
 - RoPE comes from the adapter's table of positions, sized before capture to the largest
   cache capacity seen (a larger cache re-captures the graphs).
 
-Deterministic mode: one bucket of `CUDA_TILE` rows, so every row-wise product has the same
-shape whatever the batch, and a sequence's bits do not depend on its company (the attention
-kernels never did: their sum order follows the row's own length).
+The attention's key ranges per (sequence, KV head) follow the bucket (`decode_splits`: one
+sequence's step needs many ranges to fill the GPU, 32 sequences few).
+
+Deterministic mode: one bucket of `CUDA_TILE` rows and one count of key ranges, so every
+row-wise product has the same shape whatever the batch, and a sequence's bits do not
+depend on its company (the attention's sum order then follows the row's own length).
 
 Every bucket is captured at the first step (about a second on an H200), so no request
 waits for a capture later.
@@ -36,11 +39,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import qcfuse_kernels as K
 from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.model.batched import CUDA_TILE
 from qcfuse_core.model.fusion import KVCache
+from qcfuse_kernels.ops import DECODE_SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +61,78 @@ def decode_rows(
     k_ptrs: torch.Tensor,
     v_ptrs: torch.Tensor,
     max_position: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """One decode step of B rows, each on its own cache given by address: ids, pos (B,) the
     input token and its position, lens (B,) = pos + 1, k_ptrs / v_ptrs (L, B) int64 the
     address of row b's layer-l keys / values (`layer_addresses`) -> logits (B, vocab) fp32.
-    Writes each row's key and value at its position. No host sync (graph-capturable)."""
-    Hkv = adapter.shape.num_kv_heads
-    h = adapter.embed(ids)
+    Writes each row's key and value at its position. No host sync (graph-capturable).
+    splits: the attention's key ranges (None: `decode_splits` of B rows).
+
+    Where the adapter packs its projections (`ModelAdapter.packed_projections`: Llama,
+    Mistral, Qwen2), a layer is nine launches: q/k/v as one product, RoPE and the cache
+    write in one pass, the attention's two, o_proj, the residual add with the next norm in
+    one pass, gate/up as one product, the activation, down_proj. Other models run the
+    adapter's own steps."""
+    B = ids.shape[0]
+    s = adapter.shape
+    splits = splits or K.decode_splits(B, s.num_kv_heads)
+    packed = adapter.packed_projections()
     ropes = adapter.rope_layers(pos, max_position=max_position)
-    for layer in range(adapter.num_layers):
-        q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
+    h = adapter.embed(ids)
+    if packed is None:
+        for layer in range(adapter.num_layers):
+            q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
+            cos, sin = ropes[layer]
+            q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
+            K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v)
+            attn = K.decode_attention_ptrs(
+                q,
+                k_ptrs[layer],
+                v_ptrs[layer],
+                lens,
+                adapter.scale,
+                num_kv_heads=s.num_kv_heads,
+                window=adapter.windows[layer],
+                splits=splits,
+            )
+            h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
+        return adapter.logits(h)
+    layers = adapter.layers
+    norm = layers[0].input_layernorm
+    x = K.rms_norm(h, norm.weight, norm.variance_epsilon)
+    for layer, p in enumerate(packed):
+        lyr = layers[layer]
         cos, sin = ropes[layer]
-        q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
-        K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v)
-        attn = K.decode_attention_ptrs(
-            q, k_ptrs[layer], v_ptrs[layer], lens, adapter.scale, num_kv_heads=Hkv, window=adapter.windows[layer]
+        q = K.rope_append_ptrs(
+            F.linear(x, p.qkv, p.qkv_bias),
+            cos,
+            sin,
+            k_ptrs[layer],
+            v_ptrs[layer],
+            pos,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
         )
-        h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
-    return adapter.logits(h)
+        attn = K.decode_attention_ptrs(
+            q,
+            k_ptrs[layer],
+            v_ptrs[layer],
+            lens,
+            adapter.scale,
+            num_kv_heads=s.num_kv_heads,
+            window=adapter.windows[layer],
+            splits=splits,
+        )
+        post = lyr.post_attention_layernorm
+        h, x = K.add_rms_norm(h, lyr.self_attn.o_proj(attn.reshape(B, -1)), post.weight, post.variance_epsilon)
+        down = lyr.mlp.down_proj(K.silu_mul_packed(F.linear(x, p.gate_up, p.gate_up_bias)))
+        norm = layers[layer + 1].input_layernorm if layer + 1 < len(packed) else adapter.model.model.norm
+        h, x = K.add_rms_norm(h, down, norm.weight, norm.variance_epsilon)
+    out = adapter.model.lm_head(x).float()
+    if adapter.final_softcap is not None:  # as adapter.logits applies it
+        out = torch.tanh(out / adapter.final_softcap) * adapter.final_softcap
+    return out
 
 
 def layer_addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -124,6 +183,10 @@ class GraphDecoder:
             raise ValueError(f"CUDA graph decode needs the Triton kernels (kernel backend: {K.backend()})")
         self.adapter = adapter
         self.buckets = (CUDA_TILE,) if deterministic else BUCKETS
+        # the attention's key ranges: per bucket (`decode_splits`), or one count in the
+        # deterministic mode, so that a row's bits do not depend on its batch
+        self._splits = DECODE_SPLITS if deterministic else None
+        adapter.packed_projections()  # not under capture: packing replaces the modules' weights
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None  # the graphs share one memory pool
         self._positions = 0  # the RoPE table size the graphs were captured with
@@ -197,7 +260,14 @@ class GraphDecoder:
 
         def body() -> torch.Tensor:
             return decode_rows(
-                adapter, inputs[0], inputs[1], inputs[2], inputs[3 : 3 + L], inputs[3 + L :], self._positions - 1
+                adapter,
+                inputs[0],
+                inputs[1],
+                inputs[2],
+                inputs[3 : 3 + L],
+                inputs[3 + L :],
+                self._positions - 1,
+                self._splits,
             )
 
         try:
