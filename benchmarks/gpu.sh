@@ -53,7 +53,8 @@ if has tests; then
   timeout 600 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_pointwise.py \
       tests/test_gpu_fusion.py tests/test_gpu_probe_graph.py tests/test_fusion_exact.py tests/test_store_gpu.py \
       tests/test_engine_device.py tests/test_request_pipeline.py tests/test_ingest.py tests/test_prefetch.py \
-      tests/test_prefetch_pins.py tests/test_probe_batch.py \
+      tests/test_prefetch_pins.py tests/test_probe_batch.py tests/test_graph_decode.py tests/test_decode_step.py \
+      tests/test_chunked_prefill.py \
       tests/test_gpu_budget.py tests/test_store_tiers.py tests/test_arena.py tests/test_promote.py \
       -k "not embedded" > "$OUT/tests.log" 2>&1
   echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
