@@ -393,6 +393,7 @@ class ModelAdapter:
         self._rope_tab: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_lock = threading.Lock()
         self._packed: list[PackedLayer] | None = None
+        self._packable: bool | None = None
         self._pack_lock = threading.Lock()
         self._fingerprint: str | None = None
         self.weights_digest = weights_digest  # content hash of the weight files (fingerprint.py)
@@ -541,6 +542,11 @@ class ModelAdapter:
     def packable(self) -> bool:
         """Whether `packed_projections` applies: plain RMSNorms, a SiLU-gated MLP, no q/k norm
         (Llama, Mistral, Qwen2 as shipped), each group's biases all present or all absent."""
+        if self._packable is None:
+            self._packable = self._can_pack()
+        return self._packable
+
+    def _can_pack(self) -> bool:
         if not (self.fused_norm and self.fused_mlp) or self.gemma or self.has_qk_norm:
             return False
         for lyr in self.layers:

@@ -80,23 +80,27 @@ def decode_rows(
     packed = adapter.packed_projections()
     ropes = adapter.rope_layers(pos, max_position=max_position)
     h = adapter.embed(ids)
+
+    def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+        window = adapter.windows[layer]
+        return K.decode_attention_ptrs(
+            q,
+            k_ptrs[layer],
+            v_ptrs[layer],
+            lens,
+            adapter.scale,
+            num_kv_heads=s.num_kv_heads,
+            window=window,
+            splits=splits,
+        )
+
     if packed is None:
         for layer in range(adapter.num_layers):
             q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
             cos, sin = ropes[layer]
             q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
             K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v)
-            attn = K.decode_attention_ptrs(
-                q,
-                k_ptrs[layer],
-                v_ptrs[layer],
-                lens,
-                adapter.scale,
-                num_kv_heads=s.num_kv_heads,
-                window=adapter.windows[layer],
-                splits=splits,
-            )
-            h = adapter.mlp(layer, adapter.attn_out(layer, h, attn))
+            h = adapter.mlp(layer, adapter.attn_out(layer, h, attend(layer, q)))
         return adapter.logits(h)
     layers = adapter.layers
     norm = layers[0].input_layernorm
@@ -104,28 +108,14 @@ def decode_rows(
     for layer, p in enumerate(packed):
         lyr = layers[layer]
         cos, sin = ropes[layer]
+        qkv = F.linear(x, p.qkv, p.qkv_bias)
         q = K.rope_append_ptrs(
-            F.linear(x, p.qkv, p.qkv_bias),
-            cos,
-            sin,
-            k_ptrs[layer],
-            v_ptrs[layer],
-            pos,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-        )
-        attn = K.decode_attention_ptrs(
-            q,
-            k_ptrs[layer],
-            v_ptrs[layer],
-            lens,
-            adapter.scale,
-            num_kv_heads=s.num_kv_heads,
-            window=adapter.windows[layer],
-            splits=splits,
+            qkv, cos, sin, k_ptrs[layer], v_ptrs[layer], pos, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads
         )
         post = lyr.post_attention_layernorm
-        h, x = K.add_rms_norm(h, lyr.self_attn.o_proj(attn.reshape(B, -1)), post.weight, post.variance_epsilon)
+        h, x = K.add_rms_norm(
+            h, lyr.self_attn.o_proj(attend(layer, q).reshape(B, -1)), post.weight, post.variance_epsilon
+        )
         down = lyr.mlp.down_proj(K.silu_mul_packed(F.linear(x, p.gate_up, p.gate_up_bias)))
         norm = layers[layer + 1].input_layernorm if layer + 1 < len(packed) else adapter.model.model.norm
         h, x = K.add_rms_norm(h, down, norm.weight, norm.variance_epsilon)
