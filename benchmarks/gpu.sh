@@ -171,7 +171,9 @@ if has crowd; then
   # goes; one request end to end (128 new tokens), whose runs also measure the planner's
   # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget (about 9
   # minutes)
-  PEAK=${PEAK_TBPS:-4.8}
+  # the floor's bandwidth: the H100's 3.35 TB/s, else the H200's 4.8 (PEAK_TBPS overrides)
+  if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then PEAK=3.35; else PEAK=4.8; fi
+  PEAK=${PEAK_TBPS:-$PEAK}
   step "crowd: decode step, 1/8/32 sequences at 10,440 tokens"
   timeout 300 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
       --streams 1 8 32 --profile --peak-tbps "$PEAK" --json "$OUT/decode.json" --markdown "$OUT/decode.md" \
