@@ -169,8 +169,8 @@ if has crowd; then
   # issue 54, the crowd's pace on the configuration a user gets (the default tiers): the decode
   # step of 1/8/32 sequences at 10K (plain and deterministic) with where one sequence's step
   # goes; one request end to end (128 new tokens), whose runs also measure the planner's
-  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget (about 9
-  # minutes)
+  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget (about 6
+  # minutes on an H100)
   # the floor's bandwidth: the H100's 3.35 TB/s, else the H200's 4.8 (PEAK_TBPS overrides)
   if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then PEAK=3.35; else PEAK=4.8; fi
   PEAK=${PEAK_TBPS:-$PEAK}
