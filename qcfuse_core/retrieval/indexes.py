@@ -39,6 +39,7 @@ from qcfuse_core.retrieval import vector_index as vi
 from qcfuse_core.retrieval.reader import index_lock
 from qcfuse_core.retrieval.texts import ANCHOR, ChunkTextIndex, lenient_text, text_hash_ok
 from qcfuse_core.retrieval.vector_index import CHROMA, VECTOR_MARKER, mark_vector_index
+from qcfuse_core.store.maintenance import read_only_db
 from qcfuse_core.types import chunk_id
 
 CHUNK_TEXTS = "chunk_texts.sqlite"
@@ -82,14 +83,8 @@ class IndexReport:
 
 
 def _ro(path: Path) -> sqlite3.Connection:
-    """Read-only: mode=ro sees the write-ahead log; immutable=1 when a read-only folder
-    cannot take the -shm file mode=ro needs. Text that is not UTF-8 reads as surrogates."""
-    uri = path.resolve().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-    except sqlite3.OperationalError:
-        db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+    """`read_only_db`, with text that is not UTF-8 read as surrogates."""
+    db = read_only_db(path)
     db.text_factory = lenient_text
     return db
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from qcfuse_core.retrieval import vector_index as vi
+from qcfuse_core.store.maintenance import read_only_db
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _log_ops(db: sqlite3.Connection, segment: str) -> list[tuple[str, str, np.nd
 def _load(path: Path) -> _Vectors:
     if not (path / vi.CHROMA_DB).is_file():  # no index yet: nothing to find
         return _Vectors([], np.zeros((0, 0), np.float32))
-    db = vi._ro(path / vi.CHROMA_DB)
+    db = read_only_db(path / vi.CHROMA_DB)
     try:
         segments = [r[0] for r in db.execute("SELECT id FROM segments WHERE scope = 'VECTOR'")]
         vectors: dict[str, np.ndarray] = {}
@@ -157,7 +158,7 @@ def _rows(path: Path, ids: Sequence[str]) -> dict[str, tuple[str | None, dict]]:
     """id -> (document, metadata) from SQLite."""
     if not ids:
         return {}
-    db = vi._ro(path / vi.CHROMA_DB)
+    db = read_only_db(path / vi.CHROMA_DB)
     try:
         segs = vi._metadata_segment(db)
         got = db.execute(

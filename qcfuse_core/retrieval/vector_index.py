@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qcfuse_core.store.maintenance import read_only_db
 from qcfuse_core.types import chunk_id
 
 log = logging.getLogger(__name__)
@@ -100,16 +101,6 @@ class StoredDocument:
         return document_ok(self.id, self.text, self.metadata)
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    uri = path.resolve().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        return db
-    except sqlite3.OperationalError:
-        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
-
-
 def _metadata_segment(db: sqlite3.Connection) -> list[str]:
     return [r[0] for r in db.execute("SELECT id FROM segments WHERE scope = 'METADATA'")]
 
@@ -117,7 +108,7 @@ def _metadata_segment(db: sqlite3.Connection) -> list[str]:
 def documents(path: Path) -> Iterator[StoredDocument]:
     """Every row of the index at `path` (the `chroma` folder), read from SQLite directly.
     Raises sqlite3.DatabaseError when the database is unreadable."""
-    db = _ro(path / CHROMA_DB)
+    db = read_only_db(path / CHROMA_DB)
     try:
         segs = _metadata_segment(db)
         rows = db.execute(
@@ -162,7 +153,7 @@ def _read_pickle(path: Path) -> dict:
 
 def hnsw_folders(path: Path) -> list[Path]:
     """The vector segments' folders that exist (named by segment id)."""
-    db = _ro(path / CHROMA_DB)
+    db = read_only_db(path / CHROMA_DB)
     try:
         segs = [r[0] for r in db.execute("SELECT id FROM segments WHERE scope = 'VECTOR'")]
     finally:
@@ -283,7 +274,7 @@ def vector_ids(path: Path) -> set[str]:
                 ids.update(str(k) for k in _read_pickle(meta_file).get("id_to_label", {}))
             except (pickle.UnpicklingError, TypeError, ValueError, EOFError):
                 pass
-    db = _ro(path / CHROMA_DB)
+    db = read_only_db(path / CHROMA_DB)
     try:
         ids.update(r[0] for r in db.execute("SELECT id FROM embeddings_queue WHERE operation IN (0, 1, 2)"))
     finally:
@@ -292,7 +283,7 @@ def vector_ids(path: Path) -> set[str]:
 
 
 def row_ids(path: Path) -> list[str]:
-    db = _ro(path / CHROMA_DB)
+    db = read_only_db(path / CHROMA_DB)
     try:
         segs = _metadata_segment(db)
         return [

@@ -84,7 +84,7 @@ def manifest_problem(path: Path) -> str:
     if not path.is_file():
         return "missing"
     try:
-        db = _read_only_db(path)
+        db = read_only_db(path)
         try:
             res = db.execute("PRAGMA quick_check").fetchone()[0]
             if res != "ok":
@@ -98,7 +98,7 @@ def manifest_problem(path: Path) -> str:
     return ""
 
 
-def _read_only_db(path: Path) -> sqlite3.Connection:
+def read_only_db(path: Path) -> sqlite3.Connection:
     """A read-only connection; on a read-only folder, where SQLite cannot make the -shm file a
     write-ahead-logged database needs, the file is read as immutable (nothing writes there)."""
     uri = path.resolve().as_uri()
