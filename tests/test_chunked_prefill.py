@@ -131,21 +131,21 @@ def test_a_long_prompt_does_not_stop_the_running_answers(tiny):
     eng = _engine(tiny, step_prefill_tokens=BUDGET)
     sched = eng._scheduler  # the engine's; its steps are counted (not timed)
     steps: list[dict] = []
-    real_step, real_take, real_slice = sched.step, sched._take_tokens, sched.steps.prefill_slice
+    real_step, real_take, real_run = sched.step, sched._take_tokens, sched._run
 
     def take(batch, rows):
         steps[-1]["decoded"] += [j.request.generation.max_new_tokens for j in batch]
         return real_take(batch, rows)
 
-    def prefill_slice(s, **kw):
-        steps[-1]["slices"].append((s.job.request.generation.max_new_tokens, s.next_rows))
-        return real_slice(s, **kw)
+    def run(job, rows):
+        steps[-1]["slices"].append((job.request.generation.max_new_tokens, rows))
+        return real_run(job, rows)
 
     def step():
         steps.append({"decoded": [], "slices": []})
         real_step()
 
-    sched.step, sched._take_tokens, sched.steps.prefill_slice = step, take, prefill_slice
+    sched.step, sched._take_tokens, sched._run = step, take, run
     running = eng.stream(QUESTIONS[0], DOCS[:1], method="full", max_new_tokens=40, ignore_eos=True)
     long = eng.stream(QUESTIONS[1], DOCS, method="full", max_new_tokens=3, ignore_eos=True)
     list(long)

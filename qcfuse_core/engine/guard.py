@@ -38,15 +38,22 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qcfuse_core.paths import cache_dir
-from qcfuse_core.types import GUARD_SIGNAL
+from qcfuse_core.selection import get_selector
+from qcfuse_core.types import GUARD_SIGNAL, SelectionResult
 from qcfuse_core.types import GuardReport as GuardReport
+
+if TYPE_CHECKING:
+    from qcfuse_core.engine.request import Prefilled, Request
+    from qcfuse_core.model.adapter import ModelAdapter
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,115 @@ def escalate(value: float, threshold: float) -> bool:
 
 def action_name(ratio: float) -> str:
     return "full" if ratio >= 1.0 else f"ratio {ratio:g}"
+
+
+# ----------------------------------------------------------------------------- the decision
+@dataclass(frozen=True)
+class Keep:
+    """Decode from the prefill just decided on."""
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Prefill the request again at `ratio` (1.0: full prefill), with `selection`'s rows below
+    1.0 (the probe's scores re-ranked at that ratio: nothing probed again)."""
+
+    ratio: float
+    selection: SelectionResult | None = None
+
+
+KEEP = Keep()
+Rechoose = Callable[[float], SelectionResult | None]  # a ratio -> the request's rows re-ranked at it, or None
+
+
+class Guard:
+    """The quality guard of one engine: its config and its model's threshold (resolved once).
+
+    `decide` is called once per finished prefill of a request: after its own pass, and after
+    each rung the guard asked for (rung: that rung's ratio); it keeps the request's
+    `GuardReport` and answers Keep or Refuse(next rung)."""
+
+    def __init__(self, config: Callable[[], GuardConfig], adapter: ModelAdapter) -> None:
+        self._config, self._adapter = config, adapter
+        self._resolved: tuple[float | None, str] | None = None
+
+    def threshold(self) -> tuple[float | None, str]:
+        """The threshold and where it came from: the config's, else the model's calibration."""
+        cfg = self._config()
+        if cfg.threshold is not None:
+            return float(cfg.threshold), "GuardConfig.threshold"
+        if self._resolved is None:
+            self._resolved = resolve_threshold(self._adapter.fingerprint(), self._adapter.name)
+        return self._resolved
+
+    def decide(
+        self, req: Request, pre: Prefilled, fuse_ms: float, rechoose: Rechoose, rung: float | None = None
+    ) -> Keep | Refuse:
+        """Keep `pre`, or Refuse it for the next rung of the ladder. fuse_ms: the time of the
+        prefill decided on (the ceiling's estimate scales the first pass's time by rows)."""
+        if rung is not None:
+            return self._after_rung(req, pre, fuse_ms, rechoose, rung)
+        rep = req.guard_report = GuardReport(spent_tokens=pre.recomputed_tokens)
+        cfg = self._config()
+        if not get_selector(req.method).guarded:
+            rep.code = "not_guarded"
+            rep.reason = (
+                "full prefill: nothing fused to guard"
+                if req.method == "full"
+                else f"method {req.method} is not guarded"
+            )
+            return KEEP
+        if not cfg.enabled or not req.guard:
+            rep.reason = "turned off " + ("in EngineConfig.guard" if not cfg.enabled else "for this request")
+            return KEEP
+        threshold, rep.source = self.threshold()
+        if threshold is None:
+            rep.code, rep.reason = "uncalibrated", "no calibration for this model: run `qcfuse calibrate-guard`"
+            return KEEP
+        rep.threshold = threshold
+        rep.value = value = first_token_margin(pre.logits[-1])
+        rep.action = "kept"
+        if not escalate(value, threshold):
+            rep.code, rep.reason = "margin_ok", "margin at or above the threshold"
+            return KEEP
+        rep.code, rep.reason = "low_margin", "margin below the threshold"
+        req.guard_row_ms = fuse_ms / max(1, int(pre.selection.rows.numel()))
+        return self._next_rung(req, pre, rechoose, after=0.0)
+
+    def _after_rung(
+        self, req: Request, pre: Prefilled, fuse_ms: float, rechoose: Rechoose, rung: float
+    ) -> Keep | Refuse:
+        rep = req.guard_report
+        assert rep is not None and rep.threshold is not None
+        rep.added_ms += fuse_ms
+        rep.spent_tokens += pre.recomputed_tokens
+        value = first_token_margin(pre.logits[-1])
+        rep.rungs.append((rung, value))
+        rep.action = action_name(rung)
+        if rung >= 1.0 or not escalate(value, rep.threshold):
+            return KEEP
+        return self._next_rung(req, pre, rechoose, after=rung)
+
+    def _next_rung(self, req: Request, pre: Prefilled, rechoose: Rechoose, after: float) -> Keep | Refuse:
+        """The first rung of the ladder above `after` (and above the request's own ratio) that
+        the time ceiling allows and that has rows to run; Keep when none is left."""
+        cfg, rep, prompt = self._config(), req.guard_report, pre.prompt
+        assert rep is not None
+        uncached = int(prompt.uncached_mask().sum())
+        for ratio in cfg.ladder:
+            if ratio <= after or (ratio < 1.0 and ratio <= req.ratio):
+                continue
+            rows = prompt.num_tokens if ratio >= 1.0 else uncached + round(ratio * prompt.context_tokens)
+            if cfg.max_added_ms is not None and rep.added_ms + req.guard_row_ms * rows > cfg.max_added_ms:
+                rep.code = "ceiling"
+                rep.reason += f"; {action_name(ratio)} would pass the ceiling of {cfg.max_added_ms:g} ms"
+                continue
+            if ratio >= 1.0:
+                return Refuse(1.0)
+            sel = rechoose(ratio)
+            if sel is not None:  # else nothing to re-rank (an adaptive budget): on to the next rung
+                return Refuse(ratio, sel)
+        return KEEP
 
 
 # ----------------------------------------------------------------------------- thresholds

@@ -10,43 +10,47 @@
     3 start loading Steps.start_loading  Loading      sidecars of the loaded chunks, the fused
                                                       prompt, a LoadSession streaming layers
     4 select        Steps.select         Selected     the method's rows (probe on a GPU)
-    5 fuse          Steps.fuse           Prefilled    layer-wise fused prefill (HF's own forward
-                                                      for a selector that does not fuse)
+    5 prefill       Prefill.advance      Prefilled    layer-wise fused prefill by rows (HF's own
+                                                      forward for a selector that does not
+                                                      fuse), then the guard's decision
     6 decode        Steps.decode         text deltas  first token (TTFT), then the rest
 
-Steps 1-5 run together as `Steps.prefill` (`request_lookup`, `prepare`, `prefill_prepared`:
-the scheduler reserves a request's KV cache between the first two), step 6 as a `Decoding`
-per request. The engine's scheduler (engine/scheduler.py) drives every request the engine
-runs - many at once, one batched decode step for all; `Steps.run` chains the same steps for
-one request alone in the calling thread, the reference the tests hold the scheduler to.
-Both own the request's `Request` and close it however it ends, and both build the
-FusionResult with `fusion_result`. A chunk whose layers cannot be read during step 5 raises
-`Unreadable`; `prefill` deletes it and runs steps 1-5 again (the chunk is then a miss,
-computed afresh) - never answered from a hole. The steps keep no request state: everything
-of one request is in its objects; what they hold is the engine's (read at each call), the
-measured rates of the planner and the CPU thread count of every request.
+Steps 1-4 of a request make its `Prefill` (`request_lookup`, `prepare`, `open`: the
+scheduler reserves its KV cache between the first two); step 5 is that Prefill advanced by
+rows (engine/prefill.py) - in one call, or slice by slice as the scheduler's step budget
+allows; step 6 is a `Decoding` per request. A finished prefill goes to the quality guard's
+decision (`after`): decode from it, or a new Prefill of the same request at the rung the
+guard asks for. A chunk whose layers cannot be read raises `Unreadable`; `rerun` deletes it
+and makes the request's Prefill again with the chunk as a miss, computed afresh - never
+answered from a hole.
+
+The engine's scheduler (engine/scheduler.py) drives every request the engine runs - many at
+once, one batched decode step for all; `Steps.run` chains the same calls for one request
+alone in the calling thread, the reference the tests hold the scheduler to. Both own the
+request's `Request` and close it however it ends, and both build the FusionResult with
+`fusion_result`. The steps keep no request state: everything of one request is in its
+objects; what they hold is the engine's (read at each call), the measured rates of the
+planner, the CPU thread count of every request and the guard's resolved threshold.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from qcfuse_core.cache.chunks import ChunkCaches
 from qcfuse_core.cache.lookup import LookedUp, check_context
 from qcfuse_core.cache.planner import Rates
 from qcfuse_core.cache.planner import plan as plan_chunks
 from qcfuse_core.cache.prefetch import ChunkView
 from qcfuse_core.cache.subspans import count_chunks, served_tokens
-from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import eos_ids
 from qcfuse_core.engine.generation import GenerationConfig, Sampler, TextAssembler
-from qcfuse_core.engine.guard import GuardReport, action_name, escalate, first_token_margin, resolve_threshold
+from qcfuse_core.engine.guard import Guard, Keep
+from qcfuse_core.engine.prefill import Engine, Prefill, Unreadable
 from qcfuse_core.engine.request import (
     Loading,
     Planned,
@@ -57,88 +61,14 @@ from qcfuse_core.engine.request import (
     Status,
 )
 from qcfuse_core.engine.threads import configure_cpu_threads
-from qcfuse_core.model.adapter import ModelAdapter
 from qcfuse_core.model.batched import decode_batch, deterministic_tile
-from qcfuse_core.model.fusion import (
-    FusedPrompt,
-    KVCache,
-    PrefillOutput,
-    Segment,
-    decode_step,
-    fill_from_hf,
-    fused_prefill,
-    prefill_slices,
-)
+from qcfuse_core.model.fusion import FusedPrompt, Segment, decode_step
 from qcfuse_core.selection import SelectionContext, get_selector
 from qcfuse_core.selection.options import FIXED_BUDGET_OPTIONS
 from qcfuse_core.selection.selectors import rechoose
 from qcfuse_core.types import FusionResult, Piece, PromptSpan, SelectionResult
 
 log = logging.getLogger(__name__)
-
-GUARDED = ("qcfuse", "adaptive")
-"""Methods the quality guard watches (its threshold is calibrated on qcfuse); the baselines
-run as asked, so a comparison of methods compares them."""
-
-
-class Unreadable(Exception):
-    """Chunk caches could not be read mid-request (their segment indices in `report['failed']`,
-    their keys in `keys`)."""
-
-    def __init__(self, report: dict[str, Any], keys: Sequence[Any] = ()) -> None:
-        super().__init__(f"{len(report['failed'])} chunk cache(s) unreadable")
-        self.report = report
-        self.keys = list(keys)
-
-
-@dataclass(frozen=True)
-class FuseJob:
-    """One request's input to step 5 (`Steps._fuse_job`)."""
-
-    loading: Loading
-    selected: Selected
-    method: str
-    capacity: int = 0  # tokens its cache must hold beyond the prompt (max_new_tokens)
-    request: Request | None = None
-
-
-@dataclass(eq=False)
-class Slicing:
-    """One request's chunked prefill between scheduler steps (its own, mutable): the rows it
-    recomputes, split by position into `spans` (`fusion.prefill_slices`), `done` of them run
-    into its KV cache. `Steps.prefill_slice` runs the next one."""
-
-    pieces: Sequence[Piece]
-    job: FuseJob
-    rows: torch.Tensor  # (R,) every row it recomputes (a full prefill: all)
-    spans: list[tuple[int, int]]
-    cache: KVCache
-    done: int = 0
-    fuse_ms: float = 0.0
-    report: dict[str, Any] = field(default_factory=dict)  # its load session's, after the first slice
-    layer_ms: list[float] = field(default_factory=list)
-
-    @property
-    def next_rows(self) -> int:
-        """Rows the next slice recomputes (its prefill work)."""
-        a, b = self.spans[self.done]
-        return int(((self.rows >= a) & (self.rows < b)).sum())
-
-
-class Engine(Protocol):
-    """What the steps read of the engine that runs them (its current values, at each call)."""
-
-    @property
-    def adapter(self) -> ModelAdapter: ...
-
-    @property
-    def config(self) -> EngineConfig: ...
-
-    @property
-    def caches(self) -> ChunkCaches: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
 
 
 class Steps:
@@ -152,7 +82,7 @@ class Steps:
         self.engine = engine
         self.rates = rates
         self.request_threads = request_threads
-        self._threshold: tuple[float | None, str] | None = None  # the guard's, resolved at first use
+        self.guard = Guard(lambda: engine.config.guard, engine.adapter)
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
@@ -260,107 +190,89 @@ class Steps:
                     opts = {**prof, **opts}
         return opts, source
 
-    # ------------------------------------------------------------------ 5. fuse
-    def fuse(
-        self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0, request: Request | None = None
-    ) -> Prefilled:
-        """Fused prefill of the prompt (HF's own forward for a selector that does not fuse)
-        into a cache with room for `capacity` more tokens. Closes the load session; raises
-        `Unreadable` when a chunk's layers could not be read."""
-        got = self._fuse_job(FuseJob(loading, selected, method, capacity, request))
-        if isinstance(got, Exception):
-            raise got
-        return got
+    # ------------------------------------------------------------------ 5. prefill
+    def open(self, pieces: Sequence[Piece], req: Request, loading: Loading, *, budget: int | None = None) -> Prefill:
+        """Steps 3-4 of a prepared request (`prepare`): its load session started (also in
+        `req.session`), its rows selected -> its Prefill (engine/prefill.py), in slices of at
+        most `budget` rows (None: one)."""
+        prompt = loading.prompt
+        req.session = self.start_session(prompt)
+        req.clock.mark("load_start")
+        selected = self.select(prompt, req.method, req.ratio)
+        req.clock.mark("select")
+        return Prefill.open(
+            self.engine,
+            pieces,
+            req,
+            Loading(prompt, req.session),
+            selected.selection,
+            req.method,
+            budget=budget,
+            capacity=req.generation.max_new_tokens,
+        )
 
-    def _fuse_job(self, job: FuseJob) -> Prefilled | Exception:
-        """Step 5 of one request into a KV cache taken from the pool (also `job.request.cache`):
-        layer-wise fused prefill (`fusion.fused_prefill`), or HF's own forward for a selector
-        that does not fuse. Its load session is finished and closed. -> its Prefilled, or the
-        exception that ended it (`Unreadable`: a chunk's layers could not be read)."""
+    def after(self, prefill: Prefill, pre: Prefilled, *, budget: int | None = None) -> Prefill | None:
+        """The quality guard's decision on a finished prefill (engine/guard.py): None, decode
+        from `pre`; or the request's next Prefill, the rung the guard asked for (its prompt
+        fused again at a larger ratio, or full prefill), into the same KV buffer."""
+        req = prefill.request
+        assert req is not None
+        decision = self.guard.decide(req, pre, prefill.fuse_ms, lambda r: self._rechosen(req, pre, r), prefill.rung)
+        if isinstance(decision, Keep):
+            return None
+        prompt, engine = pre.prompt, self.engine
+        if decision.selection is None:  # full prefill: exactly a `full` request's
+            full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
+            loading, sel, method = Loading(prompt, None), full, "full"
+        else:
+            req.session = self.start_session(prompt)
+            loading, sel, method = Loading(prompt, req.session), decision.selection, req.method
+        return Prefill.open(
+            engine,
+            prefill.pieces,
+            req,
+            loading,
+            sel,
+            method,
+            budget=budget,
+            capacity=req.generation.max_new_tokens,
+            rung=decision.ratio,
+            load_report=pre.load_report,
+        )
+
+    def _rechosen(self, req: Request, pre: Prefilled, ratio: float) -> SelectionResult | None:
+        """`req`'s selection at `ratio` from its probe's scores (nothing probed again), or None
+        where it has none to re-rank (`selectors.rechoose`)."""
         engine = self.engine
-        prompt, sel = job.loading.prompt, job.selected.selection
-        try:
-            cache = engine.caches.take_kv(prompt.num_tokens + job.capacity)
-            if job.request is not None:
-                job.request.cache = cache
-            if not get_selector(job.method).fused:
-                logits, kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
-                fill_from_hf(cache, kv)
-                return self._prefilled(job, cache, logits, prompt.context_tokens, {})
-            res = fused_prefill(
-                engine.adapter,
-                prompt,
-                sel.rows,
-                full_layers=sel.full_layers,
-                on_layer_end=sel.on_layer_end,
-                kv_out=cache,
-                source=job.loading.session,
-            )
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            self._close(job)
-            return e
-        return self._fused(job, cache, res)
+        opts, _ = self._options(req.method, None)
+        ctx = SelectionContext(engine.adapter, pre.prompt, ratio, seed=engine.config.seed, options=opts)
+        return rechoose(ctx, pre.selection)
 
-    def _fused(self, job: FuseJob, cache: KVCache, res: PrefillOutput) -> Prefilled | Exception:
-        """One request's Prefilled from its fused prefill's output: its load session finished
-        and closed."""
-        report = self._finish_session(job)
-        if isinstance(report, Exception):
-            return report
-        prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
-        rows = res.rows
-        sel = job.selected.selection
-        details = {
-            **sel.details,
-            "layer_ms": sel.details.get("layer_ms", res.layer_ms),
-            "row_sets": sel.details.get("row_sets", res.row_sets),
-        }
-        recomputed = int(prompt.mask("chunk", "text")[rows[rows < T]].sum())
-        return self._prefilled(job, cache, res.logits, recomputed, report, replace(sel, details=details))
+    def rerun(self, prefill: Prefill, e: Unreadable, *, budget: int | None = None) -> Prefill:
+        """A prefill whose chunks could not be read: they are deleted, and steps 1-4 of its
+        request run again with them as misses, rebuilt in memory -> its new Prefill (its
+        result reports the failed load). A rerun that fails again raises RuntimeError."""
+        if prefill.failed is not None:
+            raise RuntimeError("chunk caches could not be read twice in one request") from e
+        req = prefill.request
+        assert req is not None
+        log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(e.report["failed"]))
+        for key in e.keys:
+            self.engine.caches.forget_unreadable(key)
+        loading = self.prepare(self.request_lookup(prefill.pieces, req, again=True), req, again=True)
+        new = self.open(prefill.pieces, req, loading, budget=budget)
+        new.failed = e.report
+        return new
 
-    def _finish_session(self, job: FuseJob) -> dict[str, Any] | Exception:
-        """`job`'s load session finished and closed -> its report ({} without one), or the
-        error: `Unreadable` when a chunk's layers could not be read."""
-        report: dict[str, Any] = {}
-        session = job.loading.session
-        try:
-            if session is not None:
-                rep = session.finish()
-                report = rep.to_dict()
-                if job.request is not None:
-                    job.request.extra["load_wait_ms"] = rep.total_wait_ms
-        except Exception as e:  # noqa: BLE001
-            return e
-        finally:
-            self._close(job)
-        if report.get("failed"):
-            segs = job.loading.prompt.segments
-            return Unreadable(report, [segs[i].chunk.key for i in report["failed"]])
-        return report
-
-    @staticmethod
-    def _close(job: FuseJob) -> None:
-        if job.loading.session is not None:
-            job.loading.session.close()
-
-    @staticmethod
-    def _prefilled(
-        job: FuseJob,
-        cache: KVCache,
-        logits: torch.Tensor,
-        recomputed: int,
-        report: dict[str, Any],
-        sel: SelectionResult | None = None,
-    ) -> Prefilled:
-        prompt = job.loading.prompt
-        cache.length = prompt.num_tokens
-        hits, n_chunks = count_chunks(
-            [s for s in prompt.segments if s.kind != "chunk" or s.chunk is not None or s.cache_hit],
-            lambda s: s.cache_hit,
-        )
-        return Prefilled(
-            logits, cache, prompt, sel or job.selected.selection, recomputed, hits, n_chunks - hits, report
-        )
+    def fuse(self, loading: Loading, selected: Selected, method: str, *, capacity: int = 0) -> Prefilled:
+        """Step 5 of a prompt alone, in one slice and unguarded (the quality benchmarks'
+        reference): fused prefill (HF's own forward for a selector that does not fuse) into
+        a new cache with room for `capacity` more tokens. Closes the load session; raises
+        `Unreadable` when a chunk's layers could not be read."""
+        prefill = Prefill.open(self.engine, (), None, loading, selected.selection, method, capacity=capacity)
+        pre = prefill.advance(prefill.remaining)
+        assert pre is not None
+        return pre
 
     # ------------------------------------------------------------------ 6. decode
     def decode(self, pre: Prefilled, request: Request) -> Generator[str, None, FusionResult]:
@@ -382,21 +294,7 @@ class Steps:
                 delta = dec.take(decode_batch(engine.adapter, [pre.cache], [dec.token], tile=tile)[0])
         return fusion_result(engine, pre, request, dec)
 
-    # ------------------------------------------------------------------ steps 1-5 together
-    def prefill(self, pieces: Sequence[Piece], req: Request) -> Prefilled:
-        """Steps 1-5 of `req` (its method, ratio and generation config) on `pieces`: the
-        prompt's fused cache (also in `req.cache`; a load session in flight is in
-        `req.session`), the clock marked through `prefill`.
-
-        A chunk whose layers cannot be read in step 5 (`Unreadable`) is deleted and steps 1-5
-        run again with it as a miss; a second failure raises RuntimeError. The caller gives
-        `req.cache` back and closes `req` however this ends."""
-        got = self.prefill_prepared(pieces, req, self.prepare(self.request_lookup(pieces, req), req))
-        if isinstance(got, Exception):
-            raise got
-        assert isinstance(got, Prefilled)  # not chunked: no `chunk` given
-        return got
-
+    # ------------------------------------------------------------------ steps 1-4 before a prefill
     def request_lookup(self, pieces: Sequence[Piece], req: Request, *, again: bool = False) -> LookedUp:
         """Step 1 of `req`: `lookup` for its method, its prompt and max_new_tokens checked
         against the model's positions. Once it returns, the prompt's length is known and
@@ -416,240 +314,6 @@ class Steps:
         req.clock.mark("plan")
         return self.start_loading(looked, planned, stream=False)
 
-    def prefill_prepared(
-        self, pieces: Sequence[Piece], req: Request, loading: Loading, *, chunk: int | None = None
-    ) -> Prefilled | Exception | Slicing:
-        """Steps 3-5 of a prepared request (`prepare`): its load session started, its rows
-        selected (`select`), its fused prefill (`_fuse_job`) and the quality guard -> its
-        Prefilled or the exception that ended it; its clock is marked through `prefill`. A
-        request whose chunks could not be read runs again with them rebuilt (see `prefill`).
-
-        chunk (chunked prefill): a request that recomputes more than `chunk` rows - and whose
-        rows are known before its prefill (no `full_layers`, no `on_layer_end` hook) - is not
-        prefilled here: it comes back as its `Slicing`, its load session started, its rows
-        chosen and its KV cache taken, for `prefill_slice` to run slice by slice."""
-        prompt = loading.prompt
-        try:
-            req.session = self.start_session(prompt)
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            return e
-        req.clock.mark("load_start")
-        try:
-            selected: Selected | Exception = self.select(prompt, req.method, req.ratio)
-        except Exception as e:  # noqa: BLE001
-            selected = e
-        req.clock.mark("select")
-        if isinstance(selected, Exception):
-            return selected
-        job = FuseJob(Loading(prompt, req.session), selected, req.method, req.generation.max_new_tokens, req)
-        sliced = None if chunk is None else self._slicing(pieces, job, chunk)
-        if sliced is not None:
-            return sliced
-        t0 = time.perf_counter()
-        got = self._fuse_job(job)
-        fuse_ms = (time.perf_counter() - t0) * 1e3
-        req.session = None  # _fuse_job closed it
-        if isinstance(got, Unreadable):
-            got = self._again(pieces, req, got)
-        if not isinstance(got, Exception):
-            got = self.guard(req, got, fuse_ms)
-        if not isinstance(got, Exception):
-            req.clock.mark("prefill")
-        return got
-
-    # ------------------------------------------------------------------ 5a. chunked prefill
-    def _slicing(self, pieces: Sequence[Piece], job: FuseJob, chunk: int) -> Slicing | Exception | None:
-        """`job`'s Slicing when it recomputes more than `chunk` rows known up front, its KV
-        cache taken (or the error that ended it); None: prefilled whole."""
-        sel, prompt = job.selected.selection, job.loading.prompt
-        fused = get_selector(job.method).fused
-        if fused and (sel.full_layers or sel.on_layer_end is not None):
-            return None  # its rows are chosen during the prefill: not sliced
-        T = prompt.num_tokens
-        rows = sel.rows.to(torch.int64).cpu() if fused else torch.arange(T)
-        if rows.numel() <= chunk:
-            return None
-        try:
-            cache = self.engine.caches.take_kv(T + job.capacity)
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            self._close(job)
-            return e
-        if job.request is not None:
-            job.request.cache = cache
-        return Slicing(pieces, job, rows, prefill_slices(rows, chunk), cache)
-
-    def prefill_slice(self, s: Slicing) -> Prefilled | Exception | None:
-        """The next slice of a chunked prefill: its rows through every layer, attending to the
-        rows before them in the request's KV cache (`fused_prefill`'s `span`). The first slice reads
-        the load session's layers and lays every cached row of the prompt into the cache;
-        the last one gives the Prefilled (guarded, as `prefill_prepared`'s). -> None while
-        slices remain; the Prefilled; or the error that ended the request (a chunk that
-        could not be read: its steps 1-5 again, whole, as `prefill`)."""
-        job, req = s.job, s.job.request
-        assert req is not None
-        prompt, T = job.loading.prompt, job.loading.prompt.num_tokens
-        a, b = s.spans[s.done]
-        part = s.rows[(s.rows >= a) & (s.rows < b)]
-        source = job.loading.session if a == 0 else None
-        t0 = time.perf_counter()
-        try:
-            res = fused_prefill(self.engine.adapter, prompt, part, kv_out=s.cache, span=(a, b), source=source)
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            self._close(job)
-            req.session = None
-            return e
-        s.fuse_ms += (time.perf_counter() - t0) * 1e3
-        s.layer_ms = [x + y for x, y in zip(s.layer_ms, res.layer_ms)] if s.layer_ms else list(res.layer_ms)
-        s.done += 1
-        if a == 0 and job.loading.session is not None:
-            report = self._finish_session(job)
-            req.session = None
-            if isinstance(report, Unreadable):
-                got = self._again(s.pieces, req, report)
-                if not isinstance(got, Exception):
-                    got = self.guard(req, got, s.fuse_ms)
-                if not isinstance(got, Exception):
-                    req.clock.mark("prefill")
-                return got
-            if isinstance(report, Exception):
-                return report
-            s.report = report
-            s.job = job = replace(job, loading=Loading(prompt, None))
-        if s.done < len(s.spans):
-            return None
-        if not get_selector(job.method).fused:
-            pre = self._prefilled(job, s.cache, res.logits, prompt.context_tokens, s.report)
-        else:
-            sel = job.selected.selection
-            details = {**sel.details, "layer_ms": s.layer_ms, "row_sets": [(0, s.rows)], "slices": len(s.spans)}
-            recomputed = int(prompt.mask("chunk", "text")[s.rows[s.rows < T]].sum())
-            pre = self._prefilled(job, s.cache, res.logits, recomputed, s.report, replace(sel, details=details))
-        got = self.guard(req, pre, s.fuse_ms)
-        if not isinstance(got, Exception):
-            req.clock.mark("prefill")
-        return got
-
-    # ------------------------------------------------------------------ 5b. the quality guard
-    def guard_threshold(self) -> tuple[float | None, str]:
-        """The guard's threshold and where it came from: the config's, else the model's
-        calibration (resolved once per engine; engine/guard.py)."""
-        cfg = self.engine.config.guard
-        if cfg.threshold is not None:
-            return float(cfg.threshold), "GuardConfig.threshold"
-        if self._threshold is None:
-            adapter = self.engine.adapter
-            self._threshold = resolve_threshold(adapter.fingerprint(), adapter.name)
-        return self._threshold
-
-    def guard(self, req: Request, pre: Prefilled, fuse_ms: float) -> Prefilled | Exception:
-        """The quality guard on `req`'s fused prefill (engine/guard.py): its report in
-        `req.guard_report`; where the first-token margin is below the threshold, the prompt
-        fused again up `GuardConfig.ladder` (full prefill at 1.0) within the time ceiling.
-        fuse_ms: the fused prefill's time (the ceiling's estimate scales it by rows).
-        -> the Prefilled to decode from (the last rung's), or the error of a rung."""
-        cfg = self.engine.config.guard
-        rep = GuardReport(spent_tokens=pre.recomputed_tokens)
-        req.guard_report = rep
-        if req.method not in GUARDED:
-            rep.code = "not_guarded"
-            rep.reason = (
-                "full prefill: nothing fused to guard"
-                if req.method == "full"
-                else f"method {req.method} is not guarded"
-            )
-            return pre
-        if not cfg.enabled or not req.guard:
-            rep.reason = "turned off " + ("in EngineConfig.guard" if not cfg.enabled else "for this request")
-            return pre
-        threshold, rep.source = self.guard_threshold()
-        if threshold is None:
-            rep.code, rep.reason = "uncalibrated", "no calibration for this model: run `qcfuse calibrate-guard`"
-            return pre
-        rep.threshold = threshold
-        rep.value = value = first_token_margin(pre.logits[-1])
-        rep.action = "kept"
-        if not escalate(value, threshold):
-            rep.code, rep.reason = "margin_ok", "margin at or above the threshold"
-            return pre
-        rep.code, rep.reason = "low_margin", "margin below the threshold"
-        prompt = pre.prompt
-        per_row_ms = fuse_ms / max(1, int(pre.selection.rows.numel()))
-        uncached = int(prompt.uncached_mask().sum())
-        for ratio in cfg.ladder:
-            if ratio < 1.0 and ratio <= req.ratio:
-                continue
-            rows = prompt.num_tokens if ratio >= 1.0 else uncached + round(ratio * prompt.context_tokens)
-            if cfg.max_added_ms is not None and rep.added_ms + per_row_ms * rows > cfg.max_added_ms:
-                rep.code = "ceiling"
-                rep.reason += f"; {action_name(ratio)} would pass the ceiling of {cfg.max_added_ms:g} ms"
-                continue
-            t0 = time.perf_counter()
-            try:
-                sel = None if ratio >= 1.0 else self._rechosen(req, pre, ratio)
-                if ratio < 1.0 and sel is None:  # nothing to re-rank (an adaptive budget): on to the next rung
-                    continue
-                pre = self._rung(req, pre, ratio, sel)
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                return e
-            rep.added_ms += (time.perf_counter() - t0) * 1e3
-            rep.spent_tokens += pre.recomputed_tokens
-            value = first_token_margin(pre.logits[-1])
-            rep.rungs.append((ratio, value))
-            rep.action = action_name(ratio)
-            if ratio >= 1.0 or not escalate(value, threshold):
-                break
-        return pre
-
-    def _rechosen(self, req: Request, pre: Prefilled, ratio: float) -> SelectionResult | None:
-        """`req`'s selection at `ratio` from its probe's scores (nothing probed again), or None
-        where it has none to re-rank (`selectors.rechoose`)."""
-        engine = self.engine
-        opts, _ = self._options(req.method, None)
-        ctx = SelectionContext(engine.adapter, pre.prompt, ratio, seed=engine.config.seed, options=opts)
-        return rechoose(ctx, pre.selection)
-
-    def _rung(self, req: Request, pre: Prefilled, ratio: float, sel: SelectionResult | None) -> Prefilled:
-        """`req`'s prompt fused again with the rows of `sel` (a rung below 1.0), or at 1.0 by
-        full prefill (HF's own forward, as a `full` request alone), into the request's KV
-        buffer."""
-        engine, prompt = self.engine, pre.prompt
-        engine.caches.give_kv(req.cache)  # the same buffer serves the rung (_fuse_job takes it)
-        req.cache = None
-        if ratio >= 1.0 or sel is None:
-            full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
-            job = FuseJob(Loading(prompt, None), Selected(full), "full", req.generation.max_new_tokens, req)
-        else:
-            session = self.start_session(prompt)
-            job = FuseJob(Loading(prompt, session), Selected(sel), req.method, req.generation.max_new_tokens, req)
-        got = self._fuse_job(job)
-        if isinstance(got, Exception):
-            raise got
-        return replace(got, load_report=pre.load_report or got.load_report)
-
-    def _again(self, pieces: Sequence[Piece], req: Request, e: Unreadable) -> Prefilled | Exception:
-        """Steps 1-5 of a request whose chunks could not be read, with them rebuilt."""
-        engine = self.engine
-        failed = e.report
-        log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(failed["failed"]))
-        assert req.session is None
-        engine.caches.give_kv(req.cache)
-        req.cache = None
-        for key in e.keys:
-            engine.caches.forget_unreadable(key)
-        try:
-            loading = self.prepare(self.request_lookup(pieces, req, again=True), req, again=True)
-            req.clock.mark("load_start")
-            selected = self.select(loading.prompt, req.method, req.ratio)
-            req.clock.mark("select")
-            pre = self.fuse(loading, selected, req.method, capacity=req.generation.max_new_tokens, request=req)
-        except Unreadable as e2:
-            err = RuntimeError("chunk caches could not be read twice in one request")
-            err.__cause__ = e2
-            return err
-        except Exception as e2:  # noqa: BLE001
-            return e2
-        return replace(pre, load_report=failed)
-
     # ------------------------------------------------------------------ one request alone
     def run(
         self,
@@ -659,9 +323,9 @@ class Steps:
         gen: GenerationConfig,
         sync_stages: bool,
     ) -> Generator[str, None, FusionResult]:
-        """One request alone in the calling thread: steps 1-6, its state in a `Request` closed
-        in `finally`. The engine's API runs requests through its scheduler instead
-        (engine/scheduler.py), which calls the same `prefill`, `Decoding` and `fusion_result`."""
+        """One request alone in the calling thread, its prefill in one slice: the reference
+        the scheduler is held to (the same `open`, `advance`, `after`, `rerun`, `Decoding`
+        and `fusion_result`). Its state is in a `Request`, closed in `finally`."""
         engine = self.engine
         # CPU threads are chosen per request, in the request's thread (a machine's load changes)
         threads = configure_cpu_threads(engine.adapter.device, threads=self.request_threads)["threads"]
@@ -670,7 +334,18 @@ class Steps:
         try:
             req.clock.mark("queue")  # nothing to wait for: the stages are the scheduler's all the same
             req.status = Status.PREFILLING
-            pre = self.prefill(pieces, req)
+            prefill: Prefill | None = self.open(pieces, req, self.prepare(self.request_lookup(pieces, req), req))
+            pre: Prefilled | None = None
+            while prefill is not None:
+                try:
+                    pre = prefill.advance(prefill.remaining)
+                except Unreadable as e:
+                    prefill = self.rerun(prefill, e)
+                    continue
+                assert pre is not None
+                prefill = self.after(prefill, pre)
+            assert pre is not None
+            req.clock.mark("prefill")
             req.status = Status.DECODING
             result = yield from self.decode(pre, req)
             req.status = Status.FINISHED
@@ -772,8 +447,3 @@ def fusion_result(engine: Engine, pre: Prefilled, request: Request, dec: Decodin
         first_logits=pre.logits[-1].detach().float().cpu(),
         guard=request.guard_report,
     )
-
-
-def context_rows(prompt: FusedPrompt, rows: torch.Tensor) -> int:
-    """Context tokens (chunks and glue) among `rows`."""
-    return int(prompt.mask("chunk", "text")[rows].sum())

@@ -142,6 +142,7 @@ class Request:
     extra: dict[str, float] = field(default_factory=dict)  # sub-measures (load_wait_ms, ...)
     guard: bool = True  # the quality guard may escalate it (and the engine's GuardConfig is on)
     guard_report: GuardReport | None = None  # what the guard saw and did (engine/guard.py)
+    guard_row_ms: float = 0.0  # its first fused pass's time per row (the guard's time ceiling)
 
     def close(self) -> None:
         if self.session is not None:

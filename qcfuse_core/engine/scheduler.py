@@ -9,27 +9,32 @@ nearly free throughput; and with one thread on the device no two requests fight 
     callers (threads, asyncio tasks)              the worker thread, one `step` after another
     submit -> Job -> waiting (<= max_queue)       1. drop aborted jobs: KV cache back to the
               EngineBusy when it is full             pool, load session closed
-    stream <- the job's outbox: text deltas,      2. admit waiting jobs (running <= max_running,
-              then the FusionResult or the           their prompts <= step_prefill_tokens, at
-              error of that request alone            least one):
-    close / cancel -> the job's abort flag           schedule     steps 1-3 of each (lookup;
-                                                                  its KV cache reserved; plan,
-                                                                  the fused prompt)
-                                                     run          steps 3-5 of it
-                                                                  (Steps.prefill_prepared),
-                                                                  then the next one's
-                                                     postprocess  its first token
-                                                  3. decode every decoding job:
-                                                     schedule     the decoding jobs
-                                                     run          one decode step for all
-                                                                  (the model runner,
-                                                                  model/runner.py)
+    stream <- the job's outbox: text deltas,      2. for each prefill the step's budget reaches:
+              then the FusionResult or the           schedule     rows of `step_prefill_tokens`,
+              error of that request alone                         prefills under way oldest
+    close / cancel -> the job's abort flag                        first, then waiting jobs
+                                                                  admitted (steps 1-4: lookup,
+                                                                  KV reserved, plan, prompt,
+                                                                  load session, rows: its
+                                                                  `Prefill`)
+                                                     run          `prefill.advance(rows)`
+                                                     postprocess  a finished prefill: the
+                                                                  guard's decision - a rung
+                                                                  (or a rerun after an
+                                                                  unreadable chunk) is the
+                                                                  job's next Prefill, under
+                                                                  the same budget - else its
+                                                                  first token
+                                                  3. one decode step for every decoding job:
+                                                     run          the model runner
+                                                                  (model/runner.py)
                                                      postprocess  each samples its own row
 
 A request arrives as data - its `Prompt` (the pieces), method, ratio and generation config,
 checked in the caller's thread; the worker never calls back to build it.
-The scheduler decides what runs and keeps each request's state; the model runner
-(`model.runner.ModelRunner`) runs the batched decode step - CUDA graphs on a GPU, eager
+The scheduler decides what runs and keeps each request's state, and never calls back into
+the steps but through `Steps.open`, `Prefill.advance`, `Steps.after` and `Steps.rerun`;
+the model runner (`model.runner.ModelRunner`) runs the batched decode step - CUDA graphs on a GPU, eager
 `decode_batch` otherwise or where a graph cannot be captured - and takes the plain greedy
 rows' argmax together; the cache manager (`cache.chunks.ChunkCaches`) answers the lookup and
 holds the KV budget.
@@ -57,13 +62,13 @@ On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.Gra
 `SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
 rows, so a sequence's bits do not depend on its batch there either.
 
-Chunked prefill: a request recomputing more than `step_prefill_tokens` rows is not
-prefilled at admission; `Steps.prefill_prepared` hands back its `Slicing` (rows split by position,
-`fusion.prefill_slices`) and each step runs the slices under way before it admits, oldest
-first, within the budget (at least one slice a step), so a long prompt holds the running
-answers for one slice a step, never for its whole prefill. Its slices depend on its rows
-and the budget only: in deterministic mode its bits are the same alone or batched. Rows
-chosen during the prefill (cacheblend's hook) and the guard's rungs still run whole.
+The step budget: a step runs at most `step_prefill_tokens` rows of prefill, whoever they
+belong to - a request's own pass, the guard's rungs, a rerun - so a long prompt holds the
+running answers for a slice a step, never for its whole prefill. A prefill with more rows
+is split into slices by position (engine/prefill.py); its slices depend on its rows and
+the budget only, so in deterministic mode its bits are the same alone or batched. The
+first prefill of a step runs its next slice whatever its size (a prefill whose rows are
+chosen during the layer loop, cacheblend's, is one slice), so every prefill moves.
 """
 
 from __future__ import annotations
@@ -81,8 +86,9 @@ import torch
 from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
 from qcfuse_core.cache.chunks import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
-from qcfuse_core.engine.pipeline import Decoding, Slicing, Steps, fusion_result
-from qcfuse_core.engine.request import Loading, Prefilled, Prompt, Request, StageClock, Status
+from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
+from qcfuse_core.engine.prefill import Prefill, Unreadable
+from qcfuse_core.engine.request import Prefilled, Prompt, Request, StageClock, Status
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.runner import ModelRunner
 from qcfuse_core.types import FusionResult
@@ -143,10 +149,9 @@ class Job:
     emit: Callable[[object], object]
     abort: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
-    loading: Loading | None = None  # its fused prompt, from admission to its prefill
     reservation: Reservation | None = None  # its KV cache's room in the budget, while it runs
+    prefill: Prefill | None = None  # from admission to its first token (a guard rung, a rerun: a new one)
     decoding: Decoding | None = None  # from the first token on
-    slicing: Slicing | None = None  # a chunked prefill between its slices
 
 
 class Scheduler:
@@ -160,7 +165,6 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()  # guarded by _cv
         self._running: list[Job] = []  # the worker's own; admitted jobs, prefilling or decoding
-        self._budget = 0  # the worker's own: prefill tokens the current step may still run
         self._thread: threading.Thread | None = None
         self._stopping = False  # set by shutdown(); submit refuses from then on
         _LIVE.add(self)
@@ -300,22 +304,44 @@ class Scheduler:
 
     def step(self) -> None:
         """One scheduler step (the worker thread's; see the module docstring): aborted jobs
-        leave, then schedule -> run -> postprocess, for the jobs it admits (steps 1-5 and
-        their first tokens) and for the decoding ones (one decode step)."""
-        self._drop_aborted()  # 1.
-        self._budget = self.engine.config.scheduler.step_prefill_tokens
-        self._run_slices(first=True)  # 2. chunked prefills under way, oldest first
-        for job in self._admissions():  # admission, one request after another
-            self._first_token(job, self._run_prefill(job))
-        self._run_slices(first=False)  # the first slices of those admitted now, within the budget
+        leave, then schedule -> run -> postprocess: for each prefill the step's budget
+        reaches (oldest first; admissions last), then for one decode step of every
+        decoding job."""
+        self._drop_aborted()
+        for job, rows in self._schedule():
+            pre = self._run(job, rows)
+            if pre is not None:
+                self._postprocess(job, pre)
         batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
-        if batch:  # 3. one decode step for all
+        if batch:
             self._take_tokens(batch, self._run_decode(batch))
         with self._cv:
             self._counts["steps"] += 1
             self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
 
     # ------------------------------------------------------------------ schedule
+    def _schedule(self) -> Iterator[tuple[Job, int]]:
+        """The prefills this step runs and the rows each runs, from `step_prefill_tokens`:
+        those under way first, oldest first (a guard rung or a rerun takes its request's
+        place), then waiting jobs admitted one at a time while rows are left (at most
+        `max_running` running). A prefill whose next slice does not fit waits, and so does
+        every one after it; the first prefill of a step runs its next slice whatever its
+        size. Lazy: a job's first token leaves before the next job is admitted."""
+        cfg = self.engine.config.scheduler
+        left, seen = cfg.step_prefill_tokens, set()
+        while True:
+            job = next((j for j in self._running if j.prefill is not None and id(j.prefill) not in seen), None)
+            if job is None and left > 0 and len(self._running) < cfg.max_running:
+                job = self._admit()
+            if job is None or job.prefill is None:
+                return
+            seen.add(id(job.prefill))
+            rows = job.prefill.grant(left, first=left == cfg.step_prefill_tokens)
+            if rows == 0:
+                return
+            left -= rows
+            yield job, rows
+
     def _drop_aborted(self) -> None:
         """Aborted jobs leave: those still waiting leave the queue now, whatever its length."""
         with self._cv:
@@ -326,28 +352,19 @@ class Scheduler:
         for j in gone:
             self._release(j, Status.ABORTED)
 
-    def _admissions(self) -> Iterator[Job]:
-        """The waiting jobs this step admits, oldest first (at most `max_running` running, their
-        prompts up to `step_prefill_tokens`, at least one), each prepared (`_prepare`): yielded
-        one at a time, so its prefill and first token come before the next one's lookup. A job
-        whose KV cache does not fit yet waits at the queue's head, and admission ends for this
-        step; so does a chunked prefill's admission (its slices take the rest of the budget)."""
-        cfg = self.engine.config.scheduler
-        while self._budget > 0 and len(self._running) < cfg.max_running:
+    def _admit(self) -> Job | None:
+        """The oldest waiting job, admitted with its Prefill (`_open`); None when none waits,
+        or when the oldest must wait for its KV cache to fit (it stays at the queue's head).
+        A job that fails alone is released and the next one is tried."""
+        while True:
             job = self._next_waiting()
             if job is None:
-                break
-            self._prepare(job)
-            status = job.request.status
-            if status is Status.WAITING:  # deferred: its KV cache does not fit yet
-                break
-            if status is not Status.PREFILLING:  # it failed alone
-                continue
-            assert job.loading is not None
-            self._budget -= job.loading.prompt.num_tokens  # a sliced one's is given back (_first_token)
-            yield job
-            if job.slicing is not None:  # its slices take the rest of the budget
-                return
+                return None
+            self._open(job)
+            if job.request.status is Status.WAITING:  # deferred: its KV cache does not fit yet
+                return None
+            if job.prefill is not None:
+                return job
 
     def _next_waiting(self) -> Job | None:
         """The oldest waiting job not aborted (aborted ones leave the queue now), or None."""
@@ -361,11 +378,11 @@ class Scheduler:
                 return job
             self._release(job, Status.ABORTED)
 
-    def _prepare(self, job: Job) -> None:
-        """Steps 1-3 of `job`, its KV cache reserved once its prompt's length is known (after
-        the lookup, before anything is loaded or allocated). Then the job is PREFILLING, with
-        its fused prompt; WAITING at the queue's head again when its KV cache does
-        not fit beside the running requests' yet; or released, FAILED."""
+    def _open(self, job: Job) -> None:
+        """Steps 1-4 of `job`, its KV cache reserved once its prompt's length is known (after
+        the lookup, before anything is loaded or allocated) -> its Prefill in `job.prefill`;
+        WAITING at the queue's head again when its KV cache does not fit beside the running
+        requests' yet; or released, FAILED."""
         req, engine = job.request, self.engine
         req.clock.mark("queue")
         req.status = Status.PREFILLING
@@ -374,13 +391,17 @@ class Scheduler:
             req.threads = configure_cpu_threads(engine.adapter.device, threads=self.steps.request_threads)["threads"]
             looked = self.steps.request_lookup(job.prompt.pieces, req)
             job.reservation = engine.caches.reserve(looked.num_tokens + req.generation.max_new_tokens)
-            if job.reservation is not None:
-                job.loading = self.steps.prepare(looked, req)
+            if job.reservation is None:
+                self._defer(job)
+                return
+            loading = self.steps.prepare(looked, req)
+            job.prefill = self.steps.open(job.prompt.pieces, req, loading, budget=self._slice_rows)
         except Exception as e:
             self._release(job, Status.FAILED, e)
-            return
-        if job.reservation is None:
-            self._defer(job)
+
+    @property
+    def _slice_rows(self) -> int:
+        return self.engine.config.scheduler.step_prefill_tokens
 
     def _defer(self, job: Job) -> None:
         """`job` waits again, at the head of the queue: the lookup done so far counts as
@@ -395,79 +416,78 @@ class Scheduler:
             self._counts["deferred"] += 1
 
     # ------------------------------------------------------------------ run
-    def _run_prefill(self, job: Job) -> Prefilled | Exception | Slicing:
-        """Steps 3-5 of a job admitted in this step (`Steps.prefill_prepared`), as soon as it
-        is prepared -> its Prefilled or its error, or its Slicing where it recomputes more
-        than `step_prefill_tokens` rows (chunked prefill: its slices run in `_run_slices`)."""
-        assert job.loading is not None
-        chunk = self.engine.config.scheduler.step_prefill_tokens
-        return self.steps.prefill_prepared(job.prompt.pieces, job.request, job.loading, chunk=chunk)
+    def _run(self, job: Job, rows: int) -> Prefilled | None:
+        """`rows` rows of `job`'s prefill -> its Prefilled once its last slice has run, else
+        None. A chunk that could not be read makes the job's Prefill again (`Steps.rerun`);
+        any other error fails the job alone."""
+        prefill = job.prefill
+        assert prefill is not None
+        try:
+            pre = prefill.advance(rows)
+            if prefill.sliced:
+                with self._cv:
+                    self._counts["prefill_slices"] += 1
+            return pre
+        except Unreadable as e:
+            try:
+                job.prefill = self.steps.rerun(prefill, e, budget=self._slice_rows)
+            except Exception as e2:
+                self._release(job, Status.FAILED, e2)
+        except Exception as e:
+            self._release(job, Status.FAILED, e)
+        return None
 
-    def _run_decode(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
-        """One decode step of the decoding jobs on the model runner -> per job its logits row
-        or the error that ended it."""
+    def _run_decode(self, batch: list[Job]) -> list[torch.Tensor | None]:
+        """One decode step of the decoding jobs on the model runner -> per job its logits row,
+        or None where the step failed it (released). A batched step that raises runs again
+        one job at a time, so an error stays with the job it came from."""
         caches = [j.request.cache for j in batch]
         tokens = [j.decoding.token for j in batch if j.decoding is not None]
         assert len(tokens) == len(batch) and all(c is not None for c in caches)  # decoding jobs
-        return self.runner.decode_each(caches, tokens)  # type: ignore[arg-type]
+        try:
+            rows = self.runner.decode(caches, tokens)  # type: ignore[arg-type]
+            return [rows[b] for b in range(len(batch))]
+        except Exception as e:
+            if len(batch) == 1:
+                self._release(batch[0], Status.FAILED, e)
+                return [None]
+            log.warning("a batched decode step failed (%s); running its %d sequences one by one", e, len(batch))
+        out: list[torch.Tensor | None] = []
+        for job, cache, token in zip(batch, caches, tokens):
+            try:
+                out.append(self.runner.decode([cache], [token])[0])  # type: ignore[list-item]
+            except Exception as e1:
+                self._release(job, Status.FAILED, e1)
+                out.append(None)
+        return out
 
     # ------------------------------------------------------------------ postprocess
-    def _run_slices(self, *, first: bool) -> None:
-        """The next slices of the chunked prefills under way, oldest job first, while they fit
-        in the step's budget (`step_prefill_tokens`; first: at least one slice in a step that
-        has run no prefill yet); a job whose last slice ran gets its first token."""
-        full = self.engine.config.scheduler.step_prefill_tokens
-        for job in list(self._running):
-            while job.slicing is not None and not job.abort.is_set():
-                rows = job.slicing.next_rows
-                if rows > self._budget and not (first and self._budget == full):
-                    return  # oldest first: the rest wait for the next step
-                self._budget -= rows
-                try:
-                    got = self.steps.prefill_slice(job.slicing)
-                except Exception as e:  # noqa: BLE001 - this request fails alone
-                    got = e
-                with self._cv:
-                    self._counts["prefill_slices"] += 1
-                if got is not None:
-                    job.slicing = None
-                    self._first_token(job, got)
-
-    def _first_token(self, job: Job, pre: Prefilled | Exception | Slicing) -> None:
-        """An admitted job's first token from its prefill (or its failure); a job whose
-        prefill is chunked keeps its Slicing for `_run_slices` (its prompt's tokens go back to
-        the step's budget: its slices count as they run)."""
+    def _postprocess(self, job: Job, pre: Prefilled) -> None:
+        """A finished prefill: the guard's decision (`Steps.after`) - a rung is the job's next
+        Prefill, run under the same budget - else its first token, and it decodes from the
+        next step on."""
         engine, req = self.engine, job.request
-        if isinstance(pre, Slicing):
-            assert job.loading is not None
-            self._budget += job.loading.prompt.num_tokens
-            job.loading = None
-            job.slicing = pre
-            return
-        job.loading = None
-        if isinstance(pre, Exception):
-            self._release(job, Status.FAILED, pre)
-            return
         try:
+            assert job.prefill is not None
+            job.prefill = self.steps.after(job.prefill, pre, budget=self._slice_rows)
+            if job.prefill is not None:
+                return
+            req.clock.mark("prefill")
             if req.cache is not None and job.reservation is not None:
                 engine.caches.hold(job.reservation, req.cache)
             job.decoding = Decoding(engine, pre, req)
             delta = job.decoding.first()
         except Exception as e:
+            job.prefill = None
             self._release(job, Status.FAILED, e)
             return
         req.status = Status.DECODING
         self._advance(job, delta)
 
-    def _take_tokens(self, batch: list[Job], rows: list[torch.Tensor | Exception]) -> None:
+    def _take_tokens(self, batch: list[Job], rows: list[torch.Tensor | None]) -> None:
         """Each decoding job's token from its row of the step (its sampler; plain greedy rows
-        by one argmax over the batch), or its failure."""
-        done: list[tuple[Job, torch.Tensor]] = []
-        for job, row in zip(batch, rows):
-            if isinstance(row, Exception):
-                self._release(job, Status.FAILED, row)
-            else:
-                done.append((job, row))
+        by one argmax over the batch); a job whose row failed has been released."""
+        done = [(job, row) for job, row in zip(batch, rows) if row is not None]
         greedy = [
             i for i, (job, _) in enumerate(done) if job.decoding is not None and job.decoding.sampler.plain_greedy
         ]
@@ -500,7 +520,7 @@ class Scheduler:
         """End `job` with `status`: its resources given back, its counters, then its caller
         told (the result or the error; nothing when aborted, the caller has gone)."""
         req, engine = job.request, self.engine
-        job.slicing = None
+        job.prefill = None
         out: object = None
         if status is Status.FINISHED:
             assert job.decoding is not None

@@ -583,7 +583,7 @@ def run(
 def guard_settings(engine: QCFuseEngine) -> tuple[float, float, tuple[float, ...]]:
     """The engine's quality guard as `with_guard` takes it: (its threshold for this model,
     the engine's ratio, its ladder). Raises ValueError for a model without a calibration."""
-    threshold, _ = internals(engine).steps.guard_threshold()
+    threshold, _ = internals(engine).steps.guard.threshold()
     if threshold is None:
         raise ValueError(f"no quality-guard calibration for {engine.adapter.name}: run `qcfuse calibrate-guard` first")
     return threshold, engine.config.ratio, engine.config.guard.ladder

@@ -1,17 +1,16 @@
 """The model runner: one decode step of every running request, on the engine's device.
 
-    ModelRunner.decode_each(caches, tokens) -> per sequence its logits (vocab,), or the
-                                                error that ended it
+    ModelRunner.decode(caches, tokens) -> logits (B, vocab) of every sequence
         on a CUDA device (cuda_graphs)   replayed from CUDA graphs (`graphs.GraphDecoder`),
                                          made at the first step; a step that cannot be
                                          captured decodes eagerly from then on
         otherwise                        `batched.decode_batch`; deterministic: its row-wise
                                          work on blocks of `deterministic_tile` rows, so a
                                          sequence's bits do not depend on its batch
-        a batched step that raises       run again one sequence at a time, to find the one it
-                                         came from (the failed step wrote the others' caches
-                                         at their next position only, which writing again
-                                         replaces)
+        a batched step that raises       the scheduler runs it again one sequence at a time,
+                                         to find the one it came from (the failed step wrote
+                                         the others' caches at their next position only,
+                                         which writing again replaces)
     ModelRunner.argmax(rows)             the tokens of plain greedy rows, taken together on
                                          the device: one read-back per step
 
@@ -64,25 +63,6 @@ class ModelRunner:
                 log.warning("decoding without CUDA graphs from now on: %s", e)
                 self._graphs = None
         return decode_batch(adapter, caches, tokens, tile=self.tile)
-
-    def decode_each(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> list[torch.Tensor | Exception]:
-        """`decode` -> per sequence its logits (vocab,) or, where the step raised, its error: a
-        batched step that raises runs again one sequence at a time, so an error stays with
-        the sequence it came from."""
-        try:
-            rows = self.decode(caches, tokens)
-            return [rows[b] for b in range(len(caches))]
-        except Exception as e:
-            if len(caches) == 1:
-                return [e]
-            log.warning("a batched decode step failed (%s); running its %d sequences one by one", e, len(caches))
-        out: list[torch.Tensor | Exception] = []
-        for cache, token in zip(caches, tokens):
-            try:
-                out.append(self.decode([cache], [token])[0])
-            except Exception as e1:
-                out.append(e1)
-        return out
 
     @staticmethod
     def argmax(rows: Sequence[torch.Tensor]) -> list[int]:

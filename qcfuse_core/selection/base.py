@@ -58,6 +58,7 @@ class Selector(ABC):
     profiled = False  # takes the model profile's ranking options along with its layers
     adaptive_budget = False  # its budget is adaptive: the profile's fixed-budget options are left out
     planner_full_layers = 0  # layers it recomputes whole (the planner's cost model)
+    guarded = False  # the quality guard watches it (its threshold is calibrated on such a selector)
 
     @abstractmethod
     def select(self, ctx: SelectionContext) -> SelectionResult: ...

@@ -297,6 +297,7 @@ class QCFuseSelector(QueryAwareSelector):
     name = "qcfuse"
     probes = True
     profiled = True
+    guarded = True
 
     def probe_request(self, ctx: SelectionContext) -> ProbeRequest:
         """Anchors (computed now only for chunks stored without them) and the probe's context:
