@@ -55,14 +55,14 @@ def test_a_request_after_a_failed_one_succeeds(engine, monkeypatch):
     got = engine.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=6)
     assert got.token_ids == want.token_ids
     assert got.cache_hits == 3 and got.cache_misses == 0
-    assert len(engine.caches.prefetcher._free) == 1  # every session gave its buffers back
+    assert len(engine.lookup.prefetcher._free) == 1  # every session gave its buffers back
 
 
 def test_an_abandoned_stream_releases_its_session(engine):
     stream = engine.stream(Q, DOCS, method="naive", max_new_tokens=8)
     next(stream)
     stream.close()  # the caller walked away mid-answer: the request leaves the scheduler
-    assert len(engine.caches.prefetcher._free) == 1
+    assert len(engine.lookup.prefetcher._free) == 1
     assert engine.answer(Q, DOCS, method="naive", max_new_tokens=2).cache_hits == 3
 
 
@@ -157,13 +157,13 @@ def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
     try:
         eng = QCFuseEngine(tiny, config=EngineConfig(threads=1))
         seen = {}
-        lookup = eng.caches.lookup
+        lookup = eng.lookup.find
 
         def looked_up(*args, **kwargs):  # called in the thread that runs the request
             seen["torch"] = torch.get_num_threads()
             return lookup(*args, **kwargs)
 
-        eng.caches.lookup = looked_up
+        eng.lookup.find = looked_up
 
         def ask():
             stream = eng.stream(Q, DOCS, method="naive", max_new_tokens=1)

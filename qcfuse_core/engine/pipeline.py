@@ -3,8 +3,8 @@
     step            method               result       what it does
     1 lookup        Steps.lookup         LookedUp     tokens per piece (cached per chunk text),
                                                       chunk keys, the tier holding each chunk;
-                                                      misses built and stored: the cache
-                                                      manager's answer (ChunkCaches.lookup)
+                                                      misses built and stored: the chunk
+                                                      lookup's answer (ChunkLookup.find)
     2 plan          Steps.plan           Planned      load or recompute each chunk (the planner,
                                                       from measured rates) before any loading
     3 start loading Steps.start_loading  Loading      sidecars of the loaded chunks, the fused
@@ -37,7 +37,9 @@ from typing import Any, Protocol
 
 import torch
 
-from qcfuse_core.cache.chunks import ChunkCaches
+from qcfuse_core.cache.budget import KVBudget
+from qcfuse_core.cache.builder import ChunkBuilder
+from qcfuse_core.cache.chunks import ChunkCaches, ChunkLookup
 from qcfuse_core.cache.lookup import LookedUp, check_context
 from qcfuse_core.cache.planner import Rates
 from qcfuse_core.cache.planner import plan as plan_chunks
@@ -138,6 +140,15 @@ class Engine(Protocol):
     def caches(self) -> ChunkCaches: ...
 
     @property
+    def lookup(self) -> ChunkLookup: ...
+
+    @property
+    def builder(self) -> ChunkBuilder: ...
+
+    @property
+    def kv_budget(self) -> KVBudget: ...
+
+    @property
     def tokenizer(self) -> Any: ...
 
 
@@ -156,12 +167,12 @@ class Steps:
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
-        """Tokens per piece, chunk keys and tiers; misses are built and stored now: the cache
-        manager's answer (`ChunkCaches.lookup`) for the method's kind of request.
+        """Tokens per piece, chunk keys and tiers; misses are built and stored now: the chunk
+        lookup's answer (`ChunkLookup.find`) for the method's kind of request.
 
         streaming (default: a store that streams layers and a selector that fuses): chunks
         stay in the store and are streamed by the prefetcher; otherwise they come back in memory."""
-        return self.engine.caches.lookup(pieces, fused=get_selector(method).fused, streaming=streaming)
+        return self.engine.lookup.find(pieces, fused=get_selector(method).fused, streaming=streaming)
 
     # ------------------------------------------------------------------ 2. plan
     def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
@@ -195,8 +206,8 @@ class Steps:
         """The fused prompt (sidecars of the loaded chunks for the probe) and, on a store that
         streams layers, the load session (stream=False: the prompt only; `start_session`
         starts it later)."""
-        caches = self.engine.caches
-        depth = max(caches.critical_layers) + 1 if get_selector(planned.method).probes else 0
+        lookup = self.engine.lookup
+        depth = max(self.engine.builder.critical_layers) + 1 if get_selector(planned.method).probes else 0
         segments, n = [], 0
         for p in looked.parts:
             chunk: Any = p.chunk  # a KVChunk, or a ChunkView standing in for one
@@ -205,11 +216,10 @@ class Steps:
                     chunk = None
                 elif chunk is None:
                     try:
-                        chunk = caches.view(p.key, p.ids, depth)
+                        chunk = lookup.view(p.key, p.ids, depth)
                     except KeyError:  # stored, but unreadable now: a miss, computed again
                         log.warning("chunk %s is unreadable; recomputing its cache", p.key)
-                        caches.store.delete(p.key)
-                        chunk, p = caches.build({p.key: p.ids}, keep=True)[p.key], replace(p, hit=False)
+                        chunk, p = lookup.rebuild(p.key, p.ids), replace(p, hit=False)
                 n += 1
             segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
         prompt = FusedPrompt(segments)
@@ -218,7 +228,7 @@ class Steps:
     def start_session(self, prompt: FusedPrompt) -> Any:
         """The prompt's load session (`Prefetcher.start`), or None when all of its caches are
         in memory (or the engine streams no layers)."""
-        pf = self.engine.caches.prefetcher
+        pf = self.engine.lookup.prefetcher
         if pf is None or not any(isinstance(s.chunk, ChunkView) for s in prompt.segments):
             return None
         return pf.start(prompt)
@@ -247,9 +257,9 @@ class Steps:
         opts = dict(configured.to_options() if options is None else options)
         source = None  # the model profile's source, where the layers filled in come from it
         if selector.probes and opts.get("critical_layers") is None:
-            opts["critical_layers"] = engine.caches.critical_layers
+            opts["critical_layers"] = engine.builder.critical_layers
             if not configured.critical_layers:
-                profile = engine.caches.profile()
+                profile = engine.builder.profile()
                 source = profile.source
                 if selector.profiled:
                     # what the profile calibrated with its layers; an adaptive budget takes
@@ -273,16 +283,21 @@ class Steps:
         return got
 
     def _fuse_job(self, job: FuseJob) -> Prefilled | Exception:
-        """Step 5 of one request into a KV cache taken from the pool (also `job.request.cache`):
+        """Step 5 of one request into its KV cache (`job.request.cache`, else a new one):
         layer-wise fused prefill (`fusion.fused_prefill`), or HF's own forward for a selector
         that does not fuse. Its load session is finished and closed. -> its Prefilled, or the
         exception that ended it (`Unreadable`: a chunk's layers could not be read)."""
         engine = self.engine
         prompt, sel = job.loading.prompt, job.selected.selection
         try:
-            cache = engine.caches.take_kv(prompt.num_tokens + job.capacity)
-            if job.request is not None:
-                job.request.cache = cache
+            req = job.request
+            cache = (
+                req.cache
+                if req is not None and req.cache is not None
+                else KVCache(engine.adapter, prompt.num_tokens + job.capacity)
+            )
+            if req is not None:
+                req.cache = cache
             if not get_selector(job.method).fused:
                 logits, kv = engine.adapter.hf_forward(prompt.token_ids, keep=1)
                 fill_from_hf(cache, kv)
@@ -470,7 +485,12 @@ class Steps:
         if rows.numel() <= chunk:
             return None
         try:
-            cache = self.engine.caches.take_kv(T + job.capacity)
+            req = job.request
+            cache = (
+                req.cache
+                if req is not None and req.cache is not None
+                else KVCache(self.engine.adapter, T + job.capacity)
+            )
         except Exception as e:  # noqa: BLE001 - this request fails alone
             self._close(job)
             return e
@@ -613,8 +633,6 @@ class Steps:
         full prefill (HF's own forward, as a `full` request alone), into the request's KV
         buffer."""
         engine, prompt = self.engine, pre.prompt
-        engine.caches.give_kv(req.cache)  # the same buffer serves the rung (_fuse_job takes it)
-        req.cache = None
         if ratio >= 1.0 or sel is None:
             full = get_selector("full").select(SelectionContext(engine.adapter, prompt, 1.0))
             job = FuseJob(Loading(prompt, None), Selected(full), "full", req.generation.max_new_tokens, req)
@@ -632,10 +650,8 @@ class Steps:
         failed = e.report
         log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(failed["failed"]))
         assert req.session is None
-        engine.caches.give_kv(req.cache)
-        req.cache = None
         for key in e.keys:
-            engine.caches.forget_unreadable(key)
+            engine.lookup.forget_unreadable(key)
         try:
             loading = self.prepare(self.request_lookup(pieces, req, again=True), req, again=True)
             req.clock.mark("load_start")
@@ -677,7 +693,6 @@ class Steps:
             return result
         finally:
             req.close()
-            engine.caches.give_kv(req.cache)
             req.cache = None
 
     def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True) -> tuple[FusedPrompt, int, int]:

@@ -240,10 +240,16 @@ class TieredStore(ChunkStore):
         with self._lock:
             return self._uses.get(key, 0) >= 2
 
-    @property
-    def gpu_cap(self) -> int | None:
-        """The most the GPU tier may hold (`StoreConfig.gpu_bytes`); None: no cap but the budget."""
-        return self.config.gpu_bytes
+    def device_tier(self, device: torch.device) -> MemoryTier | None:
+        """The "gpu" tier when it lives on `device`'s kind of memory (`chunk_device`), else None."""
+        gpu = self.gpu
+        return gpu if gpu is not None and gpu.device.type == torch.device(device).type else None
+
+    def fit_device_tier(self, device: torch.device, room: int) -> bool:
+        """As `ChunkStore.fit_device_tier`, the tier capped at `StoreConfig.gpu_bytes` (None: no
+        cap but the room)."""
+        cap = self.config.gpu_bytes
+        return super().fit_device_tier(device, room if cap is None else min(cap, room))
 
     def in_memory(self, key: ChunkKey) -> bool:
         return any(key in t for t in self.memory_tiers)
