@@ -81,8 +81,8 @@ def test_hot_path_reads_no_index_and_tokenizes_chunks_once(engine, monkeypatch):
     for name in ("_query", "transaction", "lookup", "lookup_sidecar", "count_and_bytes"):
         monkeypatch.setattr(manifest.Manifest, name, count_sql)
     monkeypatch.setattr(critical_layers, "lookup", lambda *a: calls.__setitem__("lookup", calls["lookup"] + 1))
-    tok = engine.caches.tokenize
-    monkeypatch.setattr(engine.caches, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
+    tok = engine.lookup.tokenize
+    monkeypatch.setattr(engine.lookup, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
     r = engine.answer(Q, DOCS, node_ids=["n0", "n1", "n2"], method="qcfuse", ratio=0.3, max_new_tokens=1)
     assert r.cache_hits == 3 and calls["sql"] == 0 and calls["lookup"] == 0
     assert not set(calls["tokenize"]) & set(DOCS)  # only glue and the question are tokenised

@@ -240,13 +240,13 @@ class PrefetchConfig:
     eager_memory: bool = True
     ahead: int = 4
     # When a request uses chunks only the disk tier holds, copy those the store admits into
-    # the memory tiers in the background (`TieredStore.promote`, from `ChunkCaches.lookup`),
+    # the memory tiers in the background (`TieredStore.promote`, from `ChunkLookup.find`),
     # so the next request that uses them reads memory. Off: a benchmark of the disk tier
     # repeats the same reads.
     promote_disk_reads: bool = False
     # Chunks streamed from the host tier are copied into the store's GPU tier as they load
     # (when the store admits them and the engine's GPU budget has room), so the next request
-    # that uses them loads nothing over the bus (cache/chunks.py, the GPU budget).
+    # that uses them loads nothing over the bus (cache/budget.py, the GPU budget).
     fill_device_tier: bool = True
 
     def __post_init__(self) -> None:

@@ -65,7 +65,7 @@ class StoreConfig:
     """memory_bytes: the host tier (pinned when CUDA is present); None: sized from the
     machine (`sizing.host_tier_bytes`). gpu_bytes: a cap on the GPU tier, used only when
     CUDA is present; None: no cap - the tier holds what the engine's GPU budget leaves
-    (cache/chunks.py), nothing in a store opened without an engine.
+    (cache/budget.py), nothing in a store opened without an engine.
     admission: when a chunk a request read from the disk tier enters memory (the engine's
     `promote_disk_reads`) - "second": from its second use on (a chunk seen once, the bulk of
     a long tail, costs no promotion and pushes nothing out); "always": from its first use.
