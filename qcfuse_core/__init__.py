@@ -41,6 +41,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each name on first use
+    from qcfuse_core.cache.budget import KVBudgetError as KVBudgetError
     from qcfuse_core.engine.api import EngineStats as EngineStats
     from qcfuse_core.engine.api import QCFuseEngine as QCFuseEngine
     from qcfuse_core.engine.api import open_engine as open_engine
@@ -60,7 +61,6 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.grammar import json_schema_constraint as json_schema_constraint
     from qcfuse_core.engine.guard import GuardConfig as GuardConfig
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
-    from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
     from qcfuse_core.engine.streams import AsyncTokenStream as AsyncTokenStream
     from qcfuse_core.engine.streams import TokenStream as TokenStream
     from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
@@ -88,7 +88,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "TokenStream": ("qcfuse_core.engine.streams", "TokenStream"),
     "AsyncTokenStream": ("qcfuse_core.engine.streams", "AsyncTokenStream"),
     "EngineBusy": ("qcfuse_core.engine.scheduler", "EngineBusy"),
-    "KVBudgetError": ("qcfuse_core.engine.scheduler", "KVBudgetError"),
+    "KVBudgetError": ("qcfuse_core.cache.budget", "KVBudgetError"),
     # configuration
     "EngineConfig": ("qcfuse_core.engine.config", "EngineConfig"),
     "FrameConfig": ("qcfuse_core.engine.config", "FrameConfig"),

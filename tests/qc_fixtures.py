@@ -1,5 +1,5 @@
-"""Shared toy prompts for the selection tests: a tiny random model, caches built alone;
-`hold_worker`, which holds an engine's scheduler inside its next request; and
+"""Shared toy prompts for the selection tests: a tiny random model, caches built alone
+(`chunk_alone`: one chunk's, as an engine builds it); `hold_worker`, which holds an engine's scheduler inside its next request; and
 `engine_config`, an EngineConfig from the fields a test varies."""
 
 from __future__ import annotations
@@ -34,13 +34,20 @@ def parts(adapter: ModelAdapter, lens=LENS, seed: int = 0) -> list[torch.Tensor]
     return [torch.randint(0, adapter.shape.vocab_size, (n,), generator=g) for n in lens]
 
 
+def chunk_alone(engine: QCFuseEngine, ids: torch.Tensor) -> KVChunk:
+    """The cache of a chunk's exact tokens as `engine` builds it (alone at positions 0..n-1,
+    with its anchors), built and stored now."""
+    key = ChunkKey.for_tokens(engine.caches.fingerprint, ids)
+    return engine.builder.build({key: ids}, keep=True)[key]
+
+
 def prompt_alone(adapter: ModelAdapter, lens=LENS, kinds=KINDS, seed: int = 0) -> FusedPrompt:
     """Prefix and chunks cached alone (positions 0..n-1); glue and suffix uncached."""
     eng = QCFuseEngine(adapter)
     segs = []
     for ids, kind in zip(parts(adapter, lens, seed), kinds):
         if kind in ("prefix", "chunk"):
-            segs.append(Segment(kind, ids, eng.caches.chunk_cache(ids)[0]))
+            segs.append(Segment(kind, ids, chunk_alone(eng, ids)))
         else:
             segs.append(Segment(kind, ids))
     return FusedPrompt(segs)
@@ -72,17 +79,17 @@ def hold_worker(engine: QCFuseEngine, timeout: float = 30.0) -> threading.Event:
     """Hold `engine`'s scheduler worker inside the next request it admits, at the start of its
     lookup (the request counts as running), until the returned gate is set: requests
     submitted meanwhile wait in the queue, and the step that goes on admits them too. The
-    requests themselves stay data; only the engine's cache manager is wrapped, once."""
+    requests themselves stay data; only the engine's chunk lookup is wrapped, once."""
     gate = threading.Event()
-    caches = engine.caches
-    real = caches.lookup
+    lookup = engine.lookup
+    real = lookup.find
 
-    def lookup(*args, **kwargs):
-        del caches.lookup  # only this one lookup waits
+    def find(*args, **kwargs):
+        del lookup.find  # only this one lookup waits
         gate.wait(timeout)
         return real(*args, **kwargs)
 
-    caches.lookup = lookup
+    lookup.find = find  # type: ignore[method-assign]
     return gate
 
 

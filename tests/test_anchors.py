@@ -7,6 +7,7 @@ from qcfuse_core.selection.anchors import (AnchorConfig, anchor_count, ensure_an
                                  top_with_sinks)
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
+from tests.qc_fixtures import chunk_alone
 
 
 def _chunk(k: torch.Tensor) -> KVChunk:
@@ -49,7 +50,7 @@ def test_repeat_anchors_on_a_tiny_model():
     from qcfuse_core.engine.api import QCFuseEngine
 
     ids = torch.randint(0, m.shape.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
-    chunk, _ = QCFuseEngine(m).caches.chunk_cache(ids)
+    chunk = chunk_alone(QCFuseEngine(m), ids)
     cfg = AnchorConfig("repeat", share=0.1, sinks=4)
     a = extract_anchors(m, chunk, 3, cfg, repeat_ids=torch.tensor([5, 6, 7, 8]))
     assert a.shape == (3, 8)

@@ -10,6 +10,7 @@ import torch
 
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.config import CacheConfig, EngineConfig
+from qcfuse_core.ingest.prefill import prefill_alone
 from qcfuse_core.store import MemoryStore
 from qcfuse_core.model.testing import tiny_model
 
@@ -42,7 +43,7 @@ def test_sink_caches_are_the_chunk_after_bos_under_their_own_fingerprint(arch):
     key, = sink.build_chunks([DOCS[0]])
     assert key.fingerprint == sink.caches.fingerprint
     ids = sink.caches.chunk_tokens(DOCS[0])[0]
-    k_ref, v_ref = plain.caches.prefill_alone(torch.cat([torch.tensor([1]), ids]))
+    k_ref, v_ref = prefill_alone(m, torch.cat([torch.tensor([1]), ids]))
     chunk = store.get(key)
     assert torch.allclose(chunk.k, k_ref[:, 1:], atol=1e-5, rtol=0)
     assert torch.allclose(chunk.v, v_ref[:, 1:], atol=1e-5, rtol=0)

@@ -417,7 +417,7 @@ def test_cache_removed_between_plan_and_load(store, baseline_answer, monkeypatch
     ids, docs = retrieve(_collection(store), QUESTION, 3)
     for t in engine.caches.store.memory_tiers:  # every chunk from disk, as in a fresh process
         t.clear()
-    real = engine.caches.prefetcher.start
+    real = engine.lookup.prefetcher.start
     removed = []
 
     def another_process_removes_them(prompt):  # after the plan and the sidecar reads, before the load
@@ -426,7 +426,7 @@ def test_cache_removed_between_plan_and_load(store, baseline_answer, monkeypatch
                 removed.append(engine.caches.store.delete(engine.caches.chunk_tokens(d)[1]))
         return real(prompt)
 
-    monkeypatch.setattr(engine.caches.prefetcher, "start", another_process_removes_them)
+    monkeypatch.setattr(engine.lookup.prefetcher, "start", another_process_removes_them)
     r = engine.answer(QUESTION, docs, node_ids=ids, method="qcfuse", max_new_tokens=8)
     assert any(removed), "nothing was removed: the fault was not injected"
     assert r.text == baseline_answer["answer"]

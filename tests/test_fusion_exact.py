@@ -18,11 +18,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import qcfuse_kernels as K
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.ingest.prefill import prefill_alone
 from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.model.adapter import ModelAdapter, cache_kwarg
 from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
-from tests.qc_fixtures import WHOLE_MODEL_BACKENDS
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, chunk_alone
 
 # Whole tiny models run on the references (fast tier) and through Triton's interpreter (slow
 # tier: WHOLE_MODEL_BACKENDS); the tests of one kernel op carry `kernels` (the interpreter).
@@ -42,8 +43,7 @@ def _prompt_alone(adapter: ModelAdapter, parts: list[torch.Tensor], kinds: list[
     segs = []
     for ids, kind in zip(parts, kinds):
         if kind in ("prefix", "chunk"):
-            chunk, _ = eng.caches.chunk_cache(ids)
-            segs.append(Segment(kind, ids, chunk))
+            segs.append(Segment(kind, ids, chunk_alone(eng, ids)))
         else:
             segs.append(Segment(kind, ids))
     return FusedPrompt(segs)
@@ -216,7 +216,7 @@ def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
     alone at positions o..o+n-1 (RoPE attention depends on relative positions only)."""
     m = tiny_model(arch)
     ids = _segments_lens(m.shape.vocab_size, [25], seed=4)[0]
-    k_pre, v = QCFuseEngine(m).caches.prefill_alone(ids)
+    k_pre, v = prefill_alone(m, ids)
     offset = 300
     pos = torch.arange(offset, offset + len(ids))[None]
     out = m.model(input_ids=ids[None], position_ids=pos, use_cache=True, **{cache_kwarg(m.model): DynamicCache()})

@@ -76,10 +76,10 @@ def test_qcfuse_on_gemma_ranks_with_the_profiles_options_at_full_attention_layer
     assert got.details["position_prior"] == 2 and got.details["prior_depth"] == 64
     assert sorted(got.details["critical_layers"]) == [5, 11, 17]
     want = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
-        "critical_layers": eng.caches.critical_layers, "position_prior": 2, "prior_depth": 64}))
+        "critical_layers": eng.builder.critical_layers, "position_prior": 2, "prior_depth": 64}))
     assert torch.equal(got.rows, want.rows)
     steep = get_selector("qcfuse").select(SelectionContext(gemma, prompt, 0.3, options={
-        "critical_layers": eng.caches.critical_layers, "position_prior": 2}))
+        "critical_layers": eng.builder.critical_layers, "position_prior": 2}))
     assert not torch.equal(got.rows, steep.rows)  # chunks of ~340 tokens: the depth re-ranks
     first = prompt.chunk_spans()[0]
     assert int(((got.rows >= first[0]) & (got.rows < first[1])).sum()) > 0  # rows outside the window too

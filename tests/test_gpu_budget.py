@@ -1,5 +1,5 @@
 """One GPU budget for the running requests' KV caches and the store's GPU chunk tier
-(cache/chunks.py `ChunkCaches.reserve`, store/tier.py `resize`/`claim`, the prefetcher's fills),
+(cache/budget.py `KVBudget.reserve`, store/tier.py `resize`/`claim`, the prefetcher's fills),
 tier sizes from the machine (store/sizing.py) and a policy that keeps a hot set (slru).
 
 On the CPU the "GPU" tier is a stand-in on the compute device (`chunk_device="cpu"`): the same
@@ -113,7 +113,7 @@ def test_a_burst_that_needs_every_byte_gets_it_and_chunk_entries_give_way(adapte
     for i in range(3):
         assert results[i] == ref.answer(QUESTION, DOCS[i : i + 3], max_new_tokens=new).token_ids
     assert tier.stats.evictions > evictions  # the chunk entries gave way
-    assert eng.caches.reserved_kv_bytes() == 0
+    assert eng.kv_budget.reserved_bytes() == 0
     assert tier.capacity_bytes == budget  # and the room came back to the tier
     eng.close()
     ref.close()
@@ -123,7 +123,7 @@ def test_reserve_waits_only_while_a_load_reads_the_entries_in_the_way(adapter, t
     eng = engine(adapter, tmp_path / "kv", budget=64 << 20)
     eng.build_chunks(DOCS[:3])
     eng.answer(QUESTION, DOCS[:3], max_new_tokens=2)
-    store, caches = eng.caches.store, eng.caches
+    store, caches, budget = eng.caches.store, eng.caches, eng.kv_budget
     tier = store.gpu
     held = tier.bytes_used
     assert held > 0
@@ -132,25 +132,31 @@ def test_reserve_waits_only_while_a_load_reads_the_entries_in_the_way(adapter, t
     assert all(p is not None and p.tier == "gpu" for p in pins)
     per_token = kv_bytes(adapter, 1)
     fits_beside = ((64 << 20) - held) // per_token
-    r = caches.reserve(fits_beside)
+    r = budget.reserve(fits_beside)
     assert r is not None  # room beside the pinned entries: admitted, nothing waits
-    caches.release(r)
-    assert caches.reserve(fits_beside + 1) is None  # only the pinned entries are in the way: it waits
+    budget.release(r)
+    assert budget.reserve(fits_beside + 1) is None  # only the pinned entries are in the way: it waits
     for p in pins:
         store.unpin(p)
-    r = caches.reserve((64 << 20) // per_token)  # the whole budget: every entry gives way
+    r = budget.reserve((64 << 20) // per_token)  # the whole budget: every entry gives way
     assert r is not None and tier.bytes_used == 0 and tier.capacity_bytes < per_token  # what is left
-    caches.release(r)
+    budget.release(r)
     assert tier.capacity_bytes == 64 << 20
     with pytest.raises(ValueError, match="exceeds the engine's KV budget"):
-        caches.reserve((64 << 20) // per_token + 1)  # larger than the budget: refused at once, as before
+        budget.reserve((64 << 20) // per_token + 1)  # larger than the budget: refused at once, as before
     eng.close()
 
 
 def test_a_cap_bounds_the_device_tier_below_the_budget(adapter, tmp_path):
     eng = engine(adapter, tmp_path / "kv", budget=64 << 20, gpu_bytes=1 << 20)
-    assert eng.caches.size_budget() == 64 << 20
+    per_token = kv_bytes(adapter, 1)
+    r = eng.kv_budget.reserve(1)  # sizes the budget: the tier gets what is left, up to its cap
+    assert r is not None and eng.caches.store.gpu.capacity_bytes == 1 << 20
+    eng.kv_budget.release(r)
     assert eng.caches.store.gpu.capacity_bytes == 1 << 20
+    r = eng.kv_budget.reserve((64 << 20) // per_token)  # the budget is 64 MiB all the same
+    assert r is not None and eng.caches.store.gpu.capacity_bytes < per_token
+    eng.kv_budget.release(r)
     eng.close()
     with open_store(tmp_path / "alone", memory_bytes=1 << 20, use_cuda=False, chunk_device="cpu") as st:
         assert st.gpu is not None and st.gpu.capacity_bytes == 0  # no engine, no budget: nothing on the device
@@ -235,9 +241,9 @@ def test_on_cuda_a_pinned_host_chunk_fills_the_gpu_tier_and_answers_do_not_chang
             eng.answer(QUESTION, docs, max_new_tokens=6).token_ids
             == ref.answer(QUESTION, docs, max_new_tokens=6).token_ids
         )
-    r = eng.caches.reserve((256 << 20) // kv_bytes(m, 1))  # the whole budget: the chunk entries give way
+    r = eng.kv_budget.reserve((256 << 20) // kv_bytes(m, 1))  # the whole budget: the chunk entries give way
     assert r is not None and tier.bytes_used == 0
-    eng.caches.release(r)
+    eng.kv_budget.release(r)
     ref.close()
     eng.close()
 

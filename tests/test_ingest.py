@@ -13,9 +13,8 @@ import torch
 
 import qcfuse_kernels as K
 
-from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.ingest.prefill import (CPU_BATCH_TOKENS, CUDA_BATCH_TOKENS, StoreWriter, default_batch_tokens,
-                                plan_batches, prefill_alone_batch)
+                                plan_batches, prefill_alone, prefill_alone_batch)
 from qcfuse_core.store import open_store
 from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
@@ -34,10 +33,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _assert_alone(adapter, ids_list, batched) -> None:
-    eng = QCFuseEngine(adapter)
     assert len(batched) == len(ids_list)
     for i, (ids, (k, v)) in enumerate(zip(ids_list, batched)):
-        k_ref, v_ref = eng.caches.prefill_alone(ids)
+        k_ref, v_ref = prefill_alone(adapter, ids)
         assert k.shape == k_ref.shape and v.shape == v_ref.shape, f"chunk {i}"
         assert k.dtype == k_ref.dtype and k.device == k_ref.device
         assert _max_diff(k, k_ref) <= ATOL, f"chunk {i} (n={len(ids)}): k differs by {_max_diff(k, k_ref):.2e}"
@@ -113,12 +111,11 @@ def test_a_sink_prefix_is_prefilled_before_every_chunk_and_dropped(arch):
     """sink: each chunk's cache is the prefill of sink + chunk alone with the sink's rows
     dropped (windowed layers included: gemma3's window is 12, the chunks reach 32)."""
     m = tiny_model(arch)
-    eng = QCFuseEngine(m)
     ids_list, sink = _chunks(LENGTHS), torch.tensor([7, 3])
     got = prefill_alone_batch(m, ids_list, sink=sink)
     plain = prefill_alone_batch(m, ids_list)
     for i, (ids, (k, v)) in enumerate(zip(ids_list, got)):
-        k_ref, v_ref = eng.caches.prefill_alone(torch.cat([sink, ids]))
+        k_ref, v_ref = prefill_alone(m, torch.cat([sink, ids]))
         assert k.shape == (k_ref.shape[0], len(ids), *k_ref.shape[2:]) and k.is_contiguous()
         assert _max_diff(k, k_ref[:, 2:]) <= ATOL and _max_diff(v, v_ref[:, 2:]) <= ATOL, f"chunk {i}"
     assert _max_diff(got[2][1], plain[2][1]) > 1e-3  # the sink changes what the chunk's rows saw

@@ -232,8 +232,8 @@ async def test_langchain_structured_output_async_equals_sync(engine, monkeypatch
 
 async def test_a_cancelled_langchain_astream_aborts_its_request(engine, monkeypatch):
     given: list[object] = []
-    give = engine.caches.give_kv
-    monkeypatch.setattr(engine.caches, "give_kv", lambda c: (given.append(c), give(c)))
+    give = engine.kv_budget.release
+    monkeypatch.setattr(engine.kv_budget, "release", lambda r: (given.append(r), give(r)))
     chat = ChatQCFuse.from_engine(engine, max_tokens=400)
     decoding = asyncio.Event()
 

@@ -62,8 +62,8 @@ def test_a_disk_read_is_promoted_into_memory_only_when_asked(adapter, tmp_path, 
     eng = QCFuseEngine(adapter, store=_store(tmp_path), config=cfg, text_index=TEXTS)
     assert _in_memory(eng, keys) == [False] * 3
     asked: list = []  # the promotions handed to the background thread (from the request's own thread)
-    real = eng.caches.prefetcher.promote
-    eng.caches.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
+    real = eng.lookup.prefetcher.promote
+    eng.lookup.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
     first = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert (first.cache_hits, first.cache_misses) == (2, 0)
     if promote:
@@ -82,8 +82,8 @@ def test_by_default_a_chunk_is_promoted_from_its_second_use(adapter, tmp_path):
     eng = QCFuseEngine(adapter, store=_store(tmp_path, admission="second"), text_index=TEXTS)
     assert eng.config.cache.promote_disk_reads is True  # on by default
     asked: list = []
-    real = eng.caches.prefetcher.promote
-    eng.caches.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
+    real = eng.lookup.prefetcher.promote
+    eng.lookup.prefetcher.promote = lambda ks: (asked.append(list(ks)), real(ks))[1]  # type: ignore[method-assign]
     first = eng.complete(_prompt(DOCS[:2]), max_new_tokens=6)
     assert asked == [] and _in_memory(eng, keys) == [False] * 3  # a first use: the disk is read, nothing admitted
     second = eng.complete(_prompt(DOCS[1:]), max_new_tokens=6)  # DOCS[1] for the second time, DOCS[2] the first

@@ -48,17 +48,44 @@ ENGINE_FACE = {
     "answer", "stream", "aanswer", "astream", "complete", "acomplete", "build_chunks", "stats", "close",
     "config", "adapter", "tokenizer", "frame", "caches",
 }
+ENGINE_PARTS = {"lookup", "builder", "kv_budget"}  # what its steps and scheduler use
 
 
 def test_the_engine_face_is_the_verbs_users_need():
-    """QCFuseEngine's public names: the request verbs, ingestion, stats and close, and five
-    read-only properties; everything else is private, the cache manager's or the steps'."""
+    """QCFuseEngine's public names: the request verbs, ingestion, stats and close, five
+    read-only properties, and its three parts (read-only); everything else is private, the
+    parts' or the steps'."""
     from qcfuse_core import QCFuseEngine
 
-    assert {n for n in dir(QCFuseEngine) if not n.startswith("_")} == ENGINE_FACE
-    for name in ("config", "adapter", "tokenizer", "frame", "caches"):
+    assert {n for n in dir(QCFuseEngine) if not n.startswith("_")} == ENGINE_FACE | ENGINE_PARTS
+    for name in ("config", "adapter", "tokenizer", "frame", "caches", *sorted(ENGINE_PARTS)):
         prop = getattr(QCFuseEngine, name)
         assert isinstance(prop, property) and prop.fset is None and prop.__doc__
+
+
+CACHES_VIEW = {"store", "texts", "fingerprint", "tokenize", "chunk_tokens", "is_stored"}
+
+
+def test_engine_caches_is_a_small_read_only_view():
+    """`engine.caches` shows callers the store, the chunk-text index and a text's tokens and
+    key - at most 8 names (issue 61) - and nothing of it can be set or patched."""
+    import torch
+
+    from qcfuse_core import QCFuseEngine
+    from qcfuse_core.cache.chunks import ChunkCaches
+    from qcfuse_core.model.testing import tiny_model
+
+    names = {n for n in dir(ChunkCaches) if not n.startswith("_")}
+    assert names == CACHES_VIEW and len(names) <= 8
+    caches = QCFuseEngine(tiny_model("llama", tokenizer=True)).caches
+    for name in names:
+        with pytest.raises(AttributeError):
+            setattr(caches, name, None)
+    with pytest.raises(AttributeError):
+        caches.reserve = None  # type: ignore[attr-defined]
+    ids, key = caches.chunk_tokens("A chunk of text.")
+    assert torch.equal(ids, caches.tokenize("A chunk of text.")) and key.fingerprint == caches.fingerprint
+    assert not caches.is_stored("A chunk of text.") and len(caches.texts) == 0
 
 
 def test_unknown_selection_options_raise_naming_the_valid_ones():

@@ -205,13 +205,13 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
                                  "ctxs": [{"title": "", "text": p} for p in ex.passages]}]))
     ref_dir = tmp_path / "ref"
     looked, built = [], []
-    from qcfuse_core.cache.chunks import ChunkCaches
+    from qcfuse_core.cache.builder import ChunkBuilder
     from qcfuse_core.engine.pipeline import Steps
 
-    real_lookup, real_build = Steps.lookup, ChunkCaches.build
+    real_lookup, real_build = Steps.lookup, ChunkBuilder.build
     monkeypatch.setattr(Steps, "lookup", lambda self, pieces, method, **kw: looked.append(method) or
                         real_lookup(self, pieces, method, **kw))
-    monkeypatch.setattr(ChunkCaches, "build", lambda self, todo, **kw: built.extend(todo) or
+    monkeypatch.setattr(ChunkBuilder, "build", lambda self, todo, **kw: built.extend(todo) or
                         real_build(self, todo, **kw))
     first = bq.run(smol_engine, str(data), ["full"], [], limit=None, max_new=6, jsonl=tmp_path / "a.jsonl",
                    reference=ref_dir)

@@ -55,14 +55,14 @@ def test_a_request_after_a_failed_one_succeeds(engine, monkeypatch):
     got = engine.answer(Q, DOCS, method="qcfuse", ratio=0.3, max_new_tokens=6)
     assert got.token_ids == want.token_ids
     assert got.cache_hits == 3 and got.cache_misses == 0
-    assert len(engine.caches.prefetcher._free) == 1  # every session gave its buffers back
+    assert len(engine.lookup.prefetcher._free) == 1  # every session gave its buffers back
 
 
 def test_an_abandoned_stream_releases_its_session(engine):
     stream = engine.stream(Q, DOCS, method="naive", max_new_tokens=8)
     next(stream)
     stream.close()  # the caller walked away mid-answer: the request leaves the scheduler
-    assert len(engine.caches.prefetcher._free) == 1
+    assert len(engine.lookup.prefetcher._free) == 1
     assert engine.answer(Q, DOCS, method="naive", max_new_tokens=2).cache_hits == 3
 
 
@@ -81,8 +81,8 @@ def test_hot_path_reads_no_index_and_tokenizes_chunks_once(engine, monkeypatch):
     for name in ("_query", "transaction", "lookup", "lookup_sidecar", "count_and_bytes"):
         monkeypatch.setattr(manifest.Manifest, name, count_sql)
     monkeypatch.setattr(critical_layers, "lookup", lambda *a: calls.__setitem__("lookup", calls["lookup"] + 1))
-    tok = engine.caches.tokenize
-    monkeypatch.setattr(engine.caches, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
+    tok = engine.lookup.tokenize
+    monkeypatch.setattr(engine.lookup, "tokenize", lambda text: calls["tokenize"].append(text) or tok(text))
     r = engine.answer(Q, DOCS, node_ids=["n0", "n1", "n2"], method="qcfuse", ratio=0.3, max_new_tokens=1)
     assert r.cache_hits == 3 and calls["sql"] == 0 and calls["lookup"] == 0
     assert not set(calls["tokenize"]) & set(DOCS)  # only glue and the question are tokenised
@@ -157,13 +157,13 @@ def test_requests_run_with_the_configured_cpu_threads(tiny, tmp_path):
     try:
         eng = QCFuseEngine(tiny, config=EngineConfig(threads=1))
         seen = {}
-        lookup = eng.caches.lookup
+        lookup = eng.lookup.find
 
         def looked_up(*args, **kwargs):  # called in the thread that runs the request
             seen["torch"] = torch.get_num_threads()
             return lookup(*args, **kwargs)
 
-        eng.caches.lookup = looked_up
+        eng.lookup.find = looked_up
 
         def ask():
             stream = eng.stream(Q, DOCS, method="naive", max_new_tokens=1)

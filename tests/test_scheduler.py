@@ -133,12 +133,12 @@ def test_a_batch_forms_from_requests_submitted_together(tiny):
 
 
 def test_a_closed_stream_frees_its_resources(tiny, tmp_path, monkeypatch):
-    """Closing a stream mid-answer: the request leaves the batch, its KV cache goes back to
-    the pool and its load session is closed - by the time close() returns."""
+    """Closing a stream mid-answer: the request leaves the batch, its KV reservation (and with
+    it its buffer) is released and its load session is closed - by the time close() returns."""
     eng = _engine(tiny, store=open_store(kv_dir(tmp_path), use_cuda=False))
     given: list[object] = []
-    give = eng.caches.give_kv
-    monkeypatch.setattr(eng.caches, "give_kv", lambda c: (given.append(c), give(c)))
+    give = eng.kv_budget.release
+    monkeypatch.setattr(eng.kv_budget, "release", lambda r: (given.append(r), give(r)))
     other = eng.stream("Which?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=40)
     stream = eng.stream("Which one?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=40)
     next(stream)
@@ -146,12 +146,12 @@ def test_a_closed_stream_frees_its_resources(tiny, tmp_path, monkeypatch):
     s = eng.stats().scheduler
     assert s.aborted == 1
     assert len([c for c in given if c is not None]) == 1
-    assert len(eng.caches.prefetcher._free) == 1  # every load session gave its buffers back
+    assert len(eng.lookup.prefetcher._free) == 1  # every load session gave its buffers back
     r = [*other] and other.result  # the other request is unaffected
     assert r is not None and r.finish_reason in ("length", "stop")
     s = eng.stats().scheduler
     assert (s.finished, s.aborted, s.running) == (1, 1, 0)
-    assert len([c for c in given if c is not None]) == 2
+    assert len([c for c in given if c is not None]) == 2 and eng.kv_budget.reserved_bytes() == 0
     eng.caches.store.close()
 
 

@@ -82,7 +82,7 @@ def test_ingestion_writes_each_sidecar_once_and_it_serves_the_probe(tmp_path, mo
     monkeypatch.setattr(DiskTier, "write_sidecar", counting)
     keys = eng.build_chunks(DOCS, [f"n{i}" for i in range(len(DOCS))])
     assert sorted(map(str, writes)) == sorted(map(str, keys))  # one write per chunk
-    crit = eng.caches.critical_layers
+    crit = eng.builder.critical_layers
     depth = max(crit) + 1
     method = eng.config.selection.anchor_method
     for key in keys:

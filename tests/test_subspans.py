@@ -8,6 +8,7 @@ import torch
 
 from qcfuse_core.cache import subspans
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.ingest.prefill import prefill_alone
 from qcfuse_core.model.fusion import fused_prefill
 from qcfuse_core.types import ChunkKey, Piece
 
@@ -37,12 +38,12 @@ def test_a_prefix_slice_is_the_alone_cache_of_its_tokens(engine):
     stored = engine.caches.store.get(engine.caches.chunk_tokens(STORED)[1])
     for n in (5, 17, stored.num_tokens - 3):
         piece = subspans.slice_chunk(stored, 0, n, engine.caches.fingerprint)
-        k, v = engine.caches.prefill_alone(stored.token_ids[:n])
+        k, v = prefill_alone(engine.adapter, stored.token_ids[:n])
         assert torch.equal(piece.token_ids, stored.token_ids[:n]) and piece.exact
         assert torch.allclose(piece.k, k, atol=1e-4) and torch.allclose(piece.v, v, atol=1e-4)
         assert piece.key == ChunkKey.for_tokens(engine.caches.fingerprint, stored.token_ids[:n])  # what it is
     inner = subspans.slice_chunk(stored, 7, 20, engine.caches.fingerprint)
-    k, _ = engine.caches.prefill_alone(stored.token_ids[7:27])
+    k, _ = prefill_alone(engine.adapter, stored.token_ids[7:27])
     assert not torch.allclose(inner.k, k, atol=1e-2)  # an inner slice is not its tokens' alone-cache ...
     assert inner.key not in (stored.key, ChunkKey.for_tokens(engine.caches.fingerprint, inner.token_ids))  # ... nor keyed so
     with pytest.raises(ValueError, match="outside a chunk"):

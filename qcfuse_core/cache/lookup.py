@@ -1,4 +1,4 @@
-"""What the cache manager answers about a request's prompt (`ChunkCaches.lookup`).
+"""What the chunk lookup answers about a request's prompt (`ChunkLookup.find`).
 
     pieces (prefix, chunk, text, suffix)  ->  LookedUp
                                                 parts    one per non-empty piece, in prompt order:
@@ -10,7 +10,7 @@
                                                 misses   chunks computed during the lookup
 
 Nothing of a chunk is left to compute after the lookup: a miss is prefilled alone and stored
-in it (`ChunkCaches.build`), so its part holds the new cache in memory. What remains to
+in it (`ChunkBuilder.build`), so its part holds the new cache in memory. What remains to
 compute is the prompt's own text (glue, question, suffix: `LookedUp.fresh_tokens`) and the
 rows the selection recomputes.
 

@@ -240,13 +240,13 @@ class PrefetchConfig:
     eager_memory: bool = True
     ahead: int = 4
     # When a request uses chunks only the disk tier holds, copy those the store admits into
-    # the memory tiers in the background (`TieredStore.promote`, from `ChunkCaches.lookup`),
+    # the memory tiers in the background (`TieredStore.promote`, from `ChunkLookup.find`),
     # so the next request that uses them reads memory. Off: a benchmark of the disk tier
     # repeats the same reads.
     promote_disk_reads: bool = False
     # Chunks streamed from the host tier are copied into the store's GPU tier as they load
     # (when the store admits them and the engine's GPU budget has room), so the next request
-    # that uses them loads nothing over the bus (cache/chunks.py, the GPU budget).
+    # that uses them loads nothing over the bus (cache/budget.py, the GPU budget).
     fill_device_tier: bool = True
 
     def __post_init__(self) -> None:
@@ -650,8 +650,8 @@ class LoadSession:
         policy (slru by default) keeps chunks used again ahead of those seen once. Each
         source then reads from its device copy, filled per layer just before (same stream,
         so in order)."""
-        tier = getattr(self.store, "gpu", None)
-        if not self.config.fill_device_tier or tier is None or tier.device.type != self.device.type:
+        tier = self.store.device_tier(self.device)
+        if not self.config.fill_device_tier or tier is None:
             return []
         from qcfuse_core.store.entry import EntryImage  # the store's image format (imported where it is used)
 
@@ -684,14 +684,15 @@ class LoadSession:
     def _admit_fills(self) -> None:
         """Every layer is loaded (and, on CUDA, the copies are done): the device copies become
         the device tier's entries."""
-        tier = self.store.gpu
+        tier = self.store.device_tier(self.device)
         fills, self._fills = self._fills, []
         for f in fills:
+            assert tier is not None  # a fill exists only where the store has the tier
             tier.admit(f.charged, f.device)
 
     def _unclaim(self) -> None:
         fills, self._fills = self._fills, []
-        tier = getattr(self.store, "gpu", None)
+        tier = self.store.device_tier(self.device)
         for f in fills:
             if tier is not None:  # a fill exists only where the store has the tier
                 tier.unclaim(f.charged)

@@ -184,10 +184,8 @@ def kv_bytes_per_token(engine) -> int:
     """Bytes one token's cache takes on disk: L layers x (K, V) x Hkv x D x stored dtype."""
     from qcfuse_core.store.codec import stored_dtype
 
-    shape = engine.adapter.shape
     storage = getattr(getattr(engine.caches.store, "config", None), "storage_dtype", "auto")
-    itemsize = stored_dtype(storage, engine.adapter.dtype).itemsize
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * itemsize
+    return engine.adapter.shape.kv_bytes(1, stored_dtype(storage, engine.adapter.dtype))
 
 
 def _human(n: float) -> str:

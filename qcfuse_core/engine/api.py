@@ -15,11 +15,15 @@
 
 Read-only: `config` (EngineConfig), `adapter` (the model: name, device, max_positions, ...),
 `tokenizer`, `frame` (the prompt frame: `rag_pieces`, `completion_pieces`, `stops`) and
-`caches` (the chunk-cache manager, cache/chunks.py: the store, the chunk-text index, token
-ids and keys).
+`caches` (what callers read of the chunk caches, cache/chunks.py `ChunkCaches`: the store,
+the chunk-text index, a text's token ids and key). The engine's parts, which its steps and
+scheduler use, are read-only too: `lookup` (cache/chunks.py `ChunkLookup`: tokens, keys,
+links, prefix caches, a request's lookup, views), `builder` (cache/builder.py
+`ChunkBuilder`: chunk caches built and stored) and `kv_budget` (cache/budget.py `KVBudget`:
+the running requests' KV reservations, the idle KV pool, the device chunk tier's size).
 
-The engine holds what every request shares - the model adapter, the chunk-cache manager,
-the prompt frame, the request's steps (engine/pipeline.py) - and its scheduler
+The engine holds what every request shares - the model adapter, those parts, the chunk-text
+index, the prompt frame, the request's steps (engine/pipeline.py) - and its scheduler
 (engine/scheduler.py): one worker thread that owns the device, runs each request through
 the six steps and decodes all running requests together. Every request verb goes through
 one submission path (`_submit`): the request is checked on the caller's thread and handed
@@ -42,7 +46,10 @@ from typing import Any, Literal, overload
 
 import torch
 
-from qcfuse_core.cache.chunks import ChunkCaches
+from qcfuse_core.cache.budget import KVBudget
+from qcfuse_core.cache.budget import KVBudgetError as KVBudgetError
+from qcfuse_core.cache.builder import ChunkBuilder
+from qcfuse_core.cache.chunks import ChunkCaches, ChunkLookup
 from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path
 from qcfuse_core.cache.prefetch import PrefetchConfig
 from qcfuse_core.engine.config import EngineConfig
@@ -52,7 +59,6 @@ from qcfuse_core.engine.pipeline import Steps
 from qcfuse_core.engine.request import Prompt
 from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
 from qcfuse_core.engine.scheduler import Job, Scheduler, SchedulerStats
-from qcfuse_core.engine.scheduler import KVBudgetError as KVBudgetError
 from qcfuse_core.engine.streams import AsyncTokenStream, TokenStream
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.adapter import ModelAdapter, load_model
@@ -98,16 +104,15 @@ class QCFuseEngine:
         if adapter.device.type == "cuda" and cfg.scheduler.cuda_graphs:
             adapter.packed_projections()  # before any caller runs the model (the decode step's products)
         sink = _chunk_sink(adapter) if cfg.cache.chunk_sink else None
-        self._caches = ChunkCaches(
-            adapter,
-            store if store is not None else MemoryStore(),
-            lambda: self._config.selection,
-            sink,
-            PrefetchConfig(promote_disk_reads=cfg.cache.promote_disk_reads),
-            kv_cache_bytes=cfg.cache.kv_cache_bytes,
-            kv_memory_share=cfg.cache.kv_memory_share,
-            texts=text_index,
+        store = store if store is not None else MemoryStore()
+        self._builder = ChunkBuilder(adapter, store, lambda: self._config.selection, sink)
+        prefetch = PrefetchConfig(promote_disk_reads=cfg.cache.promote_disk_reads)
+        self._lookup = ChunkLookup(adapter, store, self._builder, sink, prefetch)
+        self._kv_budget = KVBudget(
+            adapter, store, kv_cache_bytes=cfg.cache.kv_cache_bytes, kv_memory_share=cfg.cache.kv_memory_share
         )
+        self._texts = text_index if text_index is not None else ChunkTextIndex()
+        self._caches = ChunkCaches(self._lookup, self._texts)
         self._frame = PromptFrame(adapter.tokenizer, cfg.frame)
         chosen = configure_cpu_threads(adapter.device, threads=cfg.threads)["threads"]
         # CPU threads per request: the config's count; else, in the deterministic mode, the
@@ -145,9 +150,28 @@ class QCFuseEngine:
 
     @property
     def caches(self) -> ChunkCaches:
-        """The chunk-cache manager (cache/chunks.py): `store`, the chunk-text index `texts`,
-        `chunk_tokens(text)` (token ids and ChunkKey), `tokenize`, `fingerprint`."""
+        """What callers read of the chunk caches (cache/chunks.py): `store`, the chunk-text
+        index `texts`, `chunk_tokens(text)` (token ids and ChunkKey), `tokenize`,
+        `fingerprint`, `is_stored(text)`."""
         return self._caches
+
+    # ------------------------------------------------------------------ its parts
+    @property
+    def lookup(self) -> ChunkLookup:
+        """The engine's part its steps find chunk caches with (cache/chunks.py): a request's
+        lookup, tokens and keys, links, prefix caches, views."""
+        return self._lookup
+
+    @property
+    def builder(self) -> ChunkBuilder:
+        """The engine's part that builds and stores chunk caches (cache/builder.py)."""
+        return self._builder
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        """The engine's part its scheduler admits requests with (cache/budget.py): KV
+        reservations, the idle KV pool, the device chunk tier's size."""
+        return self._kv_budget
 
     # ------------------------------------------------------------------ ingestion
     def build_chunks(
@@ -159,10 +183,22 @@ class QCFuseEngine:
         ids = list(node_ids) if node_ids is not None else [None] * len(texts)
         if len(ids) != len(texts):
             raise ValueError("node_ids and texts differ in length")
-        keys = self._caches.build_texts(texts, ids)
+        lookup = self._lookup
+        keys: list[ChunkKey] = []
+        todo: dict[ChunkKey, torch.Tensor] = {}
+        for t in texts:
+            tokens, key = lookup.chunk_tokens(t)
+            if key is None:
+                raise ValueError(f"cannot cache an empty chunk (text {t[:40]!r})")
+            keys.append(key)
+            if key not in todo and not lookup.store.contains(key):
+                todo[key] = tokens
+        self._builder.build(todo)
+        for nid, key in zip(ids, keys):
+            lookup.link(nid, key)
         if register:
             for t, nid in zip(texts, ids):
-                self._caches.texts.add(t, nid)
+                self._texts.add(t, nid)
         return keys
 
     # ------------------------------------------------------------------ answering
@@ -256,17 +292,16 @@ class QCFuseEngine:
     def stats(self) -> EngineStats:
         """The scheduler's counters, the store's counters and the cache manager's counts (once
         closed: as they were when it closed)."""
-        caches = self._caches
         with self._lock:
             sched, texts = self._sched, self._texts_at_close
             if texts is None:
-                texts = len(caches.texts)
+                texts = len(self._texts)
         return EngineStats(
             scheduler=sched.stats() if sched is not None else _IDLE,
-            store=caches.store.counters(),
+            store=self._lookup.store.counters(),
             chunk_texts=texts,
-            kv_reserved_bytes=caches.reserved_kv_bytes(),
-            kv_pooled_bytes=caches.pooled_kv_bytes(),
+            kv_reserved_bytes=self._kv_budget.reserved_bytes(),
+            kv_pooled_bytes=self._kv_budget.pooled_bytes(),
         )
 
     def close(self) -> None:
@@ -278,10 +313,12 @@ class QCFuseEngine:
                 return
             self._closed = True
             sched = self._sched
-            self._texts_at_close = len(self._caches.texts)
+            self._texts_at_close = len(self._texts)
         if sched is not None:
             sched.shutdown()
-        self._caches.close()
+        self._kv_budget.drop_pool()
+        self._lookup.store.close()
+        self._texts.close()
 
     def __enter__(self) -> QCFuseEngine:
         return self
@@ -303,7 +340,7 @@ class QCFuseEngine:
     def _completion_pieces(self, prompt: str, chunks: Sequence[Piece] | None, framed: bool) -> list[Piece]:
         if self._closed:  # its chunk-text index is closed too
             raise RuntimeError(_CLOSED)
-        found = self._caches.texts.find(prompt) if chunks is None else chunks
+        found = self._texts.find(prompt) if chunks is None else chunks
         if framed:
             return self._frame.completion_pieces(prompt, found)
         return split_prompt(prompt, found)

@@ -80,7 +80,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How the engine keeps KV caches (cache/chunks.py, the store's tiers).
+    """How the engine keeps KV caches (cache/budget.py, cache/chunks.py, the store's tiers).
 
     kv_cache_bytes / kv_memory_share: the bytes the running requests' KV caches may hold
     together. A request is admitted only when its cache (prompt + max_new_tokens) fits beside
@@ -89,7 +89,7 @@ class CacheConfig:
     a CPU no limit.
     The same budget holds the store's GPU chunk tier: what the running requests' caches do
     not hold keeps chunks on the GPU, and chunk entries give way when a request needs the
-    room (cache/chunks.py; the tier's sizes: store/sizing.py).
+    room (cache/budget.py; the tier's sizes: store/sizing.py).
     promote_disk_reads: after a request streamed chunks from the disk tier, copy them into the
     memory tiers in the background (from their second use on, `StoreConfig.admission`), so
     the next request using them reads memory (on by default). Off, the disk tier is read

@@ -3,8 +3,8 @@
     step            method               result       what it does
     1 lookup        Steps.lookup         LookedUp     tokens per piece (cached per chunk text),
                                                       chunk keys, the tier holding each chunk;
-                                                      misses built and stored: the cache
-                                                      manager's answer (ChunkCaches.lookup)
+                                                      misses built and stored: the chunk
+                                                      lookup's answer (ChunkLookup.find)
     2 plan          Steps.plan           Planned      load or recompute each chunk (the planner,
                                                       from measured rates) before any loading
     3 start loading Steps.start_loading  Loading      sidecars of the loaded chunks, the fused
@@ -86,12 +86,12 @@ class Steps:
 
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, pieces: Sequence[Piece], method: str, *, streaming: bool | None = None) -> LookedUp:
-        """Tokens per piece, chunk keys and tiers; misses are built and stored now: the cache
-        manager's answer (`ChunkCaches.lookup`) for the method's kind of request.
+        """Tokens per piece, chunk keys and tiers; misses are built and stored now: the chunk
+        lookup's answer (`ChunkLookup.find`) for the method's kind of request.
 
         streaming (default: a store that streams layers and a selector that fuses): chunks
         stay in the store and are streamed by the prefetcher; otherwise they come back in memory."""
-        return self.engine.caches.lookup(pieces, fused=get_selector(method).fused, streaming=streaming)
+        return self.engine.lookup.find(pieces, fused=get_selector(method).fused, streaming=streaming)
 
     # ------------------------------------------------------------------ 2. plan
     def plan(self, looked: LookedUp, method: str, ratio: float) -> Planned:
@@ -125,8 +125,8 @@ class Steps:
         """The fused prompt (sidecars of the loaded chunks for the probe) and, on a store that
         streams layers, the load session (stream=False: the prompt only; `start_session`
         starts it later)."""
-        caches = self.engine.caches
-        depth = max(caches.critical_layers) + 1 if get_selector(planned.method).probes else 0
+        lookup = self.engine.lookup
+        depth = max(self.engine.builder.critical_layers) + 1 if get_selector(planned.method).probes else 0
         segments, n = [], 0
         for p in looked.parts:
             chunk: Any = p.chunk  # a KVChunk, or a ChunkView standing in for one
@@ -135,11 +135,10 @@ class Steps:
                     chunk = None
                 elif chunk is None:
                     try:
-                        chunk = caches.view(p.key, p.ids, depth)
+                        chunk = lookup.view(p.key, p.ids, depth)
                     except KeyError:  # stored, but unreadable now: a miss, computed again
                         log.warning("chunk %s is unreadable; recomputing its cache", p.key)
-                        caches.store.delete(p.key)
-                        chunk, p = caches.build({p.key: p.ids}, keep=True)[p.key], replace(p, hit=False)
+                        chunk, p = lookup.rebuild(p.key, p.ids), replace(p, hit=False)
                 n += 1
             segments.append(Segment(p.kind, p.ids, chunk, p.node_id, p.hit))
         prompt = FusedPrompt(segments)
@@ -148,7 +147,7 @@ class Steps:
     def start_session(self, prompt: FusedPrompt) -> Any:
         """The prompt's load session (`Prefetcher.start`), or None when all of its caches are
         in memory (or the engine streams no layers)."""
-        pf = self.engine.caches.prefetcher
+        pf = self.engine.lookup.prefetcher
         if pf is None or not any(isinstance(s.chunk, ChunkView) for s in prompt.segments):
             return None
         return pf.start(prompt)
@@ -177,9 +176,9 @@ class Steps:
         opts = dict(configured.to_options() if options is None else options)
         source = None  # the model profile's source, where the layers filled in come from it
         if selector.probes and opts.get("critical_layers") is None:
-            opts["critical_layers"] = engine.caches.critical_layers
+            opts["critical_layers"] = engine.builder.critical_layers
             if not configured.critical_layers:
-                profile = engine.caches.profile()
+                profile = engine.builder.profile()
                 source = profile.source
                 if selector.profiled:
                     # what the profile calibrated with its layers; an adaptive budget takes
@@ -258,7 +257,7 @@ class Steps:
         assert req is not None
         log.warning("%d chunk cache(s) unreadable mid-request; recomputing them", len(e.report["failed"]))
         for key in e.keys:
-            self.engine.caches.forget_unreadable(key)
+            self.engine.lookup.forget_unreadable(key)
         loading = self.prepare(self.request_lookup(prefill.pieces, req, again=True), req, again=True)
         new = self.open(prefill.pieces, req, loading, budget=budget)
         new.failed = e.report
@@ -352,7 +351,6 @@ class Steps:
             return result
         finally:
             req.close()
-            engine.caches.give_kv(req.cache)
             req.cache = None
 
     def fuse_pieces(self, pieces: Sequence[Piece], *, caches: bool = True) -> tuple[FusedPrompt, int, int]:

@@ -33,7 +33,9 @@ from typing import Any, Protocol
 
 import torch
 
-from qcfuse_core.cache.chunks import ChunkCaches
+from qcfuse_core.cache.budget import KVBudget
+from qcfuse_core.cache.builder import ChunkBuilder
+from qcfuse_core.cache.chunks import ChunkCaches, ChunkLookup
 from qcfuse_core.cache.subspans import count_chunks
 from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.request import Loading, Prefilled, Request
@@ -54,6 +56,15 @@ class Engine(Protocol):
 
     @property
     def caches(self) -> ChunkCaches: ...
+
+    @property
+    def lookup(self) -> ChunkLookup: ...
+
+    @property
+    def builder(self) -> ChunkBuilder: ...
+
+    @property
+    def kv_budget(self) -> KVBudget: ...
 
     @property
     def tokenizer(self) -> Any: ...
@@ -174,15 +185,14 @@ class Prefill:
         return out
 
     def _kv(self) -> KVCache:
-        """Its KV buffer: the request's (a guard rung and a rerun fill the same one again)."""
+        """Its KV buffer: the request's, its reservation's (a guard rung and a rerun fill the
+        same one again); a prefill with no reserved buffer (a prompt fused alone) gets its own."""
         if self.cache is None:
             req, need = self.request, self.loading.prompt.num_tokens + self.capacity
             if req is not None and req.cache is not None and req.cache.capacity >= need:
                 self.cache = req.cache
             else:
-                if req is not None:
-                    self.engine.caches.give_kv(req.cache)
-                self.cache = self.engine.caches.take_kv(need)
+                self.cache = KVCache(self.engine.adapter, need)
                 if req is not None:
                     req.cache = self.cache
         return self.cache

@@ -36,8 +36,8 @@ The scheduler decides what runs and keeps each request's state, and never calls 
 the steps but through `Steps.open`, `Prefill.advance`, `Steps.after` and `Steps.rerun`;
 the model runner (`model.runner.ModelRunner`) runs the batched decode step - CUDA graphs on a GPU, eager
 `decode_batch` otherwise or where a graph cannot be captured - and takes the plain greedy
-rows' argmax together; the cache manager (`cache.chunks.ChunkCaches`) answers the lookup and
-holds the KV budget.
+rows' argmax together; the chunk lookup (`cache.chunks.ChunkLookup`) answers the lookup and
+the KV budget (`cache.budget.KVBudget`) admits requests.
 
 Requests join the batch when their prefill ends and leave it when they finish, between
 steps (continuous batching). A request whose step raises fails alone: its caller gets the
@@ -53,10 +53,10 @@ of a batched product are too small to flip a token (docs/determinism.md), and wi
 
 KV budget: a request is admitted only once its KV cache (prompt + max_new_tokens) fits
 beside the running requests' within `CacheConfig.kv_cache_bytes` (on a GPU by default
-`kv_memory_share` of the memory free at the first admission): `ChunkCaches.reserve` gives it
-a reservation, released when it ends, or None - then it waits at the head of the queue
-(counted as deferred) and admission ends for that step, so nothing runs out of memory under
-load. One larger than the whole budget fails alone with KVBudgetError.
+`kv_memory_share` of the memory free at the first admission): `KVBudget.reserve` gives it
+a reservation (its KV buffer: `Reservation.kv()`), released when it ends, or None - then it
+waits at the head of the queue (counted as deferred) and admission ends for that step, so
+nothing runs out of memory under load. One larger than the whole budget fails alone with KVBudgetError.
 
 On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.GraphDecoder`,
 `SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
@@ -83,8 +83,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qcfuse_core.cache.chunks import KVBudgetError as KVBudgetError
-from qcfuse_core.cache.chunks import Reservation
+from qcfuse_core.cache.budget import KVBudgetError as KVBudgetError
+from qcfuse_core.cache.budget import Reservation
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
 from qcfuse_core.engine.prefill import Prefill, Unreadable
@@ -390,10 +390,11 @@ class Scheduler:
             # CPU threads chosen per request, in the thread that runs it (engine/threads.py)
             req.threads = configure_cpu_threads(engine.adapter.device, threads=self.steps.request_threads)["threads"]
             looked = self.steps.request_lookup(job.prompt.pieces, req)
-            job.reservation = engine.caches.reserve(looked.num_tokens + req.generation.max_new_tokens)
+            job.reservation = engine.kv_budget.reserve(looked.num_tokens + req.generation.max_new_tokens)
             if job.reservation is None:
                 self._defer(job)
                 return
+            req.cache = job.reservation.kv()  # the request's KV buffer: its prefills write into it
             loading = self.steps.prepare(looked, req)
             job.prefill = self.steps.open(job.prompt.pieces, req, loading, budget=self._slice_rows)
         except Exception as e:
@@ -473,8 +474,6 @@ class Scheduler:
             if job.prefill is not None:
                 return
             req.clock.mark("prefill")
-            if req.cache is not None and job.reservation is not None:
-                engine.caches.hold(job.reservation, req.cache)
             job.decoding = Decoding(engine, pre, req)
             delta = job.decoding.first()
         except Exception as e:
@@ -534,9 +533,8 @@ class Scheduler:
             if status is not Status.ABORTED:
                 status, error = Status.FAILED, e
         finally:
-            engine.caches.give_kv(req.cache)
             req.cache = None
-            engine.caches.release(job.reservation)
+            engine.kv_budget.release(job.reservation)  # its buffer back to the pool, its room to the chunk tier
             job.reservation = None
         req.status = status
         with self._cv:

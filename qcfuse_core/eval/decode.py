@@ -141,8 +141,7 @@ def floor_ms(adapter, streams: int, context: int, peak_tbps: float) -> float:
     weights = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
     if adapter.model.lm_head.weight.data_ptr() != emb.data_ptr():
         weights -= emb.numel() * emb.element_size()
-    s = adapter.shape
-    kv = 2 * s.num_layers * context * s.num_kv_heads * s.head_dim * emb.element_size() * streams
+    kv = adapter.shape.kv_bytes(context, emb.dtype) * streams
     return (weights + kv) / (peak_tbps * 1e12) * 1e3
 
 

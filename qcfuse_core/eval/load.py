@@ -546,9 +546,9 @@ def release_device(engine) -> None:
     and reusable load buffers are freed (on CUDA given back to the driver), so the next
     point's engine sizes its GPU budget - and with it the GPU chunk tier - from the same free
     memory as this one did."""
-    engine.caches.drop_pooled_kv()
-    if engine.caches.prefetcher is not None:
-        engine.caches.prefetcher.drop_buffers()
+    engine.kv_budget.drop_pool()
+    if engine.lookup.prefetcher is not None:
+        engine.lookup.prefetcher.drop_buffers()
     if engine.adapter.device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -376,15 +376,7 @@ def run_example(
 
 
 def _cache_bytes(engine: QCFuseEngine, tokens: int) -> int:
-    s = engine.adapter.shape
-    return (
-        2
-        * s.num_layers
-        * tokens
-        * s.num_kv_heads
-        * s.head_dim
-        * torch.empty(0, dtype=engine.adapter.dtype).element_size()
-    )
+    return engine.adapter.shape.kv_bytes(tokens, engine.adapter.dtype)
 
 
 def _finish(

@@ -185,7 +185,7 @@ def measure_tier_gbps(engine, work: Workload, drop: Path | None, repeats: int = 
     from qcfuse_core.model.fusion import FusedPrompt, Segment
 
     caches = engine.caches
-    pf = caches.prefetcher
+    pf = engine.lookup.prefetcher
     segs = []
     for text in work.texts:
         ids, key = caches.chunk_tokens(text)

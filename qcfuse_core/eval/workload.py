@@ -47,8 +47,7 @@ def build_adapter(args):
 
 
 def kv_bytes_per_token(adapter) -> int:
-    s = adapter.shape
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=adapter.dtype).element_size()
+    return adapter.shape.kv_bytes(1, adapter.dtype)
 
 
 def sync(device: torch.device) -> None:

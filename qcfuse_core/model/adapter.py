@@ -348,6 +348,11 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
 
+    def kv_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of the K and V of `tokens` tokens over every layer in `dtype`:
+        2 (K, V) x L x T x Hkv x D x itemsize - the one definition of a KV cache's size."""
+        return 2 * self.num_layers * tokens * self.num_kv_heads * self.head_dim * dtype.itemsize
+
 
 class ModelAdapter:
     """Per-layer operations over token rows of a supported HF decoder (batch 1)."""

@@ -26,7 +26,7 @@ import torch
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
 if TYPE_CHECKING:
-    from qcfuse_core.store.tier import TierPin
+    from qcfuse_core.store.tier import MemoryTier, TierPin
 
 
 class StoreError(Exception):
@@ -129,6 +129,28 @@ class ChunkStore(ABC):
 
     def unpin(self, pin: "TierPin") -> None:
         """Give back a pin from `pin` (never raises)."""
+
+    # Tiers by use and the compute device's chunk tier; a store without tiers has neither.
+    def note_use(self, key: ChunkKey) -> int:
+        """Count a request's use of `key` (admission into faster tiers goes by use) -> its uses
+        so far; 0: the store does not count them."""
+        return 0
+
+    def admits(self, key: ChunkKey) -> bool:
+        """Whether `key`, read from a slower tier, may enter a faster one now."""
+        return True
+
+    def device_tier(self, device: torch.device) -> "MemoryTier | None":
+        """The chunk tier in the memory of `device`'s kind (the tiered store's "gpu" tier), or
+        None: what the engine's KV budget sizes and a load session fills."""
+        return None
+
+    def fit_device_tier(self, device: torch.device, room: int) -> bool:
+        """Size the chunk tier of `device` to `room` bytes (at most the store's own cap for it),
+        evicting by policy -> False, changing nothing, when entries being read (pinned) or
+        filled (claimed) hold more than that. True without such a tier."""
+        tier = self.device_tier(device)
+        return tier is None or tier.resize(max(0, room)) is not None
 
     def close(self) -> None:
         pass

@@ -6,7 +6,7 @@
     GPU tier    no size of its own: the chunk share of the engine's one GPU budget
                 (`CacheConfig.kv_memory_share` of the device memory free at start). What the
                 running requests' KV caches do not hold is chunk cache, evicted the moment a
-                request needs the room (cache/chunks.py, `ChunkCaches.reserve`).
+                request needs the room (cache/budget.py, `KVBudget.reserve`).
                 `StoreConfig.gpu_bytes` caps it.
 
 A store opened without an engine (the `qcfuse store` commands) keeps nothing on the GPU.

@@ -23,7 +23,7 @@ picks them:
   holder lets go.
 
 A capacity that moves (the GPU tier, whose room is what the running requests' KV caches
-leave of the engine's GPU budget; cache/chunks.py): `resize` sets it, evicting unpinned
+leave of the engine's GPU budget; cache/budget.py): `resize` sets it, evicting unpinned
 entries by policy down to it, and refuses (changing nothing) when pinned entries and claims
 alone exceed it. Claims: room charged for an image being filled in place (a load session
 copies a chunk to the GPU as it streams it, cache/prefetch.py): `claim` charges it now

@@ -65,7 +65,7 @@ class StoreConfig:
     """memory_bytes: the host tier (pinned when CUDA is present); None: sized from the
     machine (`sizing.host_tier_bytes`). gpu_bytes: a cap on the GPU tier, used only when
     CUDA is present; None: no cap - the tier holds what the engine's GPU budget leaves
-    (cache/chunks.py), nothing in a store opened without an engine.
+    (cache/budget.py), nothing in a store opened without an engine.
     admission: when a chunk a request read from the disk tier enters memory (the engine's
     `promote_disk_reads`) - "second": from its second use on (a chunk seen once, the bulk of
     a long tail, costs no promotion and pushes nothing out); "always": from its first use.
@@ -240,10 +240,16 @@ class TieredStore(ChunkStore):
         with self._lock:
             return self._uses.get(key, 0) >= 2
 
-    @property
-    def gpu_cap(self) -> int | None:
-        """The most the GPU tier may hold (`StoreConfig.gpu_bytes`); None: no cap but the budget."""
-        return self.config.gpu_bytes
+    def device_tier(self, device: torch.device) -> MemoryTier | None:
+        """The "gpu" tier when it lives on `device`'s kind of memory (`chunk_device`), else None."""
+        gpu = self.gpu
+        return gpu if gpu is not None and gpu.device.type == torch.device(device).type else None
+
+    def fit_device_tier(self, device: torch.device, room: int) -> bool:
+        """As `ChunkStore.fit_device_tier`, the tier capped at `StoreConfig.gpu_bytes` (None: no
+        cap but the room)."""
+        cap = self.config.gpu_bytes
+        return super().fit_device_tier(device, room if cap is None else min(cap, room))
 
     def in_memory(self, key: ChunkKey) -> bool:
         return any(key in t for t in self.memory_tiers)
