@@ -27,7 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from qcfuse_core.retrieval.texts import count_learned
+from qcfuse_core.learn import count_learned
 from qcfuse_core.store.disk import MANIFEST_NAME, DiskTier
 from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.maintenance import (

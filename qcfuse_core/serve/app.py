@@ -58,9 +58,9 @@ from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
+from qcfuse_core.learn import ChunkLearner, LearnConfig
 from qcfuse_core.serve.builds import BuildQueue, BuildsStopped
-from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
-from qcfuse_core.serve.metrics import ServeMetrics
+from qcfuse_core.serve.metrics import LearnedCollector, ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -94,7 +94,7 @@ class ServeConfig:
     max_prompt_tokens: int = 32768  # a longer prompt (as rendered, chunks included): 400
     max_documents: int = 64  # the most documents or node ids one request may name in `qcfuse`
     api_key: str | None = field(default=None, repr=False)  # None: no auth; else /v1/* needs the bearer token
-    learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (serve/learned.py)
+    learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (qcfuse_core/learn.py)
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the connection's address and localhost ('*': any)
     allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own that may POST
 

@@ -139,8 +139,8 @@ def add_commands(sub) -> None:
 
 
 def learn_config(args):
-    """The learning policy --learn-after and --max-learned ask for (serve/learned.py)."""
-    from qcfuse_core.serve.learned import LearnConfig
+    """The learning policy --learn-after and --max-learned ask for (qcfuse_core/learn.py)."""
+    from qcfuse_core.learn import LearnConfig
 
     if args.learn_after < 0:
         raise ValueError(f"--learn-after must be >= 0 (0: learn nothing), got {args.learn_after}")
