@@ -21,6 +21,8 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
     qcfuse_scheduler_requests_total{state}      submitted | finished | aborted | failed | deferred
     qcfuse_kv_pool_idle_bytes                   KV buffers pooled for reuse (idle)
     qcfuse_learned_chunks, qcfuse_learned_pending   learned texts held, spans queued or building
+    qcfuse_learned_bytes, qcfuse_learned_max_bytes  their caches' bytes in the store; the budget
+    qcfuse_learned_tenants                      tenants holding learned texts
     qcfuse_learned_{builds,hits,misses,evicted,dropped,failed}_total
                                                 the learner's counters (qcfuse_core/learn.py)
 """
@@ -140,6 +142,9 @@ class LearnedCollector:
         for name, doc, value in (
             ("qcfuse_learned_chunks", "chunk texts learned from prompts, held now", s.learned),
             ("qcfuse_learned_pending", "learned spans queued or building", s.pending),
+            ("qcfuse_learned_bytes", "bytes of the learned texts' caches in the store", s.bytes),
+            ("qcfuse_learned_max_bytes", "the bytes learned caches may hold", self.learner.max_bytes),
+            ("qcfuse_learned_tenants", "tenants holding learned texts", s.tenants),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
