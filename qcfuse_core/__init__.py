@@ -30,6 +30,9 @@ integrations (`qcfuse_integrations`) use these names only.
                        forced_tools, parse_tool_calls, tool_call_schema, renders_tool_role,
                        template_knows_tools, ToolCall, TOOL_SYSTEM; json_schema_constraint
                        (decoding held to a JSON schema)
+    learning           BackgroundBuilds (a learner's one background build thread),
+                       chunk_positions(prompt, chunks), overlaps: the span helpers of the
+                       learner (qcfuse_core/learn.py) that `qcfuse serve` also uses
     retrieval          get_embedder() (the offline MiniLM embedder), EMBEDDING_DIMENSIONS,
                        open_chroma_collection(path) (a checked, offline Chroma collection;
                        the `chroma` extra)
@@ -63,6 +66,9 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
     from qcfuse_core.engine.streams import AsyncTokenStream as AsyncTokenStream
     from qcfuse_core.engine.streams import TokenStream as TokenStream
+    from qcfuse_core.learn import BackgroundBuilds as BackgroundBuilds
+    from qcfuse_core.learn import chunk_positions as chunk_positions
+    from qcfuse_core.learn import overlaps as overlaps
     from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
     from qcfuse_core.paths import cache_dir as cache_dir
     from qcfuse_core.retrieval.chroma import open_collection as open_chroma_collection  # noqa: F401
@@ -122,6 +128,10 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "ToolCall": ("qcfuse_core.engine.chat", "ToolCall"),
     "TOOL_SYSTEM": ("qcfuse_core.engine.chat", "TOOL_SYSTEM"),
     "json_schema_constraint": ("qcfuse_core.engine.grammar", "json_schema_constraint"),
+    # learning
+    "BackgroundBuilds": ("qcfuse_core.learn", "BackgroundBuilds"),
+    "chunk_positions": ("qcfuse_core.learn", "chunk_positions"),
+    "overlaps": ("qcfuse_core.learn", "overlaps"),
     # retrieval
     "get_embedder": ("qcfuse_core.retrieval.embedder", "get_embedder"),
     "EMBEDDING_DIMENSIONS": ("qcfuse_core.retrieval.embedder", "DIMENSIONS"),

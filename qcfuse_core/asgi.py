@@ -39,7 +39,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -230,15 +230,20 @@ class BearerAuth:
     """ASGI middleware: a request under `prefix` without `Authorization: Bearer <key>` gets a
     401 (`error`, with `WWW-Authenticate: Bearer`) before its body is read; other paths pass."""
 
-    def __init__(self, app: ASGIApp, key: str, *, error: ErrorResponse, prefix: str = "/v1/") -> None:
-        self.app, self.key, self.error, self.prefix = app, key.encode(), error, prefix
+    def __init__(self, app: ASGIApp, key: str | Sequence[str], *, error: ErrorResponse, prefix: str = "/v1/") -> None:
+        keys = (key,) if isinstance(key, str) else tuple(key)
+        if not keys:
+            raise ValueError("BearerAuth needs at least one key")
+        self.app, self.keys, self.error, self.prefix = app, [k.encode() for k in keys], error, prefix
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        # every key compared, in constant time each: which one matched does not show in the timing
+        matched = [hmac.compare_digest(token.strip(), k) for k in self.keys]
+        if scheme.lower() == b"bearer" and any(matched):
             return await self.app(scope, receive, send)
         msg = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
         await self.error(401, msg, {"WWW-Authenticate": "Bearer"})(scope, receive, send)

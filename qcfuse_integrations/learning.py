@@ -48,10 +48,10 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from qcfuse_core import MIN_CHUNK_CHARS, Piece, QCFuseEngine
+from qcfuse_core import MIN_CHUNK_CHARS, BackgroundBuilds, Piece, QCFuseEngine, chunk_positions, overlaps
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +87,19 @@ class Match:
 
 
 class Learner:
-    """One engine's view of retrieval (see the module docstring). Thread-safe."""
+    """One engine's view of retrieval (see the module docstring); its background builds are the
+    core learner's (qcfuse_core/learn.py `BackgroundBuilds`). Thread-safe."""
 
     def __init__(self, engine: QCFuseEngine) -> None:
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, str | None] = OrderedDict()  # text -> node id
-        self._pending: dict[str, Future] = {}  # text -> its latest background build
-        self._pending_ids: dict[str, str | None] = {}  # text -> the id that build links it to
+        # text -> its latest background build, tagged with the id that build links it to
+        self._builds = BackgroundBuilds("qcfuse-learn")
         self._sources: OrderedDict[str, str] = OrderedDict()  # a prompt's rendering -> the text it renders
         # texts whose cache a background build computed and no prompt has used yet: the first
         # prompt that does reports them as built during its request, not as hits
         self._fresh: OrderedDict[str, None] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcfuse-learn")
         self._last_retrieval = 0.0
         self._warned = False
         self._counts = dict(
@@ -135,7 +135,7 @@ class Learner:
                 self._recent[text] = node_id
                 self._recent.move_to_end(text)
                 self._counts["retrieved_texts"] += 1
-                if build and self._pending_ids.get(text, ...) != node_id:  # a new id is linked too
+                if build and self._builds.tag(text, ...) != node_id:  # a new id is linked too
                     todo.append((text, node_id))
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
@@ -146,18 +146,12 @@ class Learner:
         """Build (in the background) the caches of prompt texts not stored yet - the
         renderings a call served from sub-spans, so that the next call hits them whole."""
         with self._lock:
-            return self._submit([(t, i) for t, i in items if self._pending_ids.get(t, ...) != i])
+            return self._submit([(t, i) for t, i in items if self._builds.tag(t, ...) != i])
 
     def _submit(self, todo: list[tuple[str, str | None]], *, fresh: bool = False) -> Future | None:
         """(under the lock) one background job for `todo`; fresh: a retrieval's texts (the first
         prompt to use a cache built for them reports it as built, not as a hit)."""
-        if not todo:
-            return None
-        future = self._pool.submit(self._build, todo, fresh)
-        for text, node_id in todo:
-            self._pending[text] = future  # the latest build of the text (jobs run in order)
-            self._pending_ids[text] = node_id
-        return future
+        return self._builds.submit(todo, self._build, todo, fresh)
 
     def _build(self, items: list[tuple[str, str | None]], fresh: bool = False) -> None:
         """Register and build (on the learner's thread): the texts already stored are only linked."""
@@ -173,19 +167,10 @@ class Learner:
                     self._fresh.popitem(last=False)
         except Exception:  # a failed background build is only a lost hit: the request computes it
             log.exception("building the caches of %d retrieved text(s) failed", len(items))
-        finally:
-            with self._lock:
-                for text, node_id in items:
-                    if self._pending_ids.get(text, ...) == node_id:  # no later job for this text
-                        self._pending.pop(text, None)
-                        self._pending_ids.pop(text, None)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Until every background build started so far is done (tests, shutdown)."""
-        with self._lock:
-            futures = set(self._pending.values())
-        for f in futures:
-            f.result(timeout)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until no background build is queued or running (tests, shutdown) -> False on timeout."""
+        return self._builds.wait(timeout)
 
     # ------------------------------------------------------------------ prompts
     def match(self, prompt: str, explicit: Mapping[str, str] | None = None) -> Match:
@@ -225,7 +210,7 @@ class Learner:
             chunks = engine.caches.texts.find(prompt, node_ids=explicit or None)
         with self._lock:
             sources = {c.text: self._sources.get(c.text) for c in chunks}
-            more = {self._pending[s] for s in sources.values() if s in self._pending}
+        more = self._builds.where(lambda t: t in sources.values())
         if more:  # chunks that re-render a retrieved text: its build first (its cache serves them)
             yield more
         chunks = [replace(c, source=sources[c.text]) if sources[c.text] is not None else c for c in chunks]
@@ -258,8 +243,7 @@ class Learner:
     def _builds_in(self, prompt: str) -> set[Future]:
         """The background builds under way of retrieved texts this prompt contains (waited
         for: no double work)."""
-        with self._lock:
-            return {f for t, f in self._pending.items() if t in prompt}
+        return self._builds.where(lambda t: isinstance(t, str) and t in prompt)
 
     def _learn(self, prompt: str, found: Sequence[Piece], explicit: Mapping[str, str | None]) -> int:
         """Register the prompt's renderings of retrieved texts it does not contain verbatim."""
@@ -268,13 +252,13 @@ class Learner:
         candidates.update(explicit)
         if not candidates:
             return 0
-        taken = _spans(prompt, found)
+        taken = chunk_positions(prompt, found)
         norm, where = _normalise(prompt)
         engine, learned = self.engine, 0
         for text, node_id in candidates.items():
             at = prompt.find(text)
             if at >= 0:  # verbatim: registered unless another text covers it already
-                if len(text) >= MIN_CHUNK_CHARS and not _overlaps(taken, at, at + len(text)):
+                if len(text) >= MIN_CHUNK_CHARS and not overlaps(taken, at, at + len(text)):
                     engine.caches.texts.add(text, node_id)
                     taken.append((at, at + len(text)))
                     learned += 1
@@ -282,7 +266,7 @@ class Learner:
             escaped = repr(text)[1:-1]  # a Python repr of the text (LlamaIndex's simple_summarize)
             at = prompt.find(escaped) if escaped != text and len(escaped) >= MIN_SPAN else -1
             span = (at, at + len(escaped)) if at >= 0 else _rendering(norm, where, text)
-            if span is None or _overlaps(taken, *span):
+            if span is None or overlaps(taken, *span):
                 continue
             rendering = prompt[span[0] : span[1]]
             engine.caches.texts.add(rendering, node_id)
@@ -306,7 +290,7 @@ class Learner:
         return len(prompt) >= 400 and _CONTEXT_HEADER.search(prompt) is not None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._builds.close(cancel=False)
 
 
 def _late(builds: Collection[object]) -> None:
@@ -318,20 +302,7 @@ def _late(builds: Collection[object]) -> None:
         )
 
 
-# ---------------------------------------------------------------------- span helpers
-
-
-def _spans(prompt: str, chunks: Sequence[Piece]) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    for c in chunks:
-        at = prompt.find(c.text, pos)
-        out.append((at, at + len(c.text)))
-        pos = at + len(c.text)
-    return out
-
-
-def _overlaps(taken: Sequence[tuple[int, int]], start: int, end: int) -> bool:
-    return any(start < e and s < end for s, e in taken)
+# ---------------------------------------------------------------------- renderings
 
 
 def _normalise(text: str) -> tuple[str, list[int]]:

@@ -427,8 +427,8 @@ def test_over_http_the_server_learns_the_chunks(tmp_path):
     from test_serve import LiveServer
 
     from qcfuse_core.engine.api import QCFuseEngine
+    from qcfuse_core.learn import LEARNED_PREFIX
     from qcfuse_core.model.testing import tiny_model
-    from qcfuse_core.retrieval.texts import LEARNED_PREFIX
     from qcfuse_core.serve.app import create_app
     from qcfuse_core.store import MemoryStore
 

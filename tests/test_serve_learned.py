@@ -1,4 +1,4 @@
-"""Issue 55: OpenAI clients unchanged. The server learns chunks from prompts (serve/learned.py),
+"""Issue 55: OpenAI clients unchanged. The server learns chunks from prompts (qcfuse_core/learn.py),
 reports reuse in `usage.prompt_tokens_details.cached_tokens`, and validates like OpenAI
 (serve/validation.py). Real clients (openai, LangChain's ChatOpenAI, LlamaIndex's OpenAILike)
 talk to a uvicorn server on 127.0.0.1 over the tiny random fp32 CPU model with a byte
@@ -19,10 +19,10 @@ from test_store_cli import _fill, _run
 from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.chat import render
+from qcfuse_core.learn import ChunkLearner, LearnConfig, count_learned, learned_id, spans
 from qcfuse_core.model.testing import tiny_model
-from qcfuse_core.retrieval.texts import ChunkTextIndex, count_learned
+from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.serve.app import ServeConfig, create_app
-from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, learned_id, spans
 from qcfuse_core.serve.protocol import cached_tokens
 from qcfuse_core.serve.validation import ModelIds
 from qcfuse_core.store import MemoryStore

@@ -24,9 +24,9 @@ from test_serve import TEMPLATE, LiveServer, _metric
 from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.chat import render
+from qcfuse_core.learn import LearnConfig
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
-from qcfuse_core.serve.learned import LearnConfig
 from qcfuse_core.store import MemoryStore
 
 NEW = 10  # max_tokens of every answer

@@ -126,7 +126,8 @@ def test_parse_bytes_rejects(text):
 
 def test_tier_stats_hit_rate_and_occupancy(tmp_path, capsys):
     """TieredStore.stats(): per tier its hit rate (hits / lookups; None before any) and
-    occupancy (bytes used / capacity; None for the unbounded disk tier); `store stats` shows
+    occupancy (bytes used / capacity; the disk tier is bounded by default, sized from the disk:
+    sizing.disk_tier_bytes); `store stats` shows
     the folder's disk tier in the same table (lookups are the serving process's: --url)."""
     from qcfuse_core.store.tier_report import TIER_FIELDS, tier_lines, tier_table
 
@@ -142,14 +143,15 @@ def test_tier_stats_hit_rate_and_occupancy(tmp_path, capsys):
     assert host["hit_rate"] == host["hits"] / (host["hits"] + host["misses"])
     assert host["hits"] >= 2 and host["misses"] >= 1 and 0 < host["hit_rate"] < 1
     assert host["occupancy"] == host["bytes_used"] / (1 << 20) and 0 < host["occupancy"] < 1
-    assert disk["capacity_bytes"] is None and disk["occupancy"] is None and disk["entries"] == 3
+    assert disk["capacity_bytes"] >= disk["bytes_used"] > 0 and disk["entries"] == 3
+    assert disk["occupancy"] == disk["bytes_used"] / disk["capacity_bytes"]
     table = tier_table(stats)
     assert list(table) == ["host", "disk"] and all(set(t) == set(TIER_FIELDS) for t in table.values())
     lines = tier_lines(table)
     assert lines[0].split() == ["tier", "entries", "used", "/", "capacity", "occupancy", "hits", "misses", "hit",
                                 "rate", "evictions"]
     assert lines[1].startswith("host") and f"{100 * host['hit_rate']:.1f}%" in lines[1]
-    assert "/ 1.00 MiB" in lines[1] and "/ unbounded" in lines[2]
+    assert "/ 1.00 MiB" in lines[1] and "/ unbounded" not in lines[2]
     assert tier_table({"backend": "memory", "entries": 0}) == {}
 
     code, out, _ = _run(capsys, "stats", "--store", str(tmp_path), "--json")

@@ -130,3 +130,49 @@ def test_tiers_charge_allocated_bytes():
     assert charge(image((128 << 20) + 8192, pinned=True)) == 256 << 20  # pinned: power of two
     assert charge(image(128 << 20, pinned=True)) == 128 << 20
     assert charge(image((4 << 20) + 1, device="cuda")) == 6 << 20  # CUDA: 2 MiB blocks
+
+
+def test_expendable_entries_leave_the_disk_first_and_push_out_only_their_kind(tmp_path):
+    """Past the disk tier's capacity, entries the store is told are expendable (the server's
+    learned caches, qcfuse_core/learn.py) leave first; writing one of them evicts only
+    expendable entries - itself included, when no other is left - never a registered one."""
+    chunks = [make_chunk(i) for i in range(6)]
+    n = entry_bytes(chunks[0])
+    assert all(entry_bytes(c) == n for c in chunks)
+    learned = {c.key.to_string() for c in chunks[3:]}
+    with store_at(tmp_path, disk_bytes=3 * n) as s:
+        s.evict_first(learned.__contains__)
+        s.put(chunks[0])  # registered
+        s.put(chunks[3])  # learned
+        s.put(chunks[1])  # registered
+        s.put(chunks[2])  # registered: over the capacity - the learned entry leaves, not chunk 0
+        assert [s.disk.contains(c.key) for c in chunks] == [True, True, True, False, False, False]
+        s.put(chunks[4])  # learned, into a disk full of registered entries: only itself can leave
+        assert [s.disk.contains(c.key) for c in chunks[:5]] == [True, True, True, False, False]
+        assert s.stored_bytes(chunks[0].key) == n and s.stored_bytes(chunks[4].key) == 0
+        s.evict_first(None)  # nothing expendable: plain least recently used
+        s.put(chunks[5])
+        assert not s.disk.contains(chunks[0].key) and s.disk.contains(chunks[5].key)
+
+
+def test_the_disk_tier_is_bounded_by_default(tmp_path, monkeypatch):
+    """Without disk_bytes the disk tier takes DISK_SHARE of what the store holds plus the free
+    space when it opens, never less than it holds; a disk that does not say leaves it unbounded."""
+    from qcfuse_core.store import sizing
+
+    monkeypatch.setattr(sizing, "free_disk", lambda path: 1 << 20)
+    with store_at(tmp_path) as s:
+        assert s.disk_capacity() == int(sizing.DISK_SHARE * (1 << 20))
+        for i in range(3):
+            s.put(make_chunk(i))
+        held = s.stats()["tiers"]["disk"]["bytes_used"]
+    monkeypatch.setattr(sizing, "free_disk", lambda path: 0)
+    with store_at(tmp_path) as s:
+        assert s.disk_capacity() == held  # a full disk: what it holds
+    with store_at(tmp_path, disk_bytes=7) as s:
+        assert s.disk_capacity() == 7
+    monkeypatch.setattr(sizing, "free_disk", lambda path: None)
+    with store_at(tmp_path) as s:
+        assert s.disk_capacity() is None
+    with pytest.raises(ValueError, match="share"):
+        sizing.disk_tier_bytes(tmp_path, 0, share=0)

@@ -27,7 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from qcfuse_core.retrieval.texts import count_learned
+from qcfuse_core.learn import count_learned, learned_bytes
 from qcfuse_core.store.disk import MANIFEST_NAME, DiskTier
 from qcfuse_core.store.entry import FORMAT_VERSION
 from qcfuse_core.store.maintenance import (
@@ -40,6 +40,7 @@ from qcfuse_core.store.maintenance import (
     verify,
 )
 from qcfuse_core.store.manifest import Manifest
+from qcfuse_core.store.sizing import disk_tier_bytes
 from qcfuse_core.store.tier_report import TIER_FIELDS, tier_lines
 from qcfuse_core.store.tiered import kv_dir, writable
 from qcfuse_core.types import ChunkKey
@@ -206,7 +207,8 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
         g[1] += row.nbytes
     total = sum(b for _, b in groups.values())
     sidecars = disk.manifest.sidecars()
-    learned = count_learned(Path(args.store) / "chunk_texts.sqlite")
+    index = Path(args.store) / "chunk_texts.sqlite"
+    learned = (*count_learned(index), learned_bytes(index))
     obj: dict = {
         "path": str(disk.root),
         "format_version": FORMAT_VERSION,
@@ -217,23 +219,25 @@ def _stats(args: argparse.Namespace, disk: DiskTier) -> int:
         "nodes": disk.manifest.num_nodes(),
         "learned_texts": learned[0],
         "learned_chars": learned[1],
+        "learned_bytes": learned[2],
         "by_storage": [
             {"format_version": v, "storage": s, "entries": n, "bytes": b, "usable": v == FORMAT_VERSION}
             for (v, s), (n, b) in sorted(groups.items())
         ],
     }
     # the disk tier as the tier table shows it; lookups are counted by the process that serves
+    cap = disk_tier_bytes(disk.root, total)  # what a process opening the store bounds it to by default
     disk_row = {f: None for f in TIER_FIELDS} | {
         "entries": obj["entries"],
         "bytes_used": total,
-        "capacity_bytes": disk.capacity_bytes,
-        "occupancy": total / disk.capacity_bytes if disk.capacity_bytes else None,
+        "capacity_bytes": cap,
+        "occupancy": total / cap if cap else None,
     }
     obj["tiers"] = {"disk": disk_row}
     lines = [
         f"KV store {disk.root}  (format v{FORMAT_VERSION})",
         f"  entries {obj['entries']}  bytes {total:,}  sidecars {len(sidecars)}  nodes {obj['nodes']}",
-        f"  learned {learned[0]} texts ({learned[1]:,} characters)",
+        f"  learned {learned[0]} texts ({learned[1]:,} characters, {learned[2]:,} bytes of caches)",
     ]
     for g in obj["by_storage"]:
         flag = "" if g["usable"] else "  (stale: another format version; `store gc` removes it)"

@@ -36,8 +36,6 @@ from pathlib import Path
 from qcfuse_core.types import Piece
 
 ANCHOR = 32
-# node ids of the texts `qcfuse serve` learned from prompts (serve/learned.py): "learned:<sha256[:16]>"
-LEARNED_PREFIX = "learned:"
 _SCHEMA = "CREATE TABLE IF NOT EXISTS chunk_text (sha TEXT PRIMARY KEY, node_id TEXT, text TEXT NOT NULL)"
 
 log = logging.getLogger(__name__)
@@ -200,25 +198,6 @@ class ChunkTextIndex:
 
     def close(self) -> None:
         self._db.close()
-
-
-def count_learned(path: str | Path) -> tuple[int, int]:
-    """(texts, characters) the server learned from prompts in the index file at `path`, read
-    without writing ((0, 0) when there is no file)."""
-    path = Path(path)
-    if not path.is_file():
-        return 0, 0
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    try:
-        row = db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(LENGTH(text)), 0) FROM chunk_text WHERE node_id LIKE ?",
-            (LEARNED_PREFIX + "%",),
-        ).fetchone()
-    except sqlite3.Error:
-        return 0, 0
-    finally:
-        db.close()
-    return int(row[0]), int(row[1])
 
 
 def lenient_text(raw: bytes) -> str:

@@ -58,9 +58,9 @@ from qcfuse_core.engine.api import EngineBusy, KVBudgetError, QCFuseEngine
 from qcfuse_core.engine.chat import forced_tools, parse_tool_calls, render, tool_call_schema
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.streams import AsyncTokenStream
+from qcfuse_core.learn import ChunkLearner, LearnConfig, is_learned
 from qcfuse_core.serve.builds import BuildQueue, BuildsStopped
-from qcfuse_core.serve.learned import ChunkLearner, LearnConfig, LearnedCollector
-from qcfuse_core.serve.metrics import ServeMetrics
+from qcfuse_core.serve.metrics import LearnedCollector, ServeMetrics
 from qcfuse_core.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -80,6 +80,9 @@ from qcfuse_core.types import FusionResult, Piece
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# what sets a request's tenant, whose learned chunks it sees (`tenant_of`): its API key, the
+# OpenAI `user` field, a vLLM-compatible `cache_salt` field, or nothing (every request alike)
+TENANT_BY = ("key", "user", "salt", "none")
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,10 @@ class ServeConfig:
     disconnect_poll_s: float = 0.25  # how often a waiting request checks that its client is there
     max_prompt_tokens: int = 32768  # a longer prompt (as rendered, chunks included): 400
     max_documents: int = 64  # the most documents or node ids one request may name in `qcfuse`
-    api_key: str | None = field(default=None, repr=False)  # None: no auth; else /v1/* needs the bearer token
-    learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (serve/learned.py)
+    # None: no auth; else /v1/* needs the bearer token (several: any of them, each its own tenant)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
+    learning: LearnConfig = field(default_factory=LearnConfig)  # chunks learned from prompts (qcfuse_core/learn.py)
+    tenant_by: str = "key"  # whose learned chunks a request sees: key | user | salt | none (TENANT_BY)
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the connection's address and localhost ('*': any)
     allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own that may POST
 
@@ -105,8 +110,15 @@ class ServeConfig:
             raise ValueError(f"invalid limits: {self}")
         if self.max_prompt_tokens < 1 or self.max_documents < 1:
             raise ValueError(f"max_prompt_tokens and max_documents must be >= 1, got {self}")
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not all(k.strip() for k in self.api_keys):
             raise ValueError("api_key must not be empty (pass None for no auth)")
+        if self.tenant_by not in TENANT_BY:
+            raise ValueError(f"tenant_by must be one of {', '.join(TENANT_BY)}, got {self.tenant_by!r}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may carry (none: no auth)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
 
 class ClientGone(Exception):
@@ -165,12 +177,8 @@ def create_app(
     scheduler stopped, its store and chunk-text index closed)."""
     cfg = config or ServeConfig()
     ids = ModelIds.of(engine.adapter.name, model_name)  # the public id and its aliases (validation.py)
-    name = ids.public
     metrics = ServeMetrics(engine)
-    learner = ChunkLearner(engine, cfg.learning) if cfg.learning.enabled else None
-    if learner is not None:
-        metrics.registry.register(LearnedCollector(learner))  # type: ignore[arg-type]
-        metrics.on_finished.append(learner.finished)
+    learner = _learner(engine, cfg, metrics)
     builder = BuildQueue(engine)  # /v1/chunks: one worker, requests served in turn (serve/builds.py)
     created = now()
 
@@ -188,21 +196,7 @@ def create_app(
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, cfg
     app.state.builds = builder
     app.state.learner, app.state.model_ids = learner, ids
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, error=_refusal)  # every content type, streamed
-    if cfg.api_key is not None:  # outside it: a 401 before the body is read
-        app.add_middleware(BearerAuth, key=cfg.api_key, error=_refusal, prefix="/v1/")
-    # the outermost: a foreign Host (DNS rebinding) or a cross-site Origin is refused first
-    app.add_middleware(
-        LocalOnly,
-        error=_refusal,
-        allowed_hosts=cfg.allowed_hosts,
-        allowed_origins=cfg.allowed_origins,
-        hints={
-            "host": "; to serve under that name, start the server with --allowed-host NAME",
-            "origin": "; to let a page there call this server, start it with --allowed-origin ORIGIN",
-        },
-    )
-    app.add_middleware(AbortLog, error=_refusal, name="qcfuse serve")  # SIGTERM: a line per aborted request
+    _front_door(app, cfg)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -230,7 +224,50 @@ def create_app(
             metrics.outcome(route, "bad_request")
         return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
 
-    # -- reading ----------------------------------------------------------------------------
+    _reading_routes(app, engine, ids, metrics, created)
+    _chunk_route(app, engine, cfg, builder)
+    _generation_routes(app, engine, cfg, ids, metrics, learner)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unknown(path: str):
+        return _error(404, f"no such endpoint: /{path}", "not_found_error")
+
+    app.add_middleware(StatusCounts, count=metrics.status)  # the outermost: every status, 401/403/413 too
+    return app
+
+
+def _front_door(app: FastAPI, cfg: ServeConfig) -> None:
+    """The shared middlewares (qcfuse_core/asgi.py), innermost first."""
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, error=_refusal)  # every content type, streamed
+    if cfg.api_keys:  # outside it: a 401 before the body is read
+        app.add_middleware(BearerAuth, key=cfg.api_keys, error=_refusal, prefix="/v1/")
+    # the outermost: a foreign Host (DNS rebinding) or a cross-site Origin is refused first
+    app.add_middleware(
+        LocalOnly,
+        error=_refusal,
+        allowed_hosts=cfg.allowed_hosts,
+        allowed_origins=cfg.allowed_origins,
+        hints={
+            "host": "; to serve under that name, start the server with --allowed-host NAME",
+            "origin": "; to let a page there call this server, start it with --allowed-origin ORIGIN",
+        },
+    )
+    app.add_middleware(AbortLog, error=_refusal, name="qcfuse serve")  # SIGTERM: a line per aborted request
+
+
+def _learner(engine: QCFuseEngine, cfg: ServeConfig, metrics: ServeMetrics) -> ChunkLearner | None:
+    """The server's learner (qcfuse_core/learn.py), its counters in /metrics; None: learning off."""
+    if not cfg.learning.enabled:
+        return None
+    learner = ChunkLearner(engine, cfg.learning)
+    metrics.registry.register(LearnedCollector(learner))  # type: ignore[arg-type]
+    metrics.on_finished.append(learner.finished)
+    return learner
+
+
+def _reading_routes(app: FastAPI, engine: QCFuseEngine, ids: ModelIds, metrics: ServeMetrics, created: int) -> None:
+    name = ids.public
+
     @app.get("/health")
     async def health():
         s = engine.stats().scheduler
@@ -244,7 +281,8 @@ def create_app(
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # -- chunks -----------------------------------------------------------------------------
+
+def _chunk_route(app: FastAPI, engine: QCFuseEngine, cfg: ServeConfig, builder: BuildQueue) -> None:
     @app.post("/v1/chunks")
     async def chunks(body: ChunksRequest):
         await _check_chunk_tokens(engine, body.texts, cfg)
@@ -257,35 +295,69 @@ def create_app(
         ids: list[str | None] = list(body.ids) if body.ids else [None] * len(body.texts)
         return {"object": "list", "data": [{"id": i, "key": k.to_string()} for i, k in zip(ids, keys)]}
 
-    # -- generation -------------------------------------------------------------------------
+
+def _generation_routes(
+    app: FastAPI,
+    engine: QCFuseEngine,
+    cfg: ServeConfig,
+    ids: ModelIds,
+    metrics: ServeMetrics,
+    learner: ChunkLearner | None,
+) -> None:
+    """/v1/chat/completions and /v1/completions; a request whose chunks are found by content
+    is served its tenant's learned chunks too (`tenant_of`, `_learned`)."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(ids, body.model)
+        tenant = tenant_of(request, body, cfg)
         g = await _chat(engine, body, cfg)
-        if learner is not None and _by_content(body):  # the spans of its user and tool messages
-            learner.observe(g.prompt, [m["content"] for m in body.messages if m["role"] in ("user", "tool")], g.chunks)
-        return await _respond(engine, g, request, name, metrics, cfg)
+        if learner is not None and _by_content(body):  # the context blocks of its messages, by role
+            _learned(learner, g, [(m["role"], m["content"]) for m in body.messages], tenant)
+        return await _respond(engine, g, request, ids.public, metrics, cfg)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(ids, body.model)
+        tenant = tenant_of(request, body, cfg)
         g = await _completion(engine, body, cfg)
         if learner is not None and _by_content(body):
-            learner.observe(g.prompt, [g.prompt], g.chunks)
-        return await _respond(engine, g, request, name, metrics, cfg)
-
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(path: str):
-        return _error(404, f"no such endpoint: /{path}", "not_found_error")
-
-    app.add_middleware(StatusCounts, count=metrics.status)  # the outermost: every status, 401/403/413 too
-    return app
+            _learned(learner, g, [("user", g.prompt)], tenant)
+        return await _respond(engine, g, request, ids.public, metrics, cfg)
 
 
 def _check_model(ids: ModelIds, model: str | None) -> None:
     if not ids.accepts(model):
         assert model is not None
         raise ApiError(404, ids.not_found(model), param="model", code="model_not_found")
+
+
+def tenant_of(request: Request, body: ChatRequest | CompletionRequest, cfg: ServeConfig) -> str:
+    """The tenant of a request, by `cfg.tenant_by` ("": the one every request without a tenant
+    shares): its API key (none configured: ""), its `user`, or its `cache_salt`. A
+    `cache_salt` sent to a server that does not go by it is a 400: it would not separate."""
+    extra = body.model_extra or {}
+    by, salt = cfg.tenant_by, extra.get("cache_salt")
+    if salt is not None and by != "salt":
+        raise ApiError(
+            400, "cache_salt is not honoured here: start the server with --tenant-by salt", param="cache_salt"
+        )
+    if by == "key" and cfg.api_keys:
+        header = dict(request.scope.get("headers") or []).get(b"authorization", b"")
+        return "key:" + header.partition(b" ")[2].strip().decode("latin-1")  # BearerAuth checked it
+    if by in ("user", "salt"):
+        field_name = "user" if by == "user" else "cache_salt"
+        value = extra.get(field_name)
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, f"{field_name} must be a string", param=field_name)
+        return f"{by}:{value}" if value else ""
+    return ""
+
+
+def _learned(learner: ChunkLearner, g: Generation, blocks: list[tuple[str, str]], tenant: str) -> None:
+    """The tenant's learned chunks join the registered ones; then its sightings are counted."""
+    g.chunks = learner.pieces(g.prompt, blocks, g.chunks, tenant)
+    learner.observe(g.prompt, blocks, g.chunks, tenant)
 
 
 def _by_content(body: ChatRequest | CompletionRequest) -> bool:
@@ -336,19 +408,20 @@ def _settings(engine: QCFuseEngine, body: ChatRequest | CompletionRequest, cfg: 
 
 
 def _locate(engine: QCFuseEngine, prompt: str, body: ChatRequest | CompletionRequest) -> list[Piece]:
-    """The prompt's chunks, in order: by content (every registered text it holds), or the
-    texts `qcfuse.documents` names (each must occur in the prompt), or the registered texts
+    """The prompt's chunks, in order: by content (every registered text it holds; the learned
+    ones are the learner's to grant, `_learned`), or the texts `qcfuse.documents` names (each must occur in the prompt), or the registered texts
     of `qcfuse.node_ids` (each must be found in the prompt)."""
     q = body.qcfuse
+    registered = [p for p in engine.caches.texts.find(prompt) if not is_learned(p.node_id)]  # learned: the learner's
     if q is None or (q.documents is None and q.node_ids is None):
-        return engine.caches.texts.find(prompt)
+        return registered
     if q.node_ids is not None:
-        found = [p for p in engine.caches.texts.find(prompt) if p.node_id in set(q.node_ids)]
+        found = [p for p in registered if p.node_id in set(q.node_ids)]
         missing = sorted(set(q.node_ids) - {p.node_id for p in found})
         if missing:
             raise ApiError(400, f"node ids not found in the prompt: {missing}", param="qcfuse.node_ids")
         return found
-    known = {p.text: p.node_id for p in engine.caches.texts.find(prompt)}
+    known = {p.text: p.node_id for p in registered}
     spans = []
     for i, doc in enumerate(q.documents or ()):
         at = prompt.find(doc)

@@ -4,8 +4,9 @@
 
 Binds to 127.0.0.1 unless --host says otherwise. Point any OpenAI client at
 http://HOST:PORT/v1 (LangChain's ChatOpenAI base_url, LlamaIndex's OpenAILike api_base).
-With --api-key (or QCFUSE_API_KEY in the environment) every /v1/ route needs
-`Authorization: Bearer KEY`. A request whose Host is not the address it came in on or a
+With --api-key (repeatable; or QCFUSE_API_KEY in the environment) every /v1/ route needs
+`Authorization: Bearer KEY`, and each key is a tenant of its own: what the server learns
+from one key's prompts is never served to another (--tenant-by, docs/serving.md). A request whose Host is not the address it came in on or a
 localhost name (DNS rebinding) gets a 403, and so does a POST from another site's page
 (its Origin): --allowed-host and --allowed-origin name more (docs/serving.md).
 
@@ -68,8 +69,10 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every /v1/ route (default: ${API_KEY_ENV} if set, else none)",
+        help=f"require 'Authorization: Bearer KEY' on every /v1/ route; repeatable: any of the keys, each its own "
+        f"tenant (--tenant-by key) (default: ${API_KEY_ENV} if set, else none)",
     )
     p.add_argument(
         "--allowed-host",
@@ -87,6 +90,20 @@ def add_commands(sub) -> None:
         help="a browser origin (https://app.example) whose pages may POST here (repeatable)",
     )
     p.add_argument(
+        "--shutdown-timeout-s",
+        type=int,
+        default=10,
+        help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
+    )
+    _learning_options(p)
+    _replica_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _learning_options(p) -> None:
+    """Chunks learned from prompts (qcfuse_core/learn.py) and whose they are (docs/serving.md)."""
+    g = p.add_argument_group("learned chunks and tenants")
+    g.add_argument(
         "--learn-after",
         type=int,
         default=1,
@@ -94,19 +111,37 @@ def add_commands(sub) -> None:
         help="learn chunks from prompts: build a context span's cache once it has been seen N times, served "
         "from then on (0: learn nothing; docs/serving.md) (default: %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-learned",
         type=int,
         default=4096,
-        help="the most learned chunk texts kept; past it the least recently used leaves the index and the store "
-        "(default: %(default)s)",
+        help="the most learned chunk texts kept; past it the tenant holding most gives up its least recently used "
+        "one (default: %(default)s)",
     )
-    p.add_argument(
-        "--shutdown-timeout-s",
-        type=int,
-        default=10,
-        help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
+    g.add_argument(
+        "--max-learned-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="the most bytes learned caches keep (e.g. 2G), the same way (default: a quarter of the store's disk "
+        "limit, which is half of what the store holds plus the disk's free space)",
     )
+    g.add_argument(
+        "--learn-system-prompts",
+        action="store_true",
+        help="also learn and serve the context spans of system messages (default: only user and tool messages)",
+    )
+    g.add_argument(
+        "--tenant-by",
+        default="key",
+        choices=["key", "user", "salt", "none"],
+        help="whose learned chunks a request sees: those learned from requests with its API key, its OpenAI `user` "
+        "field, its `cache_salt` field (as vLLM's), or everyone's (none); without --api-key, `key` is none "
+        "(docs/serving.md, multi-tenant) (default: %(default)s)",
+    )
+
+
+def _replica_options(p) -> None:
     ray = p.add_argument_group("replicas on Ray Serve (needs qcfuse[ray])")
     ray.add_argument(
         "--replicas",
@@ -135,18 +170,35 @@ def add_commands(sub) -> None:
         default=None,
         help="each replica's host tier in MiB (default: 1/N of the host's share of available RAM, store/sizing.py)",
     )
-    p.set_defaults(func=cmd_serve)
 
 
 def learn_config(args):
-    """The learning policy --learn-after and --max-learned ask for (serve/learned.py)."""
-    from qcfuse_core.serve.learned import LearnConfig
+    """The learning policy --learn-after, --max-learned, --max-learned-bytes and
+    --learn-system-prompts ask for (qcfuse_core/learn.py)."""
+    from qcfuse_core.learn import LearnConfig
 
     if args.learn_after < 0:
         raise ValueError(f"--learn-after must be >= 0 (0: learn nothing), got {args.learn_after}")
     if args.learn_after == 0:
         return LearnConfig(enabled=False)
-    return LearnConfig(after=args.learn_after, max_learned=args.max_learned)
+    return LearnConfig(
+        after=args.learn_after,
+        max_learned=args.max_learned,
+        max_bytes=getattr(args, "max_learned_bytes", None) or None,
+        system=getattr(args, "learn_system_prompts", False),
+    )
+
+
+def _bytes(text: str) -> int:
+    from qcfuse_core.cli.store import parse_bytes
+
+    return parse_bytes(text)
+
+
+def api_keys(args) -> tuple[str, ...] | None:
+    """The keys of --api-key (repeatable), else $QCFUSE_API_KEY; None: no auth."""
+    keys = tuple(args.api_key or ()) or tuple(k for k in [os.environ.get(API_KEY_ENV)] if k)
+    return keys or None
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -194,7 +246,7 @@ def cmd_serve(args) -> int:
 
     if args.shutdown_timeout_s < 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0, got {args.shutdown_timeout_s}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = api_keys(args)
     if args.shape and (args.model is not None or args.replicas):
         raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")
     if args.replicas:
@@ -217,6 +269,7 @@ def cmd_serve(args) -> int:
         allowed_hosts=tuple(args.allowed_host),
         allowed_origins=tuple(args.allowed_origin),
         learning=learn_config(args),
+        tenant_by=args.tenant_by,
     )
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
@@ -246,7 +299,7 @@ def _shaped_engine(args, config):
     return QCFuseEngine(adapter, store=store, config=config, text_index=ChunkTextIndex(root / "chunk_texts.sqlite"))
 
 
-def serve_replicas(args, api_key: str | None) -> int:
+def serve_replicas(args, api_key: tuple[str, ...] | None) -> int:
     """`qcfuse serve --replicas N`: the Ray Serve application (serve/replicas.py) on a local Ray
     cluster, until SIGTERM or SIGINT; then Ray Serve stops the replicas (each closes its store)
     and every process the Ray cluster started is gone within --shutdown-timeout-s (`_stop_ray`).
@@ -291,6 +344,7 @@ def serve_replicas(args, api_key: str | None) -> int:
             "allowed_hosts": tuple(args.allowed_host),
             "allowed_origins": tuple(args.allowed_origin),
             "learning": learn_config(args),
+            "tenant_by": args.tenant_by,
         },
     )
     Path(options.store).mkdir(parents=True, exist_ok=True)

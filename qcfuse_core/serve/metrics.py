@@ -20,6 +20,11 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
     qcfuse_scheduler_steps_total                scheduler steps run
     qcfuse_scheduler_requests_total{state}      submitted | finished | aborted | failed | deferred
     qcfuse_kv_pool_idle_bytes                   KV buffers pooled for reuse (idle)
+    qcfuse_learned_chunks, qcfuse_learned_pending   learned texts held, spans queued or building
+    qcfuse_learned_bytes, qcfuse_learned_max_bytes  their caches' bytes in the store; the budget
+    qcfuse_learned_tenants                      tenants holding learned texts
+    qcfuse_learned_{builds,hits,misses,evicted,dropped,failed}_total
+                                                the learner's counters (qcfuse_core/learn.py)
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.learn import ChunkLearner
 from qcfuse_core.types import FusionResult
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -123,3 +129,34 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LearnedCollector:
+    """The learner's counters (`ChunkLearner.stats()`), read at scrape time."""
+
+    def __init__(self, learner: ChunkLearner) -> None:
+        self.learner = learner
+
+    def collect(self):
+        s = self.learner.stats()
+        for name, doc, value in (
+            ("qcfuse_learned_chunks", "chunk texts learned from prompts, held now", s.learned),
+            ("qcfuse_learned_pending", "learned spans queued or building", s.pending),
+            ("qcfuse_learned_bytes", "bytes of the learned texts' caches in the store", s.bytes),
+            ("qcfuse_learned_max_bytes", "the bytes learned caches may hold", self.learner.max_bytes),
+            ("qcfuse_learned_tenants", "tenants holding learned texts", s.tenants),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        for name, doc, value in (
+            ("builds", "learned spans whose cache was built", s.builds),
+            ("hits", "learned chunks served from their cache", s.hits),
+            ("misses", "context spans computed because no cache held them yet", s.misses),
+            ("evicted", "learned texts forgotten past the limit (index and store)", s.evicted),
+            ("dropped", "spans not queued: too many builds waiting", s.dropped),
+            ("failed", "learned spans whose build failed", s.failed),
+        ):
+            c = CounterMetricFamily(f"qcfuse_learned_{name}", doc)
+            c.add_metric([], value)
+            yield c

@@ -8,7 +8,8 @@ model ids      one public id (`ModelIds.public`, what /v1/models lists and answe
                Any other id -> 404 `model_not_found`; a request without `model` gets the
                public one.
 fields         the top-level fields OpenAI defines for each route (`CHAT_FIELDS`,
-               `COMPLETION_FIELDS`) plus `qcfuse`; any other ("temprature") -> 400
+               `COMPLETION_FIELDS`) plus `qcfuse` and vLLM's `cache_salt` (app.py
+               `tenant_of`); any other ("temprature") -> 400
                naming it, as OpenAI answers "Unrecognized request argument supplied".
                Known fields that would change the output and are not honoured are
                refused by protocol.py (`check_supported`); the rest are accepted and
@@ -33,13 +34,14 @@ CHAT_FIELDS = frozenset(
         "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort", "response_format",
         "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
         "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options", "qcfuse",
+        "cache_salt",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
         "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
-        "qcfuse",
+        "qcfuse", "cache_salt",
     }
 )  # fmt: skip
 _TAGGED = re.compile(r"^(?P<name>.+)-[0-9a-f]{6,}$")  # a packaged model's folder: <name>-<tag>

@@ -17,7 +17,7 @@ and the tiered disk store. Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Self
 
@@ -100,6 +100,19 @@ class ChunkStore(ABC):
     def entry_bytes(self, key: ChunkKey, dtype: torch.dtype, L: int, T: int, Hkv: int, D: int) -> int:
         """Bytes a chunk of this shape takes in the store (0: the store does not say)."""
         return 0
+
+    def stored_bytes(self, key: ChunkKey) -> int:
+        """Bytes the store keeps for the chunk of `key` (0: none, or the store does not say)."""
+        return 0
+
+    def disk_capacity(self) -> int | None:
+        """The most bytes the store keeps on disk (None: no disk, or no limit)."""
+        return None
+
+    def evict_first(self, expendable: Callable[[str], bool] | None) -> None:
+        """Past a bounded tier's capacity, the entries whose key string `expendable` accepts
+        leave before any other, and writing one of them evicts only such entries (None: no
+        entry is expendable). A store without bounded tiers has nothing to evict."""
 
     def prepare_bulk(self, sizes: list[int], writers: int) -> int:
         """Get ready for a bulk load of entries of these sizes (bytes); -> blocks prepared."""

@@ -77,6 +77,11 @@ class _Located:
     scales: torch.Tensor | None  # (L, 2, Hkv) float32 for fp8
 
 
+def never(chunk_key: str) -> bool:
+    """No entry is expendable (`DiskTier.expendable`'s default)."""
+    return False
+
+
 def _sqlite_full(e: sqlite3.Error) -> bool:
     return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
 
@@ -99,6 +104,9 @@ class DiskTier:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"disk capacity must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        # entries (by key string) that leave first past the capacity; a write of one of them
+        # evicts only such entries (learned caches never push out registered ones)
+        self.expendable: Callable[[str], bool] = never
         self.alloc = alloc
         self.read_only = read_only
         if not read_only:
@@ -246,14 +254,23 @@ class DiskTier:
             with self._lock:
                 self._located.pop(key, None)
                 self._hidden.discard(key)
-            self._enforce_capacity()
+            self._enforce_capacity(key)
         return True
 
-    def _enforce_capacity(self) -> None:
+    def _enforce_capacity(self, written: ChunkKey) -> None:
+        """Past the capacity, the least recently used entries leave: expendable ones first,
+        and only those when the entry just `written` is expendable itself."""
         if self.capacity_bytes is None:
             return
         _, total = self.manifest.count_and_bytes()
-        for row in self.manifest.entries():  # least recently used first
+        if total <= self.capacity_bytes:
+            return
+        rows = list(self.manifest.entries())  # least recently used first
+        spare = self.expendable
+        order = [r for r in rows if spare(r.chunk_key)]
+        if not spare(written.to_string()):
+            order += [r for r in rows if not spare(r.chunk_key)]
+        for row in order:
             if total <= self.capacity_bytes:
                 break
             if self.manifest.remove_entry(row.chunk_key, row.format_version, row.storage, row.path):
@@ -505,6 +522,11 @@ class DiskTier:
             if key in self._located:
                 return True
         return self._lookup(key) is not None
+
+    def stored_bytes(self, key: ChunkKey) -> int:
+        """Bytes of the entry of `key` on disk (0: none)."""
+        row = self._lookup(key)
+        return row.nbytes if row is not None else 0
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:

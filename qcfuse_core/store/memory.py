@@ -44,6 +44,10 @@ class MemoryStore(ChunkStore):
     def contains(self, key: ChunkKey) -> bool:
         return key in self._chunks
 
+    def stored_bytes(self, key: ChunkKey) -> int:
+        chunk = self._chunks.get(key)
+        return chunk.nbytes if chunk is not None else 0
+
     def delete(self, key: ChunkKey) -> bool:
         return self._chunks.pop(key, None) is not None
 

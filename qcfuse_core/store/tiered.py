@@ -28,7 +28,7 @@ import os
 import sqlite3
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +36,12 @@ import torch
 
 from qcfuse_core.store.base import ChunkStore, ReadOnlyStoreError, StoreStats
 from qcfuse_core.store.codec import check_storage_name, decode_layer
-from qcfuse_core.store.disk import DiskTier, plain_alloc
+from qcfuse_core.store.disk import DiskTier, never, plain_alloc
 from qcfuse_core.store.entry import FORMAT_VERSION, EntryImage, EntryLayout, encode_chunk
 from qcfuse_core.store.eviction import get_policy
 from qcfuse_core.store.host_tier import HostTier
 from qcfuse_core.store.sidecar import Sidecar
-from qcfuse_core.store.sizing import host_tier_bytes
+from qcfuse_core.store.sizing import disk_tier_bytes, host_tier_bytes
 from qcfuse_core.store.tier import MemoryTier, TierPin
 from qcfuse_core.types import ChunkKey, KVChunk, NodeId
 
@@ -63,7 +63,8 @@ ADMISSION = ("always", "second")
 @dataclass(frozen=True)
 class StoreConfig:
     """memory_bytes: the host tier (pinned when CUDA is present); None: sized from the
-    machine (`sizing.host_tier_bytes`). gpu_bytes: a cap on the GPU tier, used only when
+    machine (`sizing.host_tier_bytes`). disk_bytes: the disk tier; None: sized from the disk
+    when the store opens (`sizing.disk_tier_bytes`, DISK_SHARE). gpu_bytes: a cap on the GPU tier, used only when
     CUDA is present; None: no cap - the tier holds what the engine's GPU budget leaves
     (cache/budget.py), nothing in a store opened without an engine.
     admission: when a chunk a request read from the disk tier enters memory (the engine's
@@ -74,7 +75,7 @@ class StoreConfig:
 
     memory_bytes: int | None = None
     gpu_bytes: int | None = None
-    disk_bytes: int | None = None  # None: unbounded
+    disk_bytes: int | None = None  # None: sized from the disk (`sizing.disk_tier_bytes`)
     storage_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 | fp8
     policy: str = "slru"  # eviction.py
     sidecar_layers: tuple[int, ...] = ()  # layers whose K goes into the sidecar on put
@@ -193,6 +194,8 @@ class TieredStore(ChunkStore):
             durable=config.durable,
             read_only=read_only,
         )
+        if config.disk_bytes is None and not self.disk.read_only:
+            self.disk.capacity_bytes = disk_tier_bytes(root, self.disk.manifest.count_and_bytes()[1])
         self._stats = StoreStats()
         self._sidecars: OrderedDict[ChunkKey, Sidecar] = OrderedDict()
         self._sidecar_bytes = 0
@@ -429,6 +432,15 @@ class TieredStore(ChunkStore):
     def _entry_bytes(self, chunk: KVChunk) -> int:
         L, T, Hkv, D = chunk.k.shape
         return self.entry_bytes(chunk.key, chunk.k.dtype, L, T, Hkv, D)
+
+    def stored_bytes(self, key: ChunkKey) -> int:
+        return self.disk.stored_bytes(key)
+
+    def disk_capacity(self) -> int | None:
+        return self.disk.capacity_bytes
+
+    def evict_first(self, expendable: Callable[[str], bool] | None) -> None:
+        self.disk.expendable = expendable or never
 
     def entry_bytes(self, key: ChunkKey, dtype: torch.dtype, L: int, T: int, Hkv: int, D: int) -> int:
         """Bytes of the entry (file and host image) of a chunk of this shape."""
