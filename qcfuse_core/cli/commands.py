@@ -528,7 +528,7 @@ def cmd_ask(args) -> int:
         print(delta, end="", flush=True)
     r = stream.result
     print(
-        f"\n\n[{r.method}{'' if r.ratio is None else f' @ {r.ratio:.2f}'}] TTFT {r.ttft_ms:.1f} ms, "
+        f"\n\n[{r.what_answered()}]\nTTFT {r.ttft_ms:.1f} ms, "
         f"total {r.total_ms:.1f} ms, {r.recomputed_tokens}/{r.context_tokens} context tokens recomputed, "
         f"chunk cache {_cache_line(r)}"
     )
@@ -567,9 +567,9 @@ def cmd_demo(args) -> int:
         print(f"Q{i}: {q}   ({full.context_tokens} context tokens, {len(docs)} chunks)")
         print(f"  full  | TTFT {full.ttft_ms:7.1f} ms | {full.text.strip()}")
         print(f"  fused | TTFT {fused.ttft_ms:7.1f} ms | {fused.text.strip()}")
-        label = method if fused.ratio is None else f"{method} @ {fused.ratio:.2f}"
+        print(f"        | answered by {fused.what_answered()}")
         print(
-            f"        | {label}: {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
+            f"        | {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
             f"chunk cache {_cache_line(fused)}, "
             f"TTFT speedup {full.ttft_ms / fused.ttft_ms:.2f}x\n"
         )
