@@ -32,6 +32,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768  # also the cap of a model's own context, when
 
 
 def add_commands(sub) -> None:
+    from qcfuse_core.cli.flags import above, at_least, port
     from qcfuse_core.paths import cache_dir
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (needs qcfuse[serve])")
@@ -55,16 +56,19 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens a request may ask for")
+    p.add_argument("--port", type=port, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
+    p.add_argument("--max-tokens", type=at_least(1), default=4096, help="the most tokens a request may ask for")
     p.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=at_least(1),
         default=None,
         help=f"the longest prompt in tokens (default: the model's context, at most {DEFAULT_MAX_PROMPT_TOKENS})",
     )
     p.add_argument(
-        "--max-documents", type=int, default=64, help="the most documents or node ids a request may name in `qcfuse`"
+        "--max-documents",
+        type=at_least(1),
+        default=64,
+        help="the most documents or node ids a request may name in `qcfuse`",
     )
     p.add_argument(
         "--api-key",
@@ -88,7 +92,7 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--learn-after",
-        type=int,
+        type=at_least(0, "0: learn nothing"),
         default=1,
         metavar="N",
         help="learn chunks from prompts: build a context span's cache once it has been seen N times, served "
@@ -96,21 +100,21 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--max-learned",
-        type=int,
+        type=at_least(1),
         default=4096,
         help="the most learned chunk texts kept; past it the least recently used leaves the index and the store "
         "(default: %(default)s)",
     )
     p.add_argument(
         "--shutdown-timeout-s",
-        type=int,
+        type=at_least(0),
         default=10,
         help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
     )
     ray = p.add_argument_group("replicas on Ray Serve (needs qcfuse[ray])")
     ray.add_argument(
         "--replicas",
-        type=int,
+        type=at_least(0, "0: one engine in this process"),
         default=0,
         help="run N engine replicas on Ray Serve over this one store folder, behind Ray Serve's HTTP proxy on "
         "--host:--port (default: one engine in this process)",
@@ -122,16 +126,18 @@ def add_commands(sub) -> None:
         help="affinity: send a request to the replica holding most of its chunks in memory; default: Ray Serve's "
         "power of two choices (default: %(default)s)",
     )
-    ray.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default: %(default)s)")
+    ray.add_argument(
+        "--cpus-per-replica", type=above(0), default=1.0, help="Ray CPUs per replica (default: %(default)s)"
+    )
     ray.add_argument(
         "--gpus-per-replica",
-        type=float,
+        type=above(0, or_equal=True),
         default=None,
         help="GPUs per replica, a fraction to share one (default: 1 with --device cuda, else 0)",
     )
     ray.add_argument(
         "--memory-mb",
-        type=int,
+        type=at_least(1),
         default=None,
         help="each replica's host tier in MiB (default: 1/N of the host's share of available RAM, store/sizing.py)",
     )
