@@ -198,8 +198,6 @@ def cmd_serve(args) -> int:
     from qcfuse_core.engine.config import CacheConfig, EngineConfig
     from qcfuse_core.serve.app import ServeConfig, create_app
 
-    if args.shutdown_timeout_s < 0:
-        raise ValueError(f"--shutdown-timeout-s must be >= 0, got {args.shutdown_timeout_s}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if args.shape and (args.model is not None or args.replicas):
         raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")

@@ -51,11 +51,7 @@ def add_commands(sub) -> None:
 def cmd_studio(args) -> int:
     from qcfuse_core.studio import require_extra
 
-    require_extra()
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_upload_mb <= 0:
-        raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    require_extra()  # the flags were checked as they were parsed (cli/flags.py)
     import uvicorn
     from tqdm import tqdm
 
