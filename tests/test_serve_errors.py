@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_serve import TEMPLATE, LiveServer, _engine, _prompt
+from test_serve import LiveServer, _engine, _prompt, tiny  # noqa: F401 (tiny: the fixture, shared)
 
-from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 
 KEY = "k-errors"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    adapter = tiny_model("llama", tokenizer=True)
-    adapter.tokenizer.chat_template = TEMPLATE
-    return adapter
 
 
 @pytest.fixture(scope="module")

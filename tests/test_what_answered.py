@@ -22,54 +22,32 @@ def _guard(**kw) -> GuardReport:
     return GuardReport(**{"value": 0.41, "threshold": 0.13, "action": "kept", "code": "margin_ok", **kw})
 
 
+def _asked(guard: GuardReport | None, **kw) -> FusionResult:
+    """A qcfuse@0.15 request's result (`kw`: what the engine reports instead)."""
+    return FusionResult(**{"method": "qcfuse", "ratio": 0.15, "guard": guard, **kw})
+
+
+def _escalated(rung: float, **kw) -> FusionResult:
+    action = "full" if rung >= 1.0 else f"ratio {rung:g}"
+    return _asked(_guard(value=0.05, action=action, code="low_margin", rungs=[(rung, 0.6)]), **kw)
+
+
+FULL_RUNG = "full (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)"
+
+
 @pytest.mark.parametrize(
     "result, line",
     [
-        (FusionResult(method="qcfuse", ratio=0.15, guard=_guard()), "qcfuse @ 0.15 · guard: kept (margin 0.41 ≥ 0.13)"),
-        # today's engine: method / ratio are what was asked, the rungs say what answered
-        (
-            FusionResult(
-                method="qcfuse",
-                ratio=0.15,
-                guard=_guard(value=0.05, action="full", code="low_margin", rungs=[(1.0, 0.6)]),
-            ),
-            "full (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)",
-        ),
-        (
-            FusionResult(
-                method="qcfuse",
-                ratio=0.15,
-                guard=_guard(value=0.05, action="ratio 0.5", code="low_margin", rungs=[(0.5, 0.3)]),
-            ),
-            "qcfuse @ 0.50 (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)",
-        ),
+        (_asked(_guard()), "qcfuse @ 0.15 · guard: kept (margin 0.41 ≥ 0.13)"),
+        (_escalated(1.0), FULL_RUNG),  # today's engine: method / ratio as asked, the rungs say what answered
+        (_escalated(0.5), "qcfuse @ 0.50 (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)"),
         # the engine reporting the answering rung, with what was asked beside it
+        (_escalated(1.0, method="full", ratio=1.0, requested_method="qcfuse", requested_ratio=0.15), FULL_RUNG),
         (
-            FusionResult(
-                method="full",
-                ratio=1.0,
-                requested_method="qcfuse",
-                requested_ratio=0.15,
-                guard=_guard(value=0.05, action="full", code="low_margin", rungs=[(1.0, 0.6)]),
-            ),
-            "full (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)",
-        ),
-        (
-            FusionResult(
-                method="qcfuse",
-                ratio=0.15,
-                guard=_guard(value=0.05, code="ceiling", reason="margin below the threshold; full would pass the ceiling"),
-            ),
+            _asked(_guard(value=0.05, code="ceiling", reason="margin below the threshold; full would pass the ceiling")),
             "qcfuse @ 0.15 · guard: kept (margin 0.05 < 0.13; margin below the threshold; full would pass the ceiling)",
         ),
-        (
-            FusionResult(
-                method="qcfuse",
-                ratio=0.15,
-                guard=GuardReport(reason="turned off for this request"),
-            ),
-            "qcfuse @ 0.15 · guard: off (turned off for this request)",
-        ),
+        (_asked(GuardReport(reason="turned off for this request")), "qcfuse @ 0.15 · guard: off (turned off for this request)"),
         (
             FusionResult(method="full", guard=GuardReport(code="not_guarded", reason="full prefill: nothing fused to guard")),
             "full · guard: off (full prefill: nothing fused to guard)",

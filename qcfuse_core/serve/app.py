@@ -204,36 +204,7 @@ def create_app(
     )
     app.add_middleware(AbortLog, error=_refusal, name="qcfuse serve")  # SIGTERM: a line per aborted request
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):  # a bug: still the one error shape, logged
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the details", "server_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):  # a body FastAPI cannot parse, say
-        route = _route(request.url.path)
-        if route and exc.status_code == 400:
-            metrics.outcome(route, "bad_request")
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        parts, param = [], None
-        for e in errs:
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            param = param or where or None
-            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-            parts.append(f"{where}: {msg}" if where else msg)
-        route = _route(request.url.path)
-        if route:
-            metrics.outcome(route, "bad_request")
-        return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
+    _error_handlers(app, metrics)
 
     # -- reading ----------------------------------------------------------------------------
     @app.get("/health")
@@ -285,6 +256,43 @@ def create_app(
 
     app.add_middleware(StatusCounts, count=metrics.status)  # the outermost: every status, 401/403/413 too
     return app
+
+
+def _error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
+    """Every error the app raises, answered in the one error shape (protocol.error_body): an
+    ApiError as it says, Starlette's HTTP errors and FastAPI's validation errors as 4xx,
+    anything else as a logged 500."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):  # a bug: still the one error shape, logged
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the details", "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # a body FastAPI cannot parse, say
+        route = _route(request.url.path)
+        if route and exc.status_code == 400:
+            metrics.outcome(route, "bad_request")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        parts, param = [], None
+        for e in errs:
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            param = param or where or None
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}" if where else msg)
+        route = _route(request.url.path)
+        if route:
+            metrics.outcome(route, "bad_request")
+        return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
 
 
 def _check_model(ids: ModelIds, model: str | None) -> None:
