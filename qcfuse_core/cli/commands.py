@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -643,14 +644,18 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# a help text that says its default itself: "(default: %(default)s)", "(default: in words)",
+# "(...; default: in words)" - not a choice named "default" ("default: the store ...")
+SAYS_DEFAULT = re.compile(r"[(;]\s*default\b")
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default, said once: a help text that already says
-    its default ("(default: %(default)s)", or in words) gets nothing added."""
+    its default (SAYS_DEFAULT) gets nothing added."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "(default" in text or "default:" in text:
-            return text
+        if SAYS_DEFAULT.search(action.help or ""):
+            return action.help
         return super()._get_help_string(action)
 
 
