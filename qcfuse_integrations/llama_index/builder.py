@@ -83,9 +83,9 @@ class QCFuseCacheBuilder(TransformComponent):
         return self._engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        nodes = require_sequence(nodes, "nodes", BaseNode, one="for one, pass [node]")
+        checked = require_sequence(nodes, "nodes", BaseNode, one="for one, pass [node]")
         engine = self.engine
-        todo = [(render_for_prompt(n), n.node_id) for n in nodes]
+        todo = [(render_for_prompt(n), n.node_id) for n in checked]
         short = sum(len(t) < MIN_CHUNK_CHARS for t, _ in todo)  # too short for the content index to find
         todo = [(t, i) for t, i in todo if len(t) >= MIN_CHUNK_CHARS]
         built = reused = 0
