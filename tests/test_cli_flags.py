@@ -57,6 +57,12 @@ def test_a_bad_flag_is_refused_before_the_model_loads(argv, says, tmp_path, caps
     assert not store.exists()  # nothing written
 
 
+def test_serve_checks_its_settings_before_the_model_loads(tmp_path, capsys, no_model):
+    """What argparse cannot see alone (an empty --api-key) is checked before the model loads too."""
+    assert main(["serve", "--api-key", " ", "--port", "0", "--store", str(tmp_path / "s")]) == 2
+    assert "api_key must not be empty" in capsys.readouterr().err
+
+
 def _subparsers(parser: argparse.ArgumentParser):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -203,6 +204,16 @@ def cmd_serve(args) -> int:
         raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")
     if args.replicas:
         return serve_replicas(args, api_key)
+    config = ServeConfig(  # checked now, before the model loads; the prompt limit once it has
+        max_tokens=args.max_tokens,
+        default_max_tokens=min(256, args.max_tokens),
+        max_prompt_tokens=args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+        max_documents=args.max_documents,
+        api_key=api_key,
+        allowed_hosts=tuple(args.allowed_host),
+        allowed_origins=tuple(args.allowed_origin),
+        learning=learn_config(args),
+    )
     sock = listen(args.host, args.port)
     what = f"a random {args.shape}" if args.shape else args.model or "the embedded model"
     print(f"qcfuse serve: loading {what} and opening {args.store}", flush=True)
@@ -211,17 +222,9 @@ def cmd_serve(args) -> int:
         engine = _shaped_engine(args, engine_config)
     else:
         engine = open_engine(args.store, model=args.model, dtype=args.dtype, device=args.device, config=engine_config)
-    context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
-    config = ServeConfig(
-        max_tokens=args.max_tokens,
-        default_max_tokens=min(256, args.max_tokens),
-        max_prompt_tokens=args.max_prompt_tokens or context,
-        max_documents=args.max_documents,
-        api_key=api_key,
-        allowed_hosts=tuple(args.allowed_host),
-        allowed_origins=tuple(args.allowed_origin),
-        learning=learn_config(args),
-    )
+    if not args.max_prompt_tokens:  # the model's context, at most DEFAULT_MAX_PROMPT_TOKENS
+        context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
+        config = dataclasses.replace(config, max_prompt_tokens=context)
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
     print(
