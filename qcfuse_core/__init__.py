@@ -25,7 +25,8 @@ integrations (`qcfuse_integrations`) use these names only.
                        where a store is not given)
     prompts            split_prompt(prompt, chunks): a rendered prompt cut into Pieces around
                        the chunk texts it holds; MIN_CHUNK_CHARS: the shortest chunk text the
-                       content index registers (a shorter one is never found in a prompt)
+                       content index registers (a shorter one is never found in a prompt);
+                       require_sequence: a list of texts checked, a lone string refused
     chats and tools    render_chat (a chat in the model's template, tools included),
                        forced_tools, parse_tool_calls, tool_call_schema, renders_tool_role,
                        template_knows_tools, ToolCall, TOOL_SYSTEM; json_schema_constraint
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.learn import BackgroundBuilds as BackgroundBuilds
     from qcfuse_core.learn import chunk_positions as chunk_positions
     from qcfuse_core.learn import overlaps as overlaps
+    from qcfuse_core.inputs import require_sequence as require_sequence
     from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
     from qcfuse_core.paths import cache_dir as cache_dir
     from qcfuse_core.retrieval.chroma import open_collection as open_chroma_collection  # noqa: F401
@@ -118,6 +120,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     # prompts
     "split_prompt": ("qcfuse_core.retrieval.texts", "split_prompt"),
     "MIN_CHUNK_CHARS": ("qcfuse_core.retrieval.texts", "ANCHOR"),
+    "require_sequence": ("qcfuse_core.inputs", "require_sequence"),
     # chats and tools
     "render_chat": ("qcfuse_core.engine.chat", "render"),
     "forced_tools": ("qcfuse_core.engine.chat", "forced_tools"),

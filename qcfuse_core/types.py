@@ -233,6 +233,10 @@ class FusionResult:
     subspan_tokens: int = 0  # chunk tokens served from slices of stored chunks (subspans.py)
     first_logits: torch.Tensor | None = None  # (vocab,) fp32 on the host: the logits the first token came from
     guard: GuardReport | None = None  # what the quality guard saw and did (engine/guard.py)
+    # what was asked, where the guard escalated and `method` / `ratio` say what answered
+    # (None: nothing escalated, or an engine that reports only what was asked)
+    requested_method: str | None = None
+    requested_ratio: float | None = None
 
     @property
     def recompute_share(self) -> float:
@@ -245,6 +249,9 @@ class FusionResult:
             "total_ms": round(self.total_ms, 3),
             "method": self.method,
             "ratio": self.ratio,
+            "requested_method": self.requested_method,
+            "requested_ratio": self.requested_ratio,
+            "answered": self.what_answered(),
             "context_tokens": self.context_tokens,
             "prompt_tokens": self.prompt_tokens,
             "recomputed_tokens": self.recomputed_tokens,
@@ -262,3 +269,40 @@ class FusionResult:
             **({"plan": self.plan} if self.plan else {}),
             **({"guard": self.guard.to_dict()} if self.guard is not None else {}),
         }
+
+    def what_answered(self) -> str:
+        """What answered and what the guard did, in one line:
+
+            qcfuse @ 0.15 · guard: kept (margin 0.41 ≥ 0.13)
+            full (escalated by the guard from qcfuse @ 0.15: margin 0.05 < 0.13)
+            epic · guard: off (method epic is not guarded)
+
+        After an escalation the answering rung is `method` / `ratio` where the engine sets
+        `requested_method` (the asked ones are `requested_*`), else the guard's last rung
+        (the asked ones are then `method` / `ratio`)."""
+        g = self.guard
+        if self.requested_method is None:
+            asked = _method_label(self.method, self.ratio)
+            if g is not None and g.rungs:
+                rung = g.rungs[-1][0]
+                answered = _method_label("full" if rung >= 1.0 else self.method, rung)
+            else:
+                answered = asked
+        else:
+            asked = _method_label(self.requested_method, self.requested_ratio)
+            answered = _method_label(self.method, self.ratio)
+        if g is None:
+            return answered
+        margin = "" if g.value is None or g.threshold is None else f"margin {g.value:.2f}"
+        if g.rungs:
+            return f"{answered} (escalated by the guard from {asked}: {margin} < {g.threshold:.2f})"
+        if g.code == "margin_ok":
+            return f"{answered} · guard: kept ({margin} ≥ {g.threshold:.2f})"
+        if g.code in ("low_margin", "ceiling"):  # below the threshold, and no rung ran
+            return f"{answered} · guard: kept ({margin} < {g.threshold:.2f}; {g.reason})"
+        return f"{answered} · guard: {g.action}" + (f" ({g.reason})" if g.reason else "")
+
+
+def _method_label(method: str, ratio: float | None) -> str:
+    """'qcfuse @ 0.15'; a method without a ratio (full prefill, an adaptive budget) by name."""
+    return method if ratio is None or method == "full" else f"{method} @ {ratio:.2f}"

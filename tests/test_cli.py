@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ def test_demo_prints_full_and_fused_side_by_side(tmp_path, capsys):
         assert row["full"]["method"] == "full" and row["fused"]["method"] != "full"
         assert row["fused"]["cache_hits"] == row["fused"]["chunks"] > 0 and row["fused"]["cache_misses"] == 0
         assert row["fused"]["recomputed_tokens"] < row["fused"]["context_tokens"]
+        assert f"        | answered by {row['fused']['answered']}\n" in out  # what answered, the guard's action
+        assert row["fused"]["answered"].startswith(("qcfuse @ 0.15 · guard: ", "full (escalated by the guard"))
     # a second run finds everything already ingested
     assert main(["demo", "--store", str(tmp_path / "s"), "--max-new-tokens", "2"]) == 0
     assert "(0 caches built now)" in capsys.readouterr().out
@@ -51,7 +54,11 @@ def test_ingest_then_ask_json(tmp_path, capsys):
         assert key in r
     assert r["method"] == "naive" and r["cache_hits"] == 2 and r["cache_misses"] == 0
     assert main(["ask", "When was the Glimmer Bridge opened?", "--store", store, "--max-new-tokens", "4"]) == 0
-    assert "TTFT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT" in out
+    # plain `ask` says what answered and what the quality guard did, as --json's `answered`
+    assert re.search(r"\n\[(qcfuse @ 0\.15 · guard: kept \(margin \d\.\d\d ≥ \d\.\d\d\)"
+                     r"|full \(escalated by the guard from qcfuse[^)]*: margin \d\.\d\d < \d\.\d\d\))\]\n", out), out
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "hotpotqa").is_dir(), reason="../shared/data is not checked out beside the repo")
@@ -69,8 +76,9 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["ask", "q", "--mode", "nonsense"])
     assert "invalid choice" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="top-k"):
+    with pytest.raises(SystemExit):
         main(["ask", "q", "--top-k", "0", "--store", str(tmp_path / "s")])
+    assert "argument --top-k: must be >= 1, got 0" in capsys.readouterr().err  # checked as it is parsed
 
 
 def test_model_errors_name_the_fix(tmp_path, monkeypatch):

@@ -90,6 +90,22 @@ def test_sampler_top_k_1_is_greedy():
     assert all(s(logits) == int(logits.argmax()) for _ in range(5))
 
 
+def test_a_temperature_below_the_floor_is_greedy():
+    """Issue 62's N-V3: temperature 1e-45 (inside the API's range) divided the logits to inf
+    and the softmax to NaN; below TEMPERATURE_FLOOR the choice is the argmax."""
+    from qcfuse_core.engine.generation import TEMPERATURE_FLOOR
+
+    logits = torch.tensor([1.0, 3.0, 2.5, -1.0])
+    for t in (1e-45, 5e-324, TEMPERATURE_FLOOR / 2):
+        s = Sampler(GenerationConfig(temperature=t, top_p=0.9, seed=0))
+        assert s.plain_greedy and all(s(logits) == 1 for _ in range(3))
+    above = Sampler(GenerationConfig(temperature=TEMPERATURE_FLOOR, seed=0))
+    assert not above.plain_greedy and above(logits) == 1  # sampled, and all but certain
+    for bad in (float("nan"), float("inf"), -0.1):
+        with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+            GenerationConfig(temperature=bad)
+
+
 def test_sampler_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
     s = Sampler(GenerationConfig(temperature=1.0, top_p=0.8, seed=0))

@@ -10,7 +10,7 @@ import torch
 
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.engine.generation import GenerationConfig, Sampler
-from qcfuse_core.engine.grammar import closed, json_schema_constraint
+from qcfuse_core.engine.grammar import MAX_SCHEMA_DEPTH, closed, json_schema_constraint, schema_depth
 from qcfuse_core.model.testing import byte_tokenizer, tiny_model
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -53,6 +53,48 @@ def test_closed_schema_adds_no_properties_and_keeps_names():
 def test_bad_schema_raises():
     with pytest.raises(TypeError, match="JSON-schema dict"):
         json_schema_constraint(byte_tokenizer(), "not a schema")
+
+
+def _nested(levels: int) -> dict:
+    """An object schema `levels` objects deep (issue 62's N-V8 used 400)."""
+    root = node = {"type": "object", "properties": {}}
+    for _ in range(levels - 1):
+        node["properties"]["a"] = node = {"type": "object", "properties": {}}
+    return root
+
+
+def test_a_schema_past_the_depth_limit_is_refused_not_a_recursion_error():
+    assert schema_depth(_nested(3)) == 6 and schema_depth({}) == 1 and schema_depth(True) == 0
+    assert schema_depth(_nested(5000)) == 10000  # measured without recursion
+    with pytest.raises(ValueError, match=f"nests 800 levels deep, over the limit of {MAX_SCHEMA_DEPTH}"):
+        json_schema_constraint(byte_tokenizer(), _nested(400))
+    json_schema_constraint(byte_tokenizer(), _nested(MAX_SCHEMA_DEPTH // 2))()  # at the limit: compiles
+
+
+def test_a_schema_that_recurses_without_end_is_refused_and_one_with_a_way_out_compiles():
+    """N-V9: a forced tool call whose parameters are {"$ref": "#"} forces
+    {"name": "f", "arguments": {"name": "f", ... without end; llguidance ran out of items on
+    the first token. A recursive schema with an optional way out compiles and decodes."""
+    from typing import Optional
+
+    from pydantic import BaseModel
+
+    from qcfuse_core.engine.chat import tool_call_schema
+
+    endless = tool_call_schema([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}])
+    for schema in (endless, {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}):
+        with pytest.raises(ValueError, match="recurses without end"):
+            json_schema_constraint(byte_tokenizer(), schema)
+
+    class Node(BaseModel):
+        name: str
+        children: list["Node"] = []
+        parent: Optional["Node"] = None
+
+    eng = QCFuseEngine(tiny_model("llama", tokenizer=True, seed=4))
+    c = json_schema_constraint(eng.tokenizer, Node.model_json_schema())
+    r = eng.complete("Answer as JSON.", method="full", max_new_tokens=160, temperature=1.0, seed=4, constraint=c)
+    assert r.text.startswith('{"name": "')  # decoding went on past the first token
 
 
 def test_missing_llguidance_names_the_extra(monkeypatch):

@@ -22,7 +22,8 @@ from langchain_tests.unit_tests import EmbeddingsUnitTests
 
 from qcfuse_core.types import NodeId
 from qcfuse_integrations.langchain import (
-    LANGCHAIN_PIP, QCFuseCacheBuilder, QCFuseEmbeddings, QCFuseLLM, document_id, format_docs, with_documents,
+    LANGCHAIN_PIP, QCFuseCacheBuilder, QCFuseEmbeddings, QCFuseLLM, document_id, format_docs, qcfuse_callback,
+    with_documents,
 )
 
 # the embedded model through the shared per-process model cache: fast tier (tests/README.md)
@@ -150,6 +151,19 @@ def test_generate_batch_invoke_stream(llm, prompts, docs, reference):
 
 def test_invoke(llm, prompts, reference):
     assert llm.invoke(prompts[1]) == reference.generations[1][0].text
+
+
+def test_what_answered_reaches_a_completion_chain_through_the_callback(llm, prompts, reference):
+    """The completion LLM's statistics (its generations' generation_info) reach
+    qcfuse_callback() from a chain that ends in a string, streamed too."""
+    from langchain_core.output_parsers import StrOutputParser
+
+    chain = llm | StrOutputParser()
+    with qcfuse_callback() as cb:
+        assert chain.invoke(prompts[1]) == reference.generations[1][0].text
+        assert "".join(chain.stream(prompts[1])) == reference.generations[1][0].text
+    want = reference.generations[1][0].generation_info["answered"]
+    assert [c["answered"] for c in cb.calls] == [want, want] and cb.answered == want
 
 
 async def test_ainvoke_astream_do_not_block_the_loop(llm, prompts, reference):

@@ -16,6 +16,7 @@ import tempfile
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.tools import tool
@@ -25,8 +26,10 @@ from pydantic import BaseModel, Field
 
 from qcfuse_core.engine import generation
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.engine.config import EngineConfig
+from qcfuse_core.engine.guard import GuardConfig
 from qcfuse_core.model.testing import tiny_model
-from qcfuse_integrations.langchain import ChatQCFuse, QCFuseEmbeddings
+from qcfuse_integrations.langchain import ChatQCFuse, QCFuseCallbackHandler, QCFuseEmbeddings, qcfuse_callback
 
 # the embedded model through the shared per-process model cache: fast tier (tests/README.md)
 
@@ -95,6 +98,29 @@ def test_lcel_with_a_plain_retriever_and_no_builder_hits_on_the_second_call(tmp_
     assert stats(second)["guard"]["signal"] == "first_token_margin" and stats(second)["guard"]["action"]  # issue 53
     assert second.content == first.content  # greedy, same prompt
     assert chat.learner.counters()["unmatched_prompts"] == 0
+
+
+def test_what_answered_reaches_a_chain_that_ends_in_a_string(tmp_path, retriever):
+    """An LCEL chain ending in StrOutputParser returns a bare string; `qcfuse_callback()` (or a
+    QCFuseCallbackHandler passed to the run) still gets each call's statistics and the one
+    line of what answered - under a guard that escalates everything, the full prefill."""
+    chat = fresh_chat(tmp_path)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | chat | StrOutputParser()
+    with qcfuse_callback() as cb:
+        answer = chain.invoke("Who founded the Zephyr Institute?")
+    assert isinstance(answer, str) and len(cb.calls) == 1 and cb.last["chunks"] == 2
+    assert cb.answered == cb.last["answered"]
+    assert cb.answered.startswith(("qcfuse @ 0.15 · guard: ", "full (escalated by the guard from qcfuse")), cb.answered
+    chain.invoke("Who founded the Zephyr Institute?")
+    assert len(cb.calls) == 1  # outside the block: not recorded
+
+    escalating = QCFuseEngine(chat.engine.adapter, config=EngineConfig(guard=GuardConfig(threshold=1.0)))
+    strict = ChatQCFuse.from_engine(escalating, max_tokens=NEW)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | strict | StrOutputParser()
+    handler = QCFuseCallbackHandler()
+    asyncio.run(chain.ainvoke("Who founded the Zephyr Institute?", config={"callbacks": [handler]}))
+    assert handler.answered.startswith("full (escalated by the guard from qcfuse") and "< 1.00)" in handler.answered
+    escalating.close()
 
 
 def test_a_metadata_header_formatter_hits_on_the_page_contents(tmp_path, retriever):

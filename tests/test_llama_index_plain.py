@@ -23,6 +23,8 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from qcfuse_core.engine import generation  # noqa: E402
 from qcfuse_core.engine.api import QCFuseEngine  # noqa: E402
+from qcfuse_core.engine.config import EngineConfig  # noqa: E402
+from qcfuse_core.engine.guard import GuardConfig  # noqa: E402
 from qcfuse_core.model.testing import tiny_model  # noqa: E402
 from qcfuse_integrations.llama_index import FusionStats, QCFuseEmbedding, QCFuseLLM  # noqa: E402
 
@@ -67,6 +69,33 @@ def test_from_documents_and_as_query_engine_hit_on_the_second_query(fusion):
     assert (a["cache_hits"], a["cache_built"]) == (0, 2)  # built for the cold query: not hits
     assert b["cache_hits"] == 2 and b["cache_misses"] == 0
     assert str(first) == str(second)
+
+
+def test_a_query_engines_response_says_what_answered(fusion):
+    """`Response.metadata["qcfuse"]`: the statistics of the LLM call that wrote the answer,
+    with `answered` (what answered and what the quality guard did); concurrent async
+    queries each get their own call's; a guard that escalates everything shows on it."""
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in TEXTS])
+    response = index.as_query_engine(similarity_top_k=2).query("Who founded the Zephyr Institute?")
+    got = response.metadata["qcfuse"]
+    assert got["answered"] == fusion.last["answered"] and got["llm_calls"] == 1
+    assert got["chunk_ids"] == [n.node.node_id for n in response.source_nodes]
+    assert got["answered"].startswith(("qcfuse @ 0.15 · guard: ", "full (escalated by the guard from qcfuse"))
+
+    async def both():
+        qe = index.as_query_engine(similarity_top_k=1)
+        return await asyncio.gather(qe.aquery("Who founded the Zephyr Institute?"),
+                                    qe.aquery("What fills the harbour of Port Halden every autumn?"))
+
+    for r in asyncio.run(both()):
+        assert r.metadata["qcfuse"]["chunk_ids"] == [r.source_nodes[0].node.node_id]
+
+    escalating = QCFuseEngine(Settings.llm.engine.adapter, config=EngineConfig(guard=GuardConfig(threshold=1.0)))
+    llm = QCFuseLLM(engine=escalating, max_new_tokens=NEW)
+    r = index.as_query_engine(llm=llm, similarity_top_k=2).query("Who founded the Zephyr Institute?")
+    line = r.metadata["qcfuse"]["answered"]
+    assert line.startswith("full (escalated by the guard from qcfuse") and "< 1.00)" in line, line
+    escalating.close()
 
 
 def test_chat_without_documents_answers_as_full_prefill(store):

@@ -153,3 +153,57 @@ def test_readme_block_runs_as_written(block: Block, checkout):
     tail = f"\n--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-4000:]}"
     assert done.returncode == 0, f"README.md:{block.line} ({block.lang}) failed with {done.returncode}{tail}"
     assert done.stdout.strip(), f"README.md:{block.line} printed nothing{tail}"
+
+
+# ---------------------------------------------------------------------------- install lines
+
+
+def _pip_installs(text: str) -> list[tuple[int, str]]:
+    """(line, requirement) of every `pip install` in the README's bash blocks."""
+    import shlex
+
+    out = []
+    for b in blocks(text):
+        if b.lang != "bash":
+            continue
+        for i, line in enumerate(b.code.splitlines()):
+            words = shlex.split(line.split(" #")[0]) if "pip install" in line else []
+            if "install" in words:
+                out += [(b.line + 1 + i, w) for w in words[words.index("install") + 1:] if not w.startswith("-")]
+    return out
+
+
+def test_install_lines_never_ask_an_index_for_qcfuse():
+    """QCFuse is not on a package index (issue 66): no install line, and no sentence, tells a
+    user to `pip install qcfuse` or `qcfuse[extra]` from one; QCFuse itself comes from the
+    checkout (`.`) or a wheel built from it (`dist/...whl`)."""
+    text = README.read_text()
+    reqs = _pip_installs(text)
+    assert any(r.startswith(".[") or r == "." for _, r in reqs) and any(r.startswith("dist/") for _, r in reqs)
+    for line, req in reqs:
+        assert not re.match(r"qcfuse\b", req), f"README.md:{line}: `pip install {req}` asks an index for qcfuse"
+    assert not re.search(r"pip install '?qcfuse\b", text), "the README's prose tells a user to pip install qcfuse"
+
+
+@pytest.mark.slow
+def test_the_wheel_the_readme_builds_installs_qcfuse_and_its_extras(tmp_path):
+    """The README's `pip wheel` line, run as written in a copy of the checkout, writes the wheel
+    its next line installs, holding the package and its extras (no index is asked)."""
+    import shutil
+    import zipfile
+
+    text = README.read_text()
+    line = next(ln for b in blocks(text) if b.lang == "bash" for ln in b.code.splitlines() if "pip wheel" in ln)
+    wheel = next(r for _, r in _pip_installs(text) if r.startswith("dist/")).split("[")[0]
+    work = tmp_path / "checkout"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "node_modules", "__pycache__", ".lab"))
+    cmd = line.split(" #")[0].replace("pip ", f"{sys.executable} -m pip ", 1)
+    done = subprocess.run(["bash", "-e", "-c", cmd], cwd=work, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with zipfile.ZipFile(work / wheel) as whl:
+        names = set(whl.namelist())
+        meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert {"qcfuse_core/engine/api.py", "qcfuse_integrations/langchain/callbacks.py"} <= names
+    assert "qcfuse_core/studio/static/index.html" in names  # the page ships built
+    for extra in ("langchain", "llama-index", "serve", "studio", "structured"):
+        assert f"Provides-Extra: {extra}" in meta, extra

@@ -81,6 +81,7 @@ def _error(res, status: int, *words: str) -> dict:
     assert res.status_code == status, (res.status_code, res.text)
     err = res.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["code"], str), err  # one shape: a string code on every route (issue 66)
     for w in words:
         assert w in err["message"], err
     return err

@@ -128,6 +128,25 @@ def test_run_results_are_the_engines(run, top):
     assert fused["memory"]["kv_bytes_by_tier"].get("host", 0) + fused["memory"]["kv_bytes_by_tier"].get("disk", 0) > 0
 
 
+def test_each_answer_card_says_what_answered(client, run):
+    """Every mode's result carries the one line of what answered and what the quality guard
+    did (FusionResult.what_answered), and the shipped page shows it in the answer card."""
+    import re
+
+    fused, full, blend = run["results"]
+    g = fused["guard"]
+    if g["escalated"]:
+        assert fused["answered"].startswith("full (escalated by the guard from qcfuse"), fused["answered"]
+    else:
+        assert fused["answered"] == f"qcfuse @ 0.15 · guard: kept (margin {g['value']:.2f} ≥ {g['threshold']:.2f})"
+    assert full["answered"] == "full · guard: off (full prefill: nothing fused to guard)"
+    assert blend["answered"] == "cacheblend @ 0.20 · guard: off (method cacheblend is not guarded)"
+    page = client.get("/").text
+    js = [r for r in re.findall(r'src="(/assets/[^"]+\.js)"', page)]
+    shown = re.compile(r"\"data-testid\":[`\"']answered[`\"']")  # the card's line, as the bundle writes it
+    assert js and any(shown.search(client.get(r).text) for r in js)
+
+
 def test_details_are_the_selection_the_engine_makes(client, service, run, top):
     """The recomputed positions shown are the final rows of the same request run again
     through engine.answer (selection is deterministic), restricted to the context."""

@@ -235,7 +235,7 @@ def set_ratio(page, method: str, value: float) -> None:
 
 def run_and_check_cards(page) -> dict:
     """Click Run; -> the run the stream's `done` event carries, after checking that every
-    answer card shows that run's TTFT, answer and speedup."""
+    answer card shows that run's TTFT, answer, speedup and what answered."""
     with page.expect_response(lambda r: r.url.endswith("/api/run/stream")) as got:
         page.click("[data-testid=run-button]")
     page.wait_for_selector("[data-testid=answer-card] [data-testid=details-button]:not([disabled])")
@@ -247,6 +247,7 @@ def run_and_check_cards(page) -> dict:
         assert card.locator("[data-testid=ttft]").inner_text() == f"{js_fixed(r['ttft_ms'])} ms"
         assert card.locator("[data-testid=answer-text]").inner_text().strip() == r["answer"].strip()
         assert card.locator("[data-testid=speedup]").inner_text() == f"{js_fixed(r['speedup_vs_full'], 2)}×"
+        assert card.locator("[data-testid=answered]").inner_text() == r["answered"]  # what answered, the guard
         assert card.locator("[data-testid=kl]").inner_text() == js_fixed(r["quality"]["kl_first_token"], 4)
         assert card.locator("[data-testid=match]").inner_text() == f"{js_fixed(100 * r['quality']['token_match'], 1)}%"
     build = page.locator("[data-testid=build-step]")

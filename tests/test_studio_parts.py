@@ -212,8 +212,10 @@ def test_a_failed_model_switch_keeps_the_loaded_model(tmp_path, monkeypatch):
 def test_cli_refuses_bad_options_and_names_a_missing_extra(monkeypatch, capsys):
     from qcfuse_core.cli.commands import main
 
-    assert main(["studio", "--port", "70000"]) == 2
-    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["studio", "--port", "70000"])
+    assert refused.value.code == 2
+    assert "--port: must be in [0, 65535] (0: any free one), got 70000" in capsys.readouterr().err
     assert main(["studio", "--model", "gemma9-1b", "--port", "0"]) == 2
     assert "gemma9-1b is neither a packaged model (smollm2-135m, gemma3-270m)" in capsys.readouterr().err
     import importlib.util

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from qcfuse_core.cli.flags import at_least, share
 from qcfuse_core.ingest.corpus import (
     DATASET_SUFFIXES,
     DEMO_QUESTIONS,
@@ -466,6 +468,9 @@ def cmd_ingest(args) -> int:
 # ---------------------------------------------------------------------------- ask
 
 
+EMPTY_STORE = "the store is empty: run `qcfuse ingest PATH...` (or `qcfuse demo`) first"
+
+
 def retrieve(collection, question: str, top_k: int, store: Path | None = None) -> tuple[list[str], list[str]]:
     """The `top_k` nearest documents whose text matches its content hash. A damaged one is
     dropped with a warning and the next candidates fill its place."""
@@ -474,7 +479,7 @@ def retrieve(collection, question: str, top_k: int, store: Path | None = None) -
 
     n = collection.count()
     if n == 0:
-        raise SystemExit("the store is empty: run `qcfuse ingest PATH...` (or `qcfuse demo`) first")
+        raise SystemExit(EMPTY_STORE)
     want = min(top_k, n)
     query = [get_embedder().embed_one(question)]
     k = min(n, want + 4)
@@ -503,8 +508,11 @@ def cmd_ask(args) -> int:
     require_utf8(args.question, "the question")
     if not args.question.strip():
         raise ValueError("the question is empty")
+    reader = _reader(args.store)  # read without writing: an empty store fails here, nothing created
+    if reader.count() == 0:
+        raise SystemExit(EMPTY_STORE)
     engine = _engine(args, read_only=True if args.read_only else None)
-    ids, docs = retrieve(_reader(args.store), args.question, args.top_k, args.store)
+    ids, docs = retrieve(reader, args.question, args.top_k, args.store)
     limit = engine.adapter.max_positions or args.max_context
     if args.max_context:
         limit = min(limit, args.max_context)
@@ -526,7 +534,7 @@ def cmd_ask(args) -> int:
         print(delta, end="", flush=True)
     r = stream.result
     print(
-        f"\n\n[{r.method}{'' if r.ratio is None else f' @ {r.ratio:.2f}'}] TTFT {r.ttft_ms:.1f} ms, "
+        f"\n\n[{r.what_answered()}]\nTTFT {r.ttft_ms:.1f} ms, "
         f"total {r.total_ms:.1f} ms, {r.recomputed_tokens}/{r.context_tokens} context tokens recomputed, "
         f"chunk cache {_cache_line(r)}"
     )
@@ -565,9 +573,9 @@ def cmd_demo(args) -> int:
         print(f"Q{i}: {q}   ({full.context_tokens} context tokens, {len(docs)} chunks)")
         print(f"  full  | TTFT {full.ttft_ms:7.1f} ms | {full.text.strip()}")
         print(f"  fused | TTFT {fused.ttft_ms:7.1f} ms | {fused.text.strip()}")
-        label = method if fused.ratio is None else f"{method} @ {fused.ratio:.2f}"
+        print(f"        | answered by {fused.what_answered()}")
         print(
-            f"        | {label}: {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
+            f"        | {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
             f"chunk cache {_cache_line(fused)}, "
             f"TTFT speedup {full.ttft_ms / fused.ttft_ms:.2f}x\n"
         )
@@ -619,10 +627,10 @@ def _answer_opts(p: argparse.ArgumentParser) -> None:
         help="recompute method (None: the engine's, qcfuse)",
     )
     p.add_argument(
-        "--ratio", type=float, default=None, help="share of context tokens to recompute (None: the engine's, 0.15)"
+        "--ratio", type=share, default=None, help="share of context tokens to recompute (None: the engine's, 0.15)"
     )
-    p.add_argument("--top-k", type=int, default=4, help="chunks to retrieve")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
+    p.add_argument("--top-k", type=at_least(1), default=4, help="chunks to retrieve")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=48, help="tokens to generate at most")
 
 
 def _version() -> str:
@@ -634,8 +642,19 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# a help text that says its default itself: "(default: %(default)s)", "(default: in words)",
+# "(...; default: in words)" - not a choice named "default" ("default: the store ...")
+SAYS_DEFAULT = re.compile(r"[(;]\s*default\b")
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default."""
+    """Every option's help ends with its default, said once: a help text that already says
+    its default (SAYS_DEFAULT) gets nothing added."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if SAYS_DEFAULT.search(action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -651,8 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     p.add_argument("paths", nargs="+", help="files or folders (.md .txt .markdown .rst; .json/.jsonl QA sets)")
-    p.add_argument("--chunk-chars", type=int, default=1200, help="characters per chunk at most")
-    p.add_argument("--limit", type=int, default=None, help="ingest at most N chunks (None: all)")
+    p.add_argument("--chunk-chars", type=at_least(1), default=1200, help="characters per chunk at most")
+    p.add_argument("--limit", type=at_least(1), default=None, help="ingest at most N chunks (None: all)")
     p.add_argument("--strict", action="store_true", help="stop at a file that is not UTF-8 text instead of skipping it")
     from qcfuse_core.cli.store import parse_bytes
 
@@ -686,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-context",
-        type=int,
+        type=at_least(1),
         default=None,
         help="prompt + answer tokens at most (None: the model's context); lower-ranked chunks "
         "that do not fit are dropped with a warning",
@@ -745,9 +764,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     _set_formatter(parser)
-    args = parser.parse_args(argv)
-    if getattr(args, "top_k", 1) < 1:
-        raise SystemExit("--top-k must be >= 1")
+    args = parser.parse_args(argv)  # every flag checked here (cli/flags.py): before any model loads
     try:
         from transformers.utils import logging as hf_logging
 

@@ -61,6 +61,7 @@ from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
 from qcfuse_core.engine.scheduler import Job, Scheduler, SchedulerStats
 from qcfuse_core.engine.streams import AsyncTokenStream, TokenStream
 from qcfuse_core.engine.threads import configure_cpu_threads
+from qcfuse_core.inputs import require_sequence
 from qcfuse_core.model.adapter import ModelAdapter, load_model
 from qcfuse_core.paths import cache_dir
 from qcfuse_core.retrieval.texts import ChunkTextIndex, split_prompt
@@ -81,6 +82,10 @@ class EngineStats:
 
 
 _CLOSED = "this engine is closed"
+_NOT_AN_ADAPTER = (
+    "QCFuseEngine takes a loaded model (a ModelAdapter), got {got}; to open a store folder "
+    "with the embedded model, use open_engine(store_dir) (`from qcfuse_core import open_engine`)"
+)
 _IDLE = SchedulerStats(**{f.name: 0 for f in dataclasses.fields(SchedulerStats)})
 
 
@@ -99,6 +104,8 @@ class QCFuseEngine:
         text_index: ChunkTextIndex | None = None,
         rates: Rates | None = None,
     ) -> None:
+        if not isinstance(adapter, ModelAdapter):
+            raise TypeError(_NOT_AN_ADAPTER.format(got=f"{type(adapter).__name__} {adapter!r}"[:200]))
         self._adapter = adapter
         self._config = cfg = config or EngineConfig()
         if adapter.device.type == "cuda" and cfg.scheduler.cuda_graphs:
@@ -180,6 +187,8 @@ class QCFuseEngine:
         """Ingestion of many chunks: the caches of those not stored yet are prefilled many per
         forward pass and written to the store off the compute thread; every text is linked
         to its node id and (register) added to the chunk-text index so `complete` finds it."""
+        texts = require_sequence(texts, "texts", one="for one chunk, pass [text]")
+        node_ids = None if node_ids is None else require_sequence(node_ids, "node_ids", (str, type(None)))
         ids = list(node_ids) if node_ids is not None else [None] * len(texts)
         if len(ids) != len(texts):
             raise ValueError("node_ids and texts differ in length")
@@ -338,6 +347,10 @@ class QCFuseEngine:
             return self._sched
 
     def _completion_pieces(self, prompt: str, chunks: Sequence[Piece] | None, framed: bool) -> list[Piece]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if chunks is not None:
+            chunks = require_sequence(chunks, "chunks", Piece, one='pass [Piece("chunk", text, node_id)]')
         if self._closed:  # its chunk-text index is closed too
             raise RuntimeError(_CLOSED)
         found = self._texts.find(prompt) if chunks is None else chunks

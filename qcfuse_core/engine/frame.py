@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qcfuse_core.engine.config import FrameConfig
+from qcfuse_core.inputs import require_sequence
 from qcfuse_core.retrieval.texts import split_prompt
 from qcfuse_core.types import Piece
 
@@ -29,7 +30,13 @@ class PromptFrame:
     def rag_pieces(
         self, question: str, documents: Sequence[str], node_ids: Sequence[str | None] | None = None
     ) -> list[Piece]:
-        """The engine's own RAG prompt (see the module docstring)."""
+        """The engine's own RAG prompt (see the module docstring). A string where the
+        documents belong raises TypeError (it would be one document per character)."""
+        if not isinstance(question, str):
+            raise TypeError(f"question must be a str, got {type(question).__name__}")
+        documents = require_sequence(documents, "documents", one="for one document, pass [text]")
+        if node_ids is not None:
+            node_ids = require_sequence(node_ids, "node_ids", (str, type(None)))
         if not question.strip():
             raise ValueError("question is empty")
         ids = list(node_ids) if node_ids is not None else [None] * len(documents)

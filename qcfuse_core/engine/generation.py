@@ -30,10 +30,15 @@ class Constraint(Protocol):
     # rather not take (grammar.py's repetition guard); the sampler takes the next best one
 
 
+# below it sampling is greedy: logits / 1e-45 overflow to inf and the softmax to NaN, and
+# long before that the distribution is one-hot in fp32 (vLLM's _SAMPLING_EPS)
+TEMPERATURE_FLOOR = 1e-5
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 -> greedy
+    temperature: float = 0.0  # 0 (or below TEMPERATURE_FLOOR) -> greedy
     top_k: int = 0  # 0 -> off
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
@@ -48,8 +53,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN too
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -60,6 +65,11 @@ class GenerationConfig:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """The choice is the best token: temperature 0, or below TEMPERATURE_FLOOR."""
+        return self.temperature < TEMPERATURE_FLOOR
 
 
 REJECT_TRIES = 64  # re-choices per step when a constraint rejects the chosen token
@@ -89,7 +99,7 @@ class Sampler:
         """The choice is the logits' argmax and nothing else (no penalty, no constraint): a
         batch's rows can then be chosen together, on their device."""
         c = self.cfg
-        return c.temperature == 0 and c.repetition_penalty == 1.0 and self.constraint is None
+        return c.greedy and c.repetition_penalty == 1.0 and self.constraint is None
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits (vocab,) fp32 -> token id."""
@@ -131,7 +141,7 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor) -> int:
         cfg = self.cfg
-        if cfg.temperature == 0:
+        if cfg.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / cfg.temperature
         if cfg.top_k:

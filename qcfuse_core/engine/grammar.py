@@ -14,6 +14,18 @@ A mask keeps the output valid, not finished: a small model under a schema can lo
 string until the token limit. `RepetitionGuard` rejects a token that would repeat an earlier
 stretch of string text (the sampler then takes the next best allowed token), so strings end
 and the object closes; the schema's `maxItems` / `maxLength` bound lists and strings.
+
+Limits, checked when a schema is compiled (a schema is a client's input; each limit is a
+ValueError, a 400 in the server, never a crash mid-answer):
+
+    depth      the schema document nests at most MAX_SCHEMA_DEPTH objects and lists inside
+               each other (deeper ones exhausted Python's recursion here)
+    recursion  a `$ref` whose every expansion must contain itself again (`{"$ref": "#"}`
+               under a required property) forces an endless output: llguidance's parser
+               runs out of items on the first token. A fresh matcher's forced output is
+               computed once; more than MAX_FORCED_BYTES of it is refused. A recursive
+               schema with a way out (an optional property, an array that may be empty,
+               another anyOf branch) forces nothing endless and passes
 """
 
 from __future__ import annotations
@@ -58,6 +70,22 @@ def _ll_tokenizer(tokenizer):
 
 
 REPEAT_CHARS = 24  # the repetition guard's span: string text repeating this many characters
+MAX_SCHEMA_DEPTH = 64  # objects and lists nested in a schema document, at most
+MAX_FORCED_BYTES = 4096  # output a schema may force before the model chooses anything
+
+
+def schema_depth(schema: Any) -> int:
+    """How deep `schema`'s objects and lists nest (a scalar: 0; `{}`: 1), walked without
+    recursion, so any depth a JSON parser handed over is measured."""
+    deepest, todo = 0, [(schema, 1)]
+    while todo:
+        node, depth = todo.pop()
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class RepetitionGuard:
@@ -193,6 +221,19 @@ def closed(schema: Any) -> Any:
     return out
 
 
+def _check_forced(ll_tok, grammar: str) -> None:
+    """ValueError where the grammar forces an endless output from its start (module docstring:
+    recursion): what a fresh matcher must emit before any choice, computed once."""
+    probe = _llguidance().LLMatcher(ll_tok, grammar, log_level=0)
+    forced = probe.compute_ff_bytes()
+    if probe.is_error() or len(forced) > MAX_FORCED_BYTES:
+        raise ValueError(
+            "the JSON schema recurses without end: a $ref must be followed into itself again at every "
+            f"level (it forces over {MAX_FORCED_BYTES} bytes of output before the model chooses anything); "
+            "give the recursion a way out (an optional property, an array that may be empty, another anyOf branch)"
+        )
+
+
 def json_schema_constraint(
     tokenizer, schema: Mapping[str, Any] | None, *, repeat_chars: int | None = REPEAT_CHARS
 ) -> Callable[[], JsonSchemaConstraint]:
@@ -204,6 +245,9 @@ def json_schema_constraint(
     llg = _llguidance()
     if schema is not None and not isinstance(schema, Mapping):
         raise TypeError(f"schema must be a JSON-schema dict, got {type(schema).__name__}")
+    depth = schema_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the JSON schema nests {depth} levels deep, over the limit of {MAX_SCHEMA_DEPTH}")
     if repeat_chars is not None and (
         isinstance(repeat_chars, bool) or not isinstance(repeat_chars, int) or repeat_chars < 2
     ):
@@ -215,6 +259,7 @@ def json_schema_constraint(
     if err:
         raise ValueError(f"the JSON schema cannot be compiled: {err}")
     ll_tok = _ll_tokenizer(tokenizer)
+    _check_forced(ll_tok, grammar)
     eos = ll_tok.eos_token
 
     texts: dict[int, str] = {}  # token id -> its text, decoded once per factory

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 import qcfuse_kernels as K
+from qcfuse_core.model.quiet import quiet_loading
 from qcfuse_core.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -264,8 +265,9 @@ def _convert_gguf(gguf: Path, target: Path, expect_s: float | None = None) -> No
     )
     log.warning("converting %s to safetensors under %s (once%s)", gguf.name, target, took)
     t0 = time.perf_counter()
-    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with quiet_loading():
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -312,10 +314,11 @@ def load_model(
             f"({', '.join(MODELS)}), or omit it to use the embedded default ({DEFAULT_MODEL_PIP})"
         )
     torch_dtype = _dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     # transformers wraps PreTrainedModel.to in functools.wraps(Module.to): typeshed's _Wrapped
     # then sees it as unbound (its first argument the model), though the call is correct
     model.to(device).eval()  # type: ignore[arg-type]

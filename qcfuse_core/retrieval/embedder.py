@@ -31,9 +31,12 @@ class MiniLMEmbedder:
     def __init__(self, path: str | Path | None = None, batch_size: int = 32) -> None:
         from transformers import AutoModel, AutoTokenizer
 
+        from qcfuse_core.model.quiet import quiet_loading
+
         folder = str(path or embedder_dir())
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+        with quiet_loading():
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            self.model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
         self.batch_size = batch_size
         self._lock = threading.Lock()
 

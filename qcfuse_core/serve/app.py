@@ -151,7 +151,7 @@ class Generation:
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, **headers: str) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers or None)
+    return JSONResponse(error_body(message, kind, status, param), status_code=status, headers=headers or None)
 
 
 def _sse(data: dict | str) -> str:
@@ -198,31 +198,7 @@ def create_app(
     app.state.learner, app.state.model_ids = learner, ids
     _front_door(app, cfg)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):  # a body FastAPI cannot parse, say
-        route = _route(request.url.path)
-        if route and exc.status_code == 400:
-            metrics.outcome(route, "bad_request")
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        parts, param = [], None
-        for e in errs:
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            param = param or where or None
-            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-            parts.append(f"{where}: {msg}" if where else msg)
-        route = _route(request.url.path)
-        if route:
-            metrics.outcome(route, "bad_request")
-        return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
+    _error_handlers(app, metrics)
 
     _reading_routes(app, engine, ids, metrics, created)
     _chunk_route(app, engine, cfg, builder)
@@ -324,6 +300,43 @@ def _generation_routes(
         if learner is not None and _by_content(body):
             _learned(learner, g, [("user", g.prompt)], tenant)
         return await _respond(engine, g, request, ids.public, metrics, cfg)
+
+
+def _error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
+    """Every error the app raises, answered in the one error shape (protocol.error_body): an
+    ApiError as it says, Starlette's HTTP errors and FastAPI's validation errors as 4xx,
+    anything else as a logged 500."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):  # a bug: still the one error shape, logged
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the details", "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # a body FastAPI cannot parse, say
+        route = _route(request.url.path)
+        if route and exc.status_code == 400:
+            metrics.outcome(route, "bad_request")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        parts, param = [], None
+        for e in errs:
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            param = param or where or None
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}" if where else msg)
+        route = _route(request.url.path)
+        if route:
+            metrics.outcome(route, "bad_request")
+        return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
 
 
 def _check_model(ids: ModelIds, model: str | None) -> None:
@@ -453,14 +466,14 @@ async def _chat(engine: QCFuseEngine, body: ChatRequest, cfg: ServeConfig) -> Ge
         raise ApiError(400, str(e), param="messages") from None
     except KeyError as e:
         raise ApiError(400, f"a message's tool call lacks {e}", param="messages") from None
-    schema = body.json_schema()
+    schema, field = body.json_schema(), "response_format"
     if forced is not None:
         if schema[0]:
             raise ApiError(400, "a forced tool call and response_format cannot be combined", param="response_format")
-        schema = (True, tool_call_schema(forced))
+        schema, field = (True, tool_call_schema(forced)), _parameters_field(tools or [], forced)
     s = _settings(engine, body, cfg)
     if schema[0]:
-        s["gen"] = await asyncio.to_thread(_constrained, engine, s["gen"], schema[1])
+        s["gen"] = await asyncio.to_thread(_constrained, engine, s["gen"], schema[1], field)
     chunks = _locate(engine, prompt, body)
     await _check_prompt_tokens(engine, prompt, cfg, "messages")
     return Generation(
@@ -479,17 +492,26 @@ async def _chat(engine: QCFuseEngine, body: ChatRequest, cfg: ServeConfig) -> Ge
     )
 
 
-def _constrained(engine: QCFuseEngine, gen: GenerationConfig, schema: dict | None) -> GenerationConfig:
+def _parameters_field(tools: list[dict], forced: list) -> str:
+    """The field a forced tool call's schema came from: `tools[i].function.parameters` of the
+    one forced tool, `tools` where the call may be any of several."""
+    at = [i for i, t in enumerate(tools) if any(t is f for f in forced)]
+    return f"tools[{at[0]}].function.parameters" if len(at) == 1 else "tools"
+
+
+def _constrained(engine: QCFuseEngine, gen: GenerationConfig, schema: dict | None, field: str) -> GenerationConfig:
     """`gen` decoding under a JSON schema (llguidance compiles it; the first time it walks the
-    tokenizer's vocabulary, so this runs off the event loop)."""
+    tokenizer's vocabulary, so this runs off the event loop). A schema refused (it does not
+    compile, or is past grammar.py's depth or recursion limits) is a 400 naming `field`."""
     from qcfuse_core.engine.grammar import json_schema_constraint
 
+    param = field.split("[")[0].split(".")[0]
     try:
         return replace(gen, constraint=json_schema_constraint(engine.tokenizer, schema))
     except ImportError as e:
-        raise ApiError(400, f"constrained decoding is not installed: {e}", param="response_format") from None
+        raise ApiError(400, f"constrained decoding is not installed: {e}", param=param) from None
     except (ValueError, TypeError) as e:
-        raise ApiError(400, f"the JSON schema cannot be compiled: {e}", param="response_format") from None
+        raise ApiError(400, f"{field}: {e}", param=param) from None
 
 
 async def _check_prompt_tokens(engine: QCFuseEngine, text: str, cfg: ServeConfig, param: str) -> None:

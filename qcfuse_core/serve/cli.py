@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -33,6 +34,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768  # also the cap of a model's own context, when
 
 
 def add_commands(sub) -> None:
+    from qcfuse_core.cli.flags import above, at_least, port
     from qcfuse_core.paths import cache_dir
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (needs qcfuse[serve])")
@@ -56,16 +58,19 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens a request may ask for")
+    p.add_argument("--port", type=port, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
+    p.add_argument("--max-tokens", type=at_least(1), default=4096, help="the most tokens a request may ask for")
     p.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=at_least(1),
         default=None,
         help=f"the longest prompt in tokens (default: the model's context, at most {DEFAULT_MAX_PROMPT_TOKENS})",
     )
     p.add_argument(
-        "--max-documents", type=int, default=64, help="the most documents or node ids a request may name in `qcfuse`"
+        "--max-documents",
+        type=at_least(1),
+        default=64,
+        help="the most documents or node ids a request may name in `qcfuse`",
     )
     p.add_argument(
         "--api-key",
@@ -91,7 +96,7 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--shutdown-timeout-s",
-        type=int,
+        type=at_least(0),
         default=10,
         help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
     )
@@ -105,7 +110,7 @@ def _learning_options(p) -> None:
     g = p.add_argument_group("learned chunks and tenants")
     g.add_argument(
         "--learn-after",
-        type=int,
+        type=at_least(0, "0: learn nothing"),
         default=1,
         metavar="N",
         help="learn chunks from prompts: build a context span's cache once it has been seen N times, served "
@@ -113,7 +118,7 @@ def _learning_options(p) -> None:
     )
     g.add_argument(
         "--max-learned",
-        type=int,
+        type=at_least(1),
         default=4096,
         help="the most learned chunk texts kept; past it the tenant holding most gives up its least recently used "
         "one (default: %(default)s)",
@@ -145,7 +150,7 @@ def _replica_options(p) -> None:
     ray = p.add_argument_group("replicas on Ray Serve (needs qcfuse[ray])")
     ray.add_argument(
         "--replicas",
-        type=int,
+        type=at_least(0, "0: one engine in this process"),
         default=0,
         help="run N engine replicas on Ray Serve over this one store folder, behind Ray Serve's HTTP proxy on "
         "--host:--port (default: one engine in this process)",
@@ -157,16 +162,18 @@ def _replica_options(p) -> None:
         help="affinity: send a request to the replica holding most of its chunks in memory; default: Ray Serve's "
         "power of two choices (default: %(default)s)",
     )
-    ray.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default: %(default)s)")
+    ray.add_argument(
+        "--cpus-per-replica", type=above(0), default=1.0, help="Ray CPUs per replica (default: %(default)s)"
+    )
     ray.add_argument(
         "--gpus-per-replica",
-        type=float,
+        type=above(0, or_equal=True),
         default=None,
         help="GPUs per replica, a fraction to share one (default: 1 with --device cuda, else 0)",
     )
     ray.add_argument(
         "--memory-mb",
-        type=int,
+        type=at_least(1),
         default=None,
         help="each replica's host tier in MiB (default: 1/N of the host's share of available RAM, store/sizing.py)",
     )
@@ -244,13 +251,22 @@ def cmd_serve(args) -> int:
     from qcfuse_core.engine.config import CacheConfig, EngineConfig
     from qcfuse_core.serve.app import ServeConfig, create_app
 
-    if args.shutdown_timeout_s < 0:
-        raise ValueError(f"--shutdown-timeout-s must be >= 0, got {args.shutdown_timeout_s}")
     api_key = api_keys(args)
     if args.shape and (args.model is not None or args.replicas):
         raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")
     if args.replicas:
         return serve_replicas(args, api_key)
+    config = ServeConfig(  # checked now, before the model loads; the prompt limit once it has
+        max_tokens=args.max_tokens,
+        default_max_tokens=min(256, args.max_tokens),
+        max_prompt_tokens=args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+        max_documents=args.max_documents,
+        api_key=api_key,
+        allowed_hosts=tuple(args.allowed_host),
+        allowed_origins=tuple(args.allowed_origin),
+        learning=learn_config(args),
+        tenant_by=args.tenant_by,
+    )
     sock = listen(args.host, args.port)
     what = f"a random {args.shape}" if args.shape else args.model or "the embedded model"
     print(f"qcfuse serve: loading {what} and opening {args.store}", flush=True)
@@ -259,18 +275,9 @@ def cmd_serve(args) -> int:
         engine = _shaped_engine(args, engine_config)
     else:
         engine = open_engine(args.store, model=args.model, dtype=args.dtype, device=args.device, config=engine_config)
-    context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
-    config = ServeConfig(
-        max_tokens=args.max_tokens,
-        default_max_tokens=min(256, args.max_tokens),
-        max_prompt_tokens=args.max_prompt_tokens or context,
-        max_documents=args.max_documents,
-        api_key=api_key,
-        allowed_hosts=tuple(args.allowed_host),
-        allowed_origins=tuple(args.allowed_origin),
-        learning=learn_config(args),
-        tenant_by=args.tenant_by,
-    )
+    if not args.max_prompt_tokens:  # the model's context, at most DEFAULT_MAX_PROMPT_TOKENS
+        context = min(engine.adapter.max_positions or DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPT_TOKENS)
+        config = dataclasses.replace(config, max_prompt_tokens=context)
     app = create_app(engine, model_name=args.model_name, config=config, owns_engine=True)
     port = sock.getsockname()[1]
     print(

@@ -19,6 +19,11 @@ does (validation.py).
 `usage_metadata["input_token_details"]["cache_read"]`): the prompt tokens whose KV came from a
 cache stored before the request - its chunks' and its prompt template's - less those
 recomputed (`cached_tokens`).
+
+Errors, on every route and from every layer (the app, the shared middlewares, the replicas'
+proxy), have one shape, OpenAI's: {"error": {"message", "type", "param", "code"}}, `code`
+always a string - the request's own where there is one (`model_not_found`), else the
+status's (`ERROR_CODES`: invalid_request, invalid_api_key, request_too_large, ...).
 """
 
 from __future__ import annotations
@@ -34,6 +39,24 @@ from qcfuse_core.serve.validation import unknown_fields
 from qcfuse_core.types import FusionResult
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+ERROR_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+
+def error_code(status: int) -> str:
+    """The string `code` of an error answered with `status` (module docstring)."""
+    return ERROR_CODES.get(status, "server_error" if status >= 500 else "invalid_request")
 
 
 class ApiError(Exception):
@@ -52,12 +75,13 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code or self.status)
+        return error_body(self.message, self.kind, self.status, self.param, self.code)
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(message: str, kind: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; `code` the
+    given one, else the status's (`error_code`)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or error_code(status)}}
 
 
 class FusionOptions(BaseModel):
@@ -285,6 +309,8 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
     return {
         "method": result.method,
         "ratio": result.ratio,
+        "requested_method": result.requested_method,
+        "answered": result.what_answered(),  # what answered and what the guard did, one line
         "ttft_ms": round(result.ttft_ms, 3),
         "total_ms": round(result.total_ms, 3),
         "chunks": result.chunks,

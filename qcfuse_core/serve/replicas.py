@@ -421,7 +421,7 @@ class Ingress:
             body += part
             if len(body) > self.max_body_bytes:
                 msg = f"request body over this server's limit of {self.max_body_bytes} bytes"
-                return JSONResponse(error_body(msg, "invalid_request_error", None, 413), status_code=413)
+                return JSONResponse(error_body(msg, "invalid_request_error", 413), status_code=413)
         path = request.url.path
         try:
             keys = tuple(dict.fromkeys(text_key(t) for t in request_texts(self.index, path, json.loads(body))))
@@ -441,7 +441,7 @@ class Ingress:
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             log.warning("qcfuse serve: replica failed before answering: %r", e)
             msg = f"the replica serving this request failed before answering ({type(e).__name__}); retry"
-            return JSONResponse(error_body(msg, "server_error", None, 503), status_code=503)
+            return JSONResponse(error_body(msg, "server_error", 503), status_code=503)
         headers = {k.decode(): v.decode() for k, v in head["headers"] if k.lower() != b"content-length"}
         sse = headers.get("content-type", "").startswith("text/event-stream")
 
@@ -455,7 +455,7 @@ class Ingress:
                 log.warning("qcfuse serve: replica failed mid-stream: %r", e)
                 if sse:
                     msg = f"the replica serving this stream failed ({type(e).__name__}); the answer is incomplete"
-                    yield f"data: {json.dumps(error_body(msg, 'server_error', None, 503))}\n\n".encode()
+                    yield f"data: {json.dumps(error_body(msg, 'server_error', 503))}\n\n".encode()
             finally:
                 if not finished:
                     gen.cancel()

@@ -17,6 +17,7 @@ BACKLOG = 2048  # uvicorn's default
 
 
 def add_commands(sub) -> None:
+    from qcfuse_core.cli.flags import above, port
     from qcfuse_core.paths import cache_dir
 
     p = sub.add_parser("studio", help="a local web page that shows what fusion did (needs qcfuse[studio])")
@@ -38,10 +39,10 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)"
+        "--port", type=port, default=DEFAULT_PORT, help="port on 127.0.0.1 (default: %(default)s; 0: any free one)"
     )
     p.add_argument(
-        "--max-upload-mb", type=float, default=1.0, help="largest file the page may upload (default: %(default)s)"
+        "--max-upload-mb", type=above(0), default=1.0, help="largest file the page may upload (default: %(default)s)"
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up answers before serving")
     p.set_defaults(func=cmd_studio)
@@ -50,11 +51,7 @@ def add_commands(sub) -> None:
 def cmd_studio(args) -> int:
     from qcfuse_core.studio import require_extra
 
-    require_extra()
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_upload_mb <= 0:
-        raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    require_extra()  # the flags were checked as they were parsed (cli/flags.py)
     import uvicorn
     from tqdm import tqdm
 

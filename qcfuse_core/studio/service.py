@@ -863,6 +863,7 @@ def _summary(r: FusionResult, mode: Mode, peak: dict, repeats: Sequence[FusionRe
         "finish_reason": r.finish_reason,
         "threads": r.threads,
         "guard": r.guard.to_dict() if r.guard is not None else None,  # the quality guard's signal and action
+        "answered": r.what_answered(),  # what answered and what the guard did, in one line
         "memory": {
             "kv_bytes_loaded": int(load.get("bytes_loaded", 0)),
             "kv_bytes_by_tier": {k: int(v) for k, v in load.get("bytes_by_source", {}).items()},

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qcfuse_core import ChunkKey, NodeId, Piece, QCFuseEngine
+from qcfuse_core import ChunkKey, NodeId, Piece, QCFuseEngine, require_sequence
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def locate_chunks(
                     content match it overlaps and is registered for content matching
     3. doc_ids      each id's stored chunk key must equal the key of a located chunk
     """
+    documents = require_sequence(documents, "documents", None, one="for one, pass [document]")
+    doc_ids = require_sequence(doc_ids, "doc_ids", one="for one, pass [doc_id]")
     # 1. content
     spans, pos = [], 0
     for piece in engine.caches.texts.find(prompt):
@@ -77,8 +79,6 @@ def locate_chunks(
         engine.caches.texts.add(text, doc_id)
     spans = sorted(claimed + [s for s in spans if not any(s.overlaps(c) for c in claimed)], key=lambda s: s.start)
     # 3. doc_ids
-    if isinstance(doc_ids, str):
-        raise TypeError("doc_ids must be a list of id strings, not one string")
     if doc_ids:
         by_key = {
             ChunkKey.for_tokens(engine.caches.fingerprint, engine.caches.tokenize(s.text)): i
@@ -122,7 +122,7 @@ def _first_unclaimed(prompt: str, text: str, doc_id: str | None, claimed: list[S
 
 def format_docs(docs: Sequence) -> str:
     """The usual LCEL formatter: page contents joined by blank lines."""
-    return "\n\n".join(_document_text(d) for d in docs)
+    return "\n\n".join(_document_text(d) for d in require_sequence(docs, "docs", None, one="pass [document]"))
 
 
 def with_documents(prompt, llm, *, docs_key: str = "context", format_docs: Callable[[Sequence], str] = format_docs):
@@ -140,7 +140,7 @@ def with_documents(prompt, llm, *, docs_key: str = "context", format_docs: Calla
     def route(inputs: dict):
         if not isinstance(inputs, dict) or docs_key not in inputs:
             raise ValueError(f"with_documents expects a dict input with the key {docs_key!r} (a list of Documents)")
-        docs = list(inputs[docs_key])
+        docs = require_sequence(inputs[docs_key], f"the input's {docs_key!r}", None, one="a list of Documents")
         values = {**inputs, docs_key: format_docs(docs)}
         return RunnableLambda(lambda _: values, name="format_docs") | prompt | llm.bind(documents=docs)
 

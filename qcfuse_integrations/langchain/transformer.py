@@ -22,7 +22,7 @@ from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 
-from qcfuse_core import QCFuseEngine
+from qcfuse_core import QCFuseEngine, require_sequence
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class QCFuseCacheBuilder(BaseDocumentTransformer):
         """Copies of `documents` with ids and `metadata["qcfuse_chunk_key"]`; caches built."""
         if kwargs:
             raise TypeError(f"QCFuseCacheBuilder.transform_documents takes no options, got {sorted(kwargs)}")
+        documents = require_sequence(documents, "documents", Document, one="for one, pass [document]")
         engine = self.engine
         per_source: dict[str, int] = {}
         ids, texts = [], []

@@ -34,7 +34,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
-from qcfuse_core import MIN_CHUNK_CHARS, QCFuseEngine
+from qcfuse_core import MIN_CHUNK_CHARS, QCFuseEngine, require_sequence
 from qcfuse_integrations.engines import shared_engine
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class QCFuseCacheBuilder(TransformComponent):
         return self._engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        checked = require_sequence(nodes, "nodes", BaseNode, one="for one, pass [node]")
         engine = self.engine
-        todo = [(render_for_prompt(n), n.node_id) for n in nodes]
+        todo = [(render_for_prompt(n), n.node_id) for n in checked]
         short = sum(len(t) < MIN_CHUNK_CHARS for t, _ in todo)  # too short for the content index to find
         todo = [(t, i) for t, i in todo if len(t) >= MIN_CHUNK_CHARS]
         built = reused = 0

@@ -12,7 +12,7 @@ from typing import List
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field
 
-from qcfuse_core import EMBEDDING_DIMENSIONS, get_embedder
+from qcfuse_core import EMBEDDING_DIMENSIONS, get_embedder, require_sequence
 
 
 class QCFuseEmbedding(BaseEmbedding):
@@ -32,7 +32,8 @@ class QCFuseEmbedding(BaseEmbedding):
         return get_embedder().embed_one(text)
 
     def _get_text_embeddings(self, texts: List[str]) -> List[List[float]]:
-        return get_embedder().embed(list(texts))
+        texts = require_sequence(texts, "texts", one="use get_text_embedding for one")
+        return get_embedder().embed(texts)
 
     async def _aget_query_embedding(self, query: str) -> List[float]:
         return await asyncio.to_thread(self._get_query_embedding, query)

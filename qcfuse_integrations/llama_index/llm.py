@@ -29,7 +29,7 @@ these.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, Optional, Union
 
@@ -342,7 +342,10 @@ class QCFuseLLM(EngineBacked, FunctionCallingLLM):
     def _explicit(self, kwargs: dict[str, Any]) -> dict[str, str]:
         """{rendered node text: node id}: the postprocessor's nodes for this query, the caller's."""
         explicit = dict(retrieved_nodes())
-        explicit.update(kwargs.get("node_ids") or {})
+        given = kwargs.get("node_ids") or {}
+        if not isinstance(given, Mapping):
+            raise TypeError(f"node_ids must be a dict {{rendered node text: node id}}, got {type(given).__name__}")
+        explicit.update(given)
         return explicit
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Call:

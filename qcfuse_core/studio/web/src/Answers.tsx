@@ -54,9 +54,9 @@ export function Answers({ cards, reference, final, onDetails, detailsIndex, mode
                   <div><dt>recomputed</dt>
                     <dd>{r.recomputed_tokens}/{r.context_tokens} ({pct(r.recompute_share)})</dd></div>
                   <div><dt>chunk cache</dt><dd>{r.cache_hits} hits / {r.cache_misses} misses</dd></div>
-                  {r.guard && r.guard.value !== null && <div>
-                    <dt title={r.guard.reason ?? "the quality guard: fused first-token margin vs its threshold"}>quality guard</dt>
-                    <dd data-testid="guard">{`margin ${r.guard.value.toFixed(3)} vs ${r.guard.threshold?.toFixed(3) ?? "–"}: ${r.guard.action}`}</dd></div>}
+                  <div className="wide">
+                    <dt title={r.guard?.reason || "the method and ratio that answered, and what the quality guard did"}>what answered</dt>
+                    <dd data-testid="answered">{r.answered}</dd></div>
                   {r.quality && <>
                     <div><dt title="KL(full || this mode) of the first token's distribution">first-token KL vs full</dt>
                       <dd data-testid="kl">{klText(r.quality.kl_first_token)}</dd></div>

@@ -154,6 +154,7 @@ export interface ModeResult {
   recomputed_tokens: number;
   recompute_share: number;
   guard?: Guard | null; // the quality guard's signal and action
+  answered: string; // what answered and what the guard did, one line (FusionResult.what_answered)
   cache_hits: number;
   cache_misses: number;
   chunks: number;
