@@ -67,10 +67,10 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.scheduler import EngineBusy as EngineBusy
     from qcfuse_core.engine.streams import AsyncTokenStream as AsyncTokenStream
     from qcfuse_core.engine.streams import TokenStream as TokenStream
+    from qcfuse_core.inputs import require_sequence as require_sequence
     from qcfuse_core.learn import BackgroundBuilds as BackgroundBuilds
     from qcfuse_core.learn import chunk_positions as chunk_positions
     from qcfuse_core.learn import overlaps as overlaps
-    from qcfuse_core.inputs import require_sequence as require_sequence
     from qcfuse_core.model.adapter import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
     from qcfuse_core.paths import cache_dir as cache_dir
     from qcfuse_core.retrieval.chroma import open_collection as open_chroma_collection  # noqa: F401

@@ -416,11 +416,19 @@ class Decoding:
 def fusion_result(engine: Engine, pre: Prefilled, request: Request, dec: Decoding) -> FusionResult:
     """The FusionResult of a finished request (one construction for every decode path)."""
     prompt, clock = pre.prompt, request.clock
+    asked, asked_ratio = request.asked
+    rungs = request.guard_report.rungs if request.guard_report is not None else []
+    if rungs:  # what answered: the guard's last rung
+        method, ratio = ("full", None) if rungs[-1][0] >= 1.0 else (request.method, rungs[-1][0])
+    else:
+        method, ratio = request.method, request.ratio if get_selector(pre.selection.method).uses_ratio else None
     return FusionResult(
         text=dec.assembler.text,
         token_ids=list(dec.ids),
-        method=request.method,
-        ratio=request.ratio if get_selector(pre.selection.method).uses_ratio else None,
+        method=method,
+        ratio=ratio,
+        requested_method=asked,
+        requested_ratio=asked_ratio if get_selector(asked).uses_ratio else None,
         ttft_ms=dec.ttft_ms,
         total_ms=clock.since_start_ms(),
         context_tokens=prompt.context_tokens,

@@ -143,6 +143,10 @@ class Request:
     guard: bool = True  # the quality guard may escalate it (and the engine's GuardConfig is on)
     guard_report: GuardReport | None = None  # what the guard saw and did (engine/guard.py)
     guard_row_ms: float = 0.0  # its first fused pass's time per row (the guard's time ceiling)
+    asked: tuple[str, float] = ("", 0.0)  # the method and ratio its caller asked for (set at construction)
+
+    def __post_init__(self) -> None:
+        self.asked = (self.method, self.ratio)
 
     def close(self) -> None:
         if self.session is not None:

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from qcfuse_core.cli.flags import above, at_least, port
+
 DEFAULT_PORT = 8000
 BACKLOG = 2048  # uvicorn's default
 API_KEY_ENV = "QCFUSE_API_KEY"
@@ -34,7 +36,6 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768  # also the cap of a model's own context, when
 
 
 def add_commands(sub) -> None:
-    from qcfuse_core.cli.flags import above, at_least, port
     from qcfuse_core.paths import cache_dir
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (needs qcfuse[serve])")
