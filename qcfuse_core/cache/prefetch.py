@@ -650,7 +650,7 @@ class LoadSession:
         policy (slru by default) keeps chunks used again ahead of those seen once. Each
         source then reads from its device copy, filled per layer just before (same stream,
         so in order)."""
-        tier = self.store.device_tier(self.device)
+        tier = self._device_tier()
         if not self.config.fill_device_tier or tier is None:
             return []
         from qcfuse_core.store.entry import EntryImage  # the store's image format (imported where it is used)
@@ -684,15 +684,19 @@ class LoadSession:
     def _admit_fills(self) -> None:
         """Every layer is loaded (and, on CUDA, the copies are done): the device copies become
         the device tier's entries."""
-        tier = self.store.device_tier(self.device)
+        tier = self._device_tier()
         fills, self._fills = self._fills, []
         for f in fills:
             assert tier is not None  # a fill exists only where the store has the tier
             tier.admit(f.charged, f.device)
 
+    def _device_tier(self):
+        """The store's tier on the compute device, or None (none, or no store: in-memory chunks)."""
+        return self.store.device_tier(self.device) if self.store is not None else None
+
     def _unclaim(self) -> None:
         fills, self._fills = self._fills, []
-        tier = self.store.device_tier(self.device)
+        tier = self._device_tier()
         for f in fills:
             if tier is not None:  # a fill exists only where the store has the tier
                 tier.unclaim(f.charged)
