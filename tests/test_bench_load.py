@@ -353,12 +353,11 @@ def test_over_http_against_a_live_server(tmp_path, capsys):
     127.0.0.1 (with an API key): nothing lost (finished + refused == submitted, no error),
     TTFT percentiles from the server's statistics and the client's first byte; the same
     requests in process for the record (timing is compared in docs, never asserted)."""
-    from test_serve import LiveServer
-
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.model.testing import tiny_model
     from qcfuse_core.serve.app import ServeConfig, create_app
     from qcfuse_core.store import MemoryStore
+    from tests.qc_fixtures import LiveServer
 
     engine = QCFuseEngine(tiny_model("llama", tokenizer=True), store=MemoryStore())
     server = LiveServer(create_app(engine, config=ServeConfig(api_key="k-123")))
@@ -424,13 +423,12 @@ def test_over_http_the_server_learns_the_chunks(tmp_path):
     """`bench load --url --chunks learn` (issue 55): nothing registered, no chunk named - each
     pool chunk shown once, then every timed request's chunks are served from the caches the
     server learned (chunk_hit_share 1, cached_tokens reported), answered in full."""
-    from test_serve import LiveServer
-
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.learn import LEARNED_PREFIX
     from qcfuse_core.model.testing import tiny_model
     from qcfuse_core.serve.app import create_app
     from qcfuse_core.store import MemoryStore
+    from tests.qc_fixtures import LiveServer
 
     engine = QCFuseEngine(tiny_model("llama", tokenizer=True), store=MemoryStore())
     server = LiveServer(create_app(engine))

@@ -15,10 +15,10 @@ from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill, prefill_slices
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore
-from tests.qc_fixtures import engine_config
-from tests.test_fusion_exact import KINDS, LENS, _prompt_alone, _report, _segments_lens
+from tests.qc_fixtures import KINDS, engine_config, prompt_alone, report
 
 ATOL = 2e-5  # fp32
+LENS = [7, 23, 2, 31, 17, 9]
 
 
 def test_prefill_slices_split_the_rows_end_to_end():
@@ -48,7 +48,7 @@ def test_a_sliced_prefill_equals_the_whole(arch, share):
     rows: the last logits and every layer's K/V are the unsliced prefill's (windows: gemma3's
     and mistral-swa's sliding layers; both GQA)."""
     m = tiny_model(arch)
-    prompt = _prompt_alone(m, _segments_lens(m.shape.vocab_size, LENS, seed=3), KINDS)
+    prompt = prompt_alone(m, LENS, KINDS, seed=3)
     T = prompt.num_tokens
     g = torch.Generator().manual_seed(4)
     rows = torch.nonzero((torch.rand(T, generator=g) < share) | prompt.uncached_mask()).flatten()
@@ -56,9 +56,9 @@ def test_a_sliced_prefill_equals_the_whole(arch, share):
     ref = fused_prefill(m, prompt, rows, kv_out=whole).logits
     for size in (5, 16):
         logits, cache = _sliced(m, prompt, rows, size)
-        assert torch.allclose(logits, ref, atol=ATOL, rtol=0), _report(logits, ref)
+        assert torch.allclose(logits, ref, atol=ATOL, rtol=0), report(logits, ref)
         for got, want in ((cache.k, whole.k), (cache.v, whole.v)):
-            assert torch.allclose(got[:, :T], want[:, :T], atol=ATOL, rtol=0), _report(got[:, :T], want[:, :T])
+            assert torch.allclose(got[:, :T], want[:, :T], atol=ATOL, rtol=0), report(got[:, :T], want[:, :T])
 
 
 def test_a_slice_checks_its_rows_and_span():

@@ -18,8 +18,7 @@ import qcfuse_kernels as K
 from qcfuse_core.model.graphs import decode_rows, layer_addresses
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_kernels import reference as ref
-from tests.test_graph_decode import _caches, _copy
-from tests.test_kernels import TOL, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401, F811
+from tests.qc_fixtures import TOL, _caches, _copy, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401, F811
 
 pytestmark = pytest.mark.kernels
 

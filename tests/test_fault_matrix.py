@@ -37,113 +37,30 @@ from pathlib import Path
 
 import pytest
 
-from qcfuse_core.cli.commands import main
+from tests.qc_fixtures import (  # noqa: F401  (fixtures)
+    ASK,
+    DROP_CAPS,
+    FAULT_DOCS,
+    QUESTION,
+    _ask,
+    _cli,
+    _flip_bytes,
+    _needs_setpriv,
+    _one_line_error,
+    _overwrite_head,
+    _read_only,
+    _snapshot,
+    _subprocess,
+    _try_tmpfs,
+    _verifies,
+    _writable,
+    _write_docs,
+    baseline,
+    baseline_answer,
+    store,
+)
 
 pytestmark = pytest.mark.slow
-
-QUESTION = "Who built the harbour of Veyla?"
-DOCS = {
-    "harbour.md": "The harbour of Veyla was built in 1911 by the engineer Maren Dahl, who also "
-                  "designed the lighthouse at the northern cape of the island.",
-    "bakery.md": "The bakery on Veyla's main square sells cardamom buns every morning from six "
-                 "o'clock, baked by Ole Brandt in a wood-fired oven.",
-    "ferry.md": "A ferry connects Veyla with the mainland twice a day; the crossing takes forty "
-                "minutes and the boat is called the Grey Heron.",
-}
-ASK = ["--mode", "qcfuse", "--top-k", "3", "--max-new-tokens", "8", "--json"]
-SETPRIV = shutil.which("setpriv")
-DROP_CAPS = [SETPRIV or "setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner",
-             "--inh-caps=-all", "--"]
-
-
-def _write_docs(folder: Path, docs: dict[str, str] = DOCS) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, text in docs.items():
-        (folder / name).write_text(text + "\n")
-    return folder
-
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _ask(capsys, store: Path, question: str = QUESTION, *extra) -> dict:
-    code, out, err = _cli(capsys, "ask", question, "--store", str(store), *ASK, *extra)
-    assert code == 0, err
-    assert "Traceback" not in err
-    return json.loads(out)
-
-
-def _verifies(capsys, store: Path) -> dict:
-    code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--json")
-    assert code == 0, out + err
-    return json.loads(out)
-
-
-def _subprocess(argv: list[str], *, drop_caps: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "qcfuse_core.cli.commands", *argv]
-    if drop_caps:
-        cmd = DROP_CAPS + cmd
-    full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=1800)  # a loaded CI machine is slow
-
-
-def _one_line_error(proc_or_err, needle: str) -> None:
-    err = proc_or_err if isinstance(proc_or_err, str) else proc_or_err.stderr
-    assert "Traceback" not in err, err
-    lines = [l for l in err.splitlines() if l.startswith("qcfuse: error:")]
-    assert len(lines) == 1 and needle in lines[0], err
-
-
-def _needs_setpriv():
-    if SETPRIV is None:
-        pytest.skip("setpriv (util-linux) is missing: cannot drop root's permission overrides")
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """A store with the three documents, and the answer before any fault."""
-    import _pytest.capture  # noqa: F401
-
-    root = tmp_path_factory.mktemp("baseline")
-    docs = _write_docs(root / "docs")
-    store = root / "store"
-    assert main(["ingest", str(docs), "--store", str(store)]) == 0
-    return store, docs
-
-
-@pytest.fixture(scope="module")
-def baseline_answer(baseline):
-    import io
-    from contextlib import redirect_stdout
-
-    store, _ = baseline
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        assert main(["ask", QUESTION, "--store", str(store), *ASK]) == 0
-    r = json.loads(buf.getvalue())
-    assert r["cache_hits"] == 3 and r["cache_misses"] == 0
-    return r
-
-
-@pytest.fixture
-def store(baseline, tmp_path):
-    """A private copy of the baseline store."""
-    dst = tmp_path / "store"
-    shutil.copytree(baseline[0], dst)
-    return dst
-
-
-def _flip_bytes(path: Path) -> None:
-    b = bytearray(path.read_bytes())
-    for f in (1 / 3, 1 / 2, 2 / 3):
-        b[int(len(b) * f)] ^= 0xFF
-    path.write_bytes(bytes(b))
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -191,7 +108,7 @@ def test_duplicate_chunks_in_one_ingest(tmp_path, capsys, how):
             shutil.copy(one, docs / sub / "harbour.md")
         paths = [docs]
     else:
-        para = DOCS["harbour.md"]
+        para = FAULT_DOCS["harbour.md"]
         (docs / "repeat.md").write_text(f"{para}\n\n{'x' * 1100}\n\n{para}\n")
         paths = [docs / "repeat.md"]
     store = tmp_path / "store"
@@ -204,26 +121,6 @@ def test_duplicate_chunks_in_one_ingest(tmp_path, capsys, how):
     ids = open_collection(store / "chroma").get(include=[])["ids"]
     assert len(ids) == len(set(ids)) > 0
 
-
-def _read_only(path: Path) -> None:
-    for p in [path, *path.rglob("*")]:
-        p.chmod(p.stat().st_mode & ~0o222)
-
-
-def _writable(path: Path) -> None:
-    for p in [path, *path.rglob("*")]:
-        p.chmod(p.stat().st_mode | 0o200)
-
-
-def _snapshot(path: Path, *, shm: bool = True) -> dict[str, tuple[int, int]]:
-    """Size and mtime of every file; shm=False leaves out SQLite's -shm files and empty -wal
-    files (the lock index and log a reader of a writable WAL database creates; they hold no
-    store data)."""
-    def kept(p: Path) -> bool:
-        return shm or not (p.name.endswith("-shm") or (p.name.endswith("-wal") and p.stat().st_size == 0))
-
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in path.rglob("*") if p.is_file() and kept(p)}
 
 
 def test_read_only_store(store, baseline_answer, capsys):
@@ -272,19 +169,6 @@ def test_read_only_manifest_only(store, baseline_answer, capsys):
     _verifies(capsys, store)
 
 
-def _overwrite_head(path: Path) -> None:
-    """Overwrite the first 100 bytes, after folding any write-ahead log into the file (else
-    SQLite would read page 1 back from the log and heal the damage)."""
-    import sqlite3
-
-    db = sqlite3.connect(path)
-    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    db.close()
-    for suffix in ("-wal", "-shm"):
-        Path(str(path) + suffix).unlink(missing_ok=True)
-    with open(path, "r+b") as f:
-        f.write(os.urandom(100))
-
 
 def test_chunk_text_index_damaged(store, baseline_answer, capsys):
     _overwrite_head(store / "chunk_texts.sqlite")
@@ -310,21 +194,13 @@ def test_chroma_damaged(store, baseline_answer, capsys):
     assert _ask(capsys, store)["answer"] == baseline_answer["answer"]
 
 
-def _try_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if shutil.which("mount") is None:
-        return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    return r.returncode == 0
-
 
 def test_disk_full(tmp_path, capsys, monkeypatch):
     docs = tmp_path / "docs"
     many = {f"note-{i:03d}.md": f"Note {i}: the tide gauge number {i} on Veyla recorded {i * 7 % 31} "
                                 f"centimetres above the mean on the morning of day {i}. " * 2
             for i in range(200)}
-    many.update(DOCS)
+    many.update(FAULT_DOCS)
     _write_docs(docs, many)
     mnt = tmp_path / "small-disk"
     real = _try_tmpfs(mnt, "30m")
@@ -422,7 +298,7 @@ def test_cache_dir_moved(tmp_path, capsys, monkeypatch):
 def test_prompt_longer_than_the_context(tmp_path, capsys):
     long_docs = {f"part-{i:02d}.md": (f"Section {i} of the Veyla chronicle. " + "The wind blew over the cape. " * 40)
                  for i in range(14)}  # ~14 x 330 tokens > 4,096
-    long_docs.update(DOCS)
+    long_docs.update(FAULT_DOCS)
     docs = _write_docs(tmp_path / "docs", long_docs)
     store = tmp_path / "store"
     assert _cli(capsys, "ingest", str(docs), "--store", str(store))[0] == 0

@@ -45,9 +45,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_fault_matrix import (  # noqa: F401  (fixtures)
+
+from qcfuse_core.cli.commands import main
+from tests.qc_fixtures import (  # noqa: F401  (fixtures)
     ASK,
-    DOCS,
+    FAULT_DOCS,
     QUESTION,
     _ask,
     _cli,
@@ -60,8 +62,6 @@ from test_fault_matrix import (  # noqa: F401  (fixtures)
     baseline_answer,
     store,
 )
-
-from qcfuse_core.cli.commands import main
 
 pytestmark = pytest.mark.slow
 
@@ -97,13 +97,13 @@ def _alter_stored_texts(path: Path, texts: list[str]) -> None:
 
 
 def test_chunk_texts_altered(store, baseline_answer, capsys):
-    texts = [DOCS["harbour.md"], DOCS["ferry.md"]]
+    texts = [FAULT_DOCS["harbour.md"], FAULT_DOCS["ferry.md"]]
     _alter_stored_texts(store / "chunk_texts.sqlite", texts)
     from qcfuse_core.retrieval.texts import ChunkTextIndex
 
     index = ChunkTextIndex(store / "chunk_texts.sqlite", read_only=True)
-    found = {p.text for p in index.find("Context: " + " ".join(DOCS.values()))}
-    assert found == {DOCS["bakery.md"]} and index.damaged == 2  # never served
+    found = {p.text for p in index.find("Context: " + " ".join(FAULT_DOCS.values()))}
+    assert found == {FAULT_DOCS["bakery.md"]} and index.damaged == 2  # never served
     index.close()
     assert _ask(capsys, store)["answer"] == baseline_answer["answer"]
     code, out, err = _cli(capsys, "store", "verify", "--store", str(store))
@@ -116,16 +116,16 @@ def test_chunk_texts_altered(store, baseline_answer, capsys):
 
 
 def test_chunk_texts_altered_never_copied_into_a_rebuilt_vector_index(store, baseline, capsys):
-    _alter_stored_texts(store / "chunk_texts.sqlite", [DOCS["harbour.md"], DOCS["ferry.md"]])
+    _alter_stored_texts(store / "chunk_texts.sqlite", [FAULT_DOCS["harbour.md"], FAULT_DOCS["ferry.md"]])
     _overwrite_head(store / "chroma" / "chroma.sqlite3")  # and the vector index unreadable
     code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--repair")
     assert code == 0, out + err
     assert "2 texts were damaged in both indexes and are not restored: ingest their files again" in out
-    assert set(_chroma_documents(store).values()) == {DOCS["bakery.md"]}  # the altered ones are not in it
+    assert set(_chroma_documents(store).values()) == {FAULT_DOCS["bakery.md"]}  # the altered ones are not in it
     _verifies(capsys, store)
     code, out, err = _cli(capsys, "ingest", str(baseline[1]), "--store", str(store))
     assert code == 0, err  # the documented way back
-    assert set(_chroma_documents(store).values()) == set(DOCS.values())
+    assert set(_chroma_documents(store).values()) == set(FAULT_DOCS.values())
     _verifies(capsys, store)
 
 
@@ -150,7 +150,7 @@ def test_vector_document_edited(store, baseline_answer, capsys):
     assert code == 1 and "1 of 3 documents do not match their content hash" in out
     code, out, err = _cli(capsys, "store", "verify", "--store", str(store), "--repair")
     assert code == 0, out + err
-    assert DOCS["harbour.md"] in _chroma_documents(store).values()
+    assert FAULT_DOCS["harbour.md"] in _chroma_documents(store).values()
     _verifies(capsys, store)
     r = _ask(capsys, store)
     assert r["answer"] == baseline_answer["answer"] and harbour in r["sources"]
@@ -179,8 +179,9 @@ def test_vector_index_deleted(store, baseline_answer, capsys):
 
 @contextmanager
 def _stub_embedder():
-    import qcfuse_core.retrieval.embedder as embedder
     from stub_embedder import HashEmbedder
+
+    import qcfuse_core.retrieval.embedder as embedder
 
     old, embedder._SINGLETON = embedder._SINGLETON, HashEmbedder()
     try:
@@ -200,12 +201,12 @@ def big_store(tmp_path_factory):
     from contextlib import redirect_stdout
 
     from chromadb.api.client import SharedSystemClient
+    from stub_embedder import HashEmbedder
 
+    from qcfuse_core.retrieval.chroma import open_collection
     from qcfuse_core.retrieval.texts import ChunkTextIndex
     from qcfuse_core.retrieval.vector_index import SHA_KEY, text_sha256
     from qcfuse_core.types import chunk_id
-    from qcfuse_core.retrieval.chroma import open_collection
-    from stub_embedder import HashEmbedder
 
     root = tmp_path_factory.mktemp("big")
     docs = _write_docs(root / "docs")
@@ -357,7 +358,7 @@ def test_disk_full_in_the_vector_index(tmp_path, capsys, monkeypatch):
     many = {f"note-{i:03d}.md": f"Note {i}: the tide gauge number {i} on Veyla recorded {i * 7 % 31} "
                                 f"centimetres above the mean on the morning of day {i}. " * 3
             for i in range(300)}
-    docs = _write_docs(tmp_path / "docs", {**DOCS, **many})
+    docs = _write_docs(tmp_path / "docs", {**FAULT_DOCS, **many})
     mnt = tmp_path / "small-disk"
     real = _try_tmpfs(mnt, "400k")
     try:
@@ -532,7 +533,7 @@ def test_concurrent_asks_on_a_damaged_store(big, big_store):
     HNSW files made another read a 0-byte header.bin, 1 trial in 3), and after each trial no
     index file has changed - the check that makes the race impossible, not unlikely (the
     reader-against-writer race is repeated 100s of times in tests/test_vector_reader.py)."""
-    from test_fault_matrix import _flip_bytes
+    from tests.qc_fixtures import _flip_bytes
 
     _flip_bytes(next((big / "kv").rglob("*.safetensors")))
     before = _index_files(big)
@@ -586,7 +587,7 @@ def test_verify_on_a_read_only_store_says_read_only(store, baseline_answer):
     """Row 52b: `store verify` on a read-only store (root's permission overrides dropped)
     reports an intact manifest as intact and the store as read-only, not "damaged"; --repair
     is refused in one line; nothing is written."""
-    from test_fault_matrix import _needs_setpriv, _read_only, _snapshot, _subprocess, _writable
+    from tests.qc_fixtures import _needs_setpriv, _read_only, _snapshot, _subprocess, _writable
 
     _needs_setpriv()
     before = _snapshot(store)
@@ -626,7 +627,7 @@ def test_repair_rebuilds_a_deleted_chunk_text_index_from_the_vector_index(store,
 
     index = ChunkTextIndex(store / "chunk_texts.sqlite", read_only=True)
     try:
-        assert {p.text.strip() for p in index.find("\n\n".join(DOCS.values()))} == {t.strip() for t in DOCS.values()}
+        assert {p.text.strip() for p in index.find("\n\n".join(FAULT_DOCS.values()))} == {t.strip() for t in FAULT_DOCS.values()}
     finally:
         index.close()
     r = _ask(capsys, store)

@@ -19,11 +19,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import qcfuse_kernels as K
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.ingest.prefill import prefill_alone
-from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.model.adapter import ModelAdapter, cache_kwarg
+from qcfuse_core.model.fusion import FusedPrompt, KVCache, Segment, fused_prefill
 from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
-from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, chunk_alone
+from tests.qc_fixtures import WHOLE_MODEL_BACKENDS, prompt_of, report
 
 # Whole tiny models run on the references (fast tier) and through Triton's interpreter (slow
 # tier: WHOLE_MODEL_BACKENDS); the tests of one kernel op carry `kernels` (the interpreter).
@@ -37,34 +37,18 @@ def _segments_lens(vocab: int, lens: list[int], seed: int = 0) -> list[torch.Ten
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
 
 
-def _prompt_alone(adapter: ModelAdapter, parts: list[torch.Tensor], kinds: list[str]) -> FusedPrompt:
-    """Prefix and chunks cached alone (positions 0..n-1); glue and suffix uncached."""
-    eng = QCFuseEngine(adapter)
-    segs = []
-    for ids, kind in zip(parts, kinds):
-        if kind in ("prefix", "chunk"):
-            segs.append(Segment(kind, ids, chunk_alone(eng, ids)))
-        else:
-            segs.append(Segment(kind, ids))
-    return FusedPrompt(segs)
-
-
 KINDS = ["prefix", "chunk", "text", "chunk", "chunk", "suffix"]
 LENS = [7, 23, 2, 31, 17, 9]
-
-
-def _report(a: torch.Tensor, b: torch.Tensor) -> str:
-    return f"max abs err {(a - b).abs().max().item():.3e}"
 
 
 @pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_full_recompute_equals_hf(arch, backend):
     m = tiny_model(arch)
-    prompt = _prompt_alone(m, _segments_lens(m.shape.vocab_size, LENS), KINDS)
+    prompt = prompt_of(m, _segments_lens(m.shape.vocab_size, LENS), KINDS)
     ref, _ = m.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(m, prompt, torch.arange(prompt.num_tokens), logits_last=None)
-    assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), _report(out.logits, ref)
+    assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), report(out.logits, ref)
 
 
 @pytest.mark.parametrize("backend", WHOLE_MODEL_BACKENDS)
@@ -95,7 +79,7 @@ def test_exact_caches_with_sparse_rows_equal_hf(arch, backend):
         pick[0] |= share == 1.0  # include the very first row in the all-rows case
         rows = torch.nonzero(pick).flatten()
         out = fused_prefill(m, prompt, rows)
-        assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), f"share={share}: {_report(out.logits, ref)}"
+        assert torch.allclose(out.logits, ref, atol=ATOL, rtol=0), f"share={share}: {report(out.logits, ref)}"
 
 
 def _hf_rope(m: ModelAdapter, layer: int, positions: torch.Tensor):
@@ -139,11 +123,11 @@ def test_naive_equals_independent_reference(arch, backend):
     m = tiny_model(arch)
     kinds = ["prefix", "chunk", "chunk", "chunk", "suffix"]
     parts = _segments_lens(m.shape.vocab_size, [5, 19, 33, 11, 8], seed=3)
-    prompt = _prompt_alone(m, parts, kinds)
+    prompt = prompt_of(m, parts, kinds)
     rows = torch.nonzero(prompt.uncached_mask()).flatten()
     out = fused_prefill(m, prompt, rows)
     ref = _naive_reference(m, parts, kinds)
-    assert torch.allclose(out.logits, ref, atol=1e-4, rtol=0), _report(out.logits, ref)
+    assert torch.allclose(out.logits, ref, atol=1e-4, rtol=0), report(out.logits, ref)
     full, _ = m.hf_forward(prompt.token_ids)
     assert (out.logits - full).abs().max() > 1e-3, "naive should differ from full prefill on random chunks"
 
@@ -161,7 +145,7 @@ def test_rerotation_matches_direct_rotation(arch):
                                      k_pre[:0], k_pre[:0], cos, sin)
         hf_cos, hf_sin = _hf_rope(m, layer, positions[None])
         direct, _ = apply_rotary_pos_emb(k_pre.transpose(0, 1)[None], k_pre.transpose(0, 1)[None], hf_cos, hf_sin)
-        assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), _report(ours, direct[0].transpose(0, 1))
+        assert torch.allclose(ours, direct[0].transpose(0, 1), atol=1e-5), report(ours, direct[0].transpose(0, 1))
 
 
 @pytest.mark.kernels
@@ -225,7 +209,7 @@ def test_chunk_prefill_rotated_to_offset_matches_hf_at_offset(arch):
         cos, sin = m.rope(torch.arange(offset, offset + len(ids)), layer)
         ours = K.apply_rope(k_pre[layer], cos, sin)
         hf = cache.layers[layer].keys[0].transpose(0, 1)
-        assert torch.allclose(ours, hf, atol=1e-4), f"layer {layer}: {_report(ours, hf)}"
+        assert torch.allclose(ours, hf, atol=1e-4), f"layer {layer}: {report(ours, hf)}"
         assert torch.allclose(v[layer], cache.layers[layer].values[0].transpose(0, 1), atol=1e-4)
 
 
@@ -239,17 +223,17 @@ def test_embedded_model_full_recompute_equals_hf(smol):
     assert misses == 2
     ref, _ = smol.hf_forward(prompt.token_ids, keep=None)
     out = fused_prefill(smol, prompt, torch.arange(prompt.num_tokens), logits_last=None)
-    assert torch.allclose(out.logits, ref, atol=1e-3, rtol=1e-5), _report(out.logits, ref)
+    assert torch.allclose(out.logits, ref, atol=1e-3, rtol=1e-5), report(out.logits, ref)
     # recompute everything except the (exact) prefix: same logits at the last row
     rows = torch.nonzero(~prompt.mask("prefix")).flatten()
     out2 = fused_prefill(smol, prompt, rows)
-    assert torch.allclose(out2.logits, ref[-1:], atol=1e-3, rtol=1e-5), _report(out2.logits, ref[-1:])
+    assert torch.allclose(out2.logits, ref[-1:], atol=1e-3, rtol=1e-5), report(out2.logits, ref[-1:])
 
 
 @pytest.mark.kernels
 def test_rows_validation_errors():
     m = tiny_model("llama")
-    prompt = _prompt_alone(m, _segments_lens(256, [5, 10, 4]), ["prefix", "chunk", "suffix"])
+    prompt = prompt_of(m, _segments_lens(256, [5, 10, 4]), ["prefix", "chunk", "suffix"])
     with pytest.raises(ValueError, match="uncached"):
         fused_prefill(m, prompt, torch.tensor([18]))
     with pytest.raises(ValueError, match="sorted"):
@@ -275,9 +259,8 @@ def test_unsupported_architecture_names_supported_ones():
 def test_row_blocked_attention_equals_the_dense_reference(monkeypatch):
     """The torch path splits rows into blocks that read keys only up to their last row; any
     block size gives the dense reference's output (fp32, atol 1e-6)."""
-    from qcfuse_kernels.reference import sparse_attention_ref
-
     from qcfuse_core.model import fusion
+    from qcfuse_kernels.reference import sparse_attention_ref
 
     g = torch.Generator().manual_seed(3)
     T, H, Hkv, D = 700, 4, 2, 16

@@ -15,11 +15,10 @@ import torch
 
 import qcfuse_kernels as K
 from qcfuse_core.model import batched
-from qcfuse_core.model.fusion import KVCache, fill_from_hf
 from qcfuse_core.model.graphs import GraphDecoder, decode_rows, layer_addresses
-from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
+from qcfuse_core.model.testing import tiny_model
 from qcfuse_kernels import reference as ref
-from tests.test_kernels import TOL, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401
+from tests.qc_fixtures import TOL, _caches, _copy, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401
 
 pytestmark = pytest.mark.kernels
 
@@ -109,22 +108,6 @@ def test_decode_attention_refuses_bad_input(use_backend):
 
 # ---------------------------------------------------------------- the graph's step body (CPU)
 
-
-def _caches(adapter, lengths, room, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        _, kv = adapter.hf_forward(torch.randint(0, 256, (n,), generator=gen).to(adapter.device))
-        c = KVCache(adapter, n + room)
-        fill_from_hf(c, kv)
-        out.append(c)
-    return out
-
-
-def _copy(cache):
-    out = KVCache.__new__(KVCache)
-    out.k, out.v, out.length = cache.k.clone(), cache.v.clone(), cache.length
-    return out
 
 
 def _rows_step(adapter, caches, tokens):

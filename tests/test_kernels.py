@@ -20,49 +20,19 @@ import torch
 
 from qcfuse_kernels import ops
 from qcfuse_kernels import reference as ref
+from tests.qc_fixtures import (  # noqa: F401  (fixtures)
+    DTYPES,
+    TOL,
+    _triton_mode,
+    assert_close,
+    needs_cuda,
+    needs_interpreter,
+    use_backend,
+)
 
 pytestmark = pytest.mark.kernels  # the detected backend: interpreter on CPU, Triton on GPU
 
-TOL = {
-    torch.float32: dict(atol=2e-5, rtol=1e-5),
-    torch.float16: dict(atol=4e-3, rtol=4e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
 MASS_TOL = dict(atol=1e-6, rtol=1e-3)
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _triton_mode():
-    return ops._triton_mode()
-
-
-needs_interpreter = pytest.mark.skipif(
-    _triton_mode() != "interpreted",
-    reason="Triton interpreter not active (needs triton and TRITON_INTERPRET=1 before its import)",
-)
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available() or _triton_mode() != "compiled",
-    reason="needs CUDA and compiled triton (run with TRITON_INTERPRET=0 on a GPU host)",
-)
-
-
-@pytest.fixture
-def use_backend(request):
-    """Force a backend for one test, restore auto-detection afterwards."""
-    ops.set_backend(request.param)
-    yield request.param
-    ops.set_backend(None)
-
-
-def assert_close(out, expected, atol, rtol, what):
-    out, expected = out.float(), expected.float()
-    err = (out - expected).abs()
-    bound = atol + rtol * expected.abs()
-    worst = (err - bound).max().item()
-    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    assert worst <= 0, f"{what}: max abs err {err.max().item():.3e} exceeds atol {atol} + rtol {rtol} * |ref|"
-
 
 def make_attention(R, T, H, Hkv, D, dtype, device="cpu", seed=0, positions=None):
     """Random q/k/v and sorted unique positions that include 0 and T-1 (when R >= 2)."""

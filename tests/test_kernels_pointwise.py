@@ -16,7 +16,7 @@ import torch
 
 from qcfuse_kernels import ops
 from qcfuse_kernels import reference as ref
-from tests.test_kernels import DTYPES, TOL, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401
+from tests.qc_fixtures import DTYPES, TOL, assert_close, needs_cuda, needs_interpreter, use_backend  # noqa: F401
 
 pytestmark = pytest.mark.kernels
 

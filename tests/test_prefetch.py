@@ -4,12 +4,15 @@ ChunkViews serve the qcfuse probe from sidecars exactly as full chunks would."""
 import pytest
 import torch
 
-from qcfuse_core.model.testing import cache_alone
-from qcfuse_core.model.fusion import FusedPrompt, Segment, fused_prefill
 from qcfuse_core.cache.prefetch import ChunkView, PrefetchConfig, Prefetcher, ensure_sidecar
+from qcfuse_core.model.fusion import FusedPrompt, Segment, fused_prefill
+from qcfuse_core.model.testing import cache_alone, tiny_model
 from qcfuse_core.selection.base import SelectionContext, get_selector
 from qcfuse_core.store import open_store
-from qcfuse_core.model.testing import tiny_model
+from tests.qc_fixtures import (  # noqa: F401  (fixtures)
+    _store,
+    adapter,
+)
 
 CRITICAL = [1]  # tiny models have 3 layers; probe depth 2
 
@@ -22,10 +25,6 @@ def _assert_layers_match(session, ref, num_layers, like, tag, on_cuda=False):
         assert (k.is_cuda or not on_cuda) and torch.equal(k, rk) and torch.equal(v, rv), (tag, l)
 
 
-@pytest.fixture(scope="module")
-def adapter():
-    return tiny_model("llama")
-
 
 @pytest.fixture(scope="module")
 def parts(adapter):
@@ -35,11 +34,6 @@ def parts(adapter):
     chunks = [ids(n) for n in (17, 9, 12)]
     return prefix, cache_alone(adapter, prefix), chunks, [cache_alone(adapter, c) for c in chunks], ids(3), ids(4)
 
-
-def _store(tmp_path, tier: str):
-    st = open_store(tmp_path / tier, memory_bytes=(64 << 20) if tier == "host" else 0, gpu_bytes=0, use_cuda=False)
-    assert st.gpu is None
-    return st
 
 
 def _prompts(pf, parts, recompute=(), views=True, depth=0):

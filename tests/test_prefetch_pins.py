@@ -4,7 +4,6 @@ session closes (also after an error); a tier's pins are reference counts, one pe
 import pytest
 import torch
 from store_fixtures import entry_bytes, host_charge, make_chunk
-from test_prefetch import _store, adapter  # noqa: F401  (fixtures)
 
 from qcfuse_core.cache.prefetch import LoadSession, PrefetchConfig, Prefetcher
 from qcfuse_core.model.fusion import FusedPrompt, Segment
@@ -12,6 +11,7 @@ from qcfuse_core.model.testing import cache_alone
 from qcfuse_core.store import get_policy, open_store
 from qcfuse_core.store.entry import encode_chunk
 from qcfuse_core.store.tier import MemoryTier
+from tests.qc_fixtures import _store, adapter  # noqa: F401  (fixtures)
 
 # prompt -> its segments: P the in-memory prefix, S the shared chunk, O its own chunk, G glue
 LAYOUTS = (("P", "S", "G", "O"), ("O", "G", "S"), ("P", "S", "O"))

@@ -13,36 +13,26 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
-from qcfuse_core.engine.api import QCFuseEngine
-from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.serve.protocol import cached_tokens
-from qcfuse_core.store import MemoryStore
-from tests.qc_fixtures import engine_config
-
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from tests.qc_fixtures import (  # noqa: F401  (fixtures)
+    SERVE_DOCS,
+    LiveServer,
+    _engine,
+    _error,
+    _metric,
+    _prompt,
+    _sse,
+    _wait,
+    engine_config,
+    tiny,
 )
-DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(10)) for i in range(4)]
+
 NEW = 12
 MODEL = "tiny-serve"
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    adapter = tiny_model("llama", tokenizer=True)
-    adapter.tokenizer.chat_template = TEMPLATE
-    return adapter
-
-
-def _engine(tiny, **cfg) -> QCFuseEngine:
-    eng = QCFuseEngine(tiny, store=MemoryStore(), config=engine_config(**cfg))
-    eng.build_chunks(DOCS, [f"doc-{i}" for i in range(len(DOCS))])
-    return eng
 
 
 @pytest.fixture(scope="module")
@@ -56,35 +46,12 @@ def client(engine):
         yield c
 
 
-def _prompt(question: str = "Which document mentions word1x3?", docs=(DOCS[0], DOCS[1])) -> str:
-    return "Context:\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}"
-
 
 def _chat_messages(engine, prompt: str) -> list[dict]:
     """A chat whose rendering is the engine's completion frame around `prompt` (the same system
     prompt), so the chat route's answer must be `engine.complete(prompt)`'s."""
     return [{"role": "system", "content": engine.config.frame.system_prompt}, {"role": "user", "content": prompt}]
 
-
-def _sse(lines) -> list[dict | str]:
-    out: list[dict | str] = []
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: "):]
-        out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def _error(res, status: int, *words: str) -> dict:
-    assert res.status_code == status, (res.status_code, res.text)
-    err = res.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["code"], str), err  # one shape: a string code on every route (issue 66)
-    for w in words:
-        assert w in err["message"], err
-    return err
 
 
 # ---------------------------------------------------------------------------- same answers
@@ -220,8 +187,8 @@ def test_a_full_queue_is_a_429(tiny):
 
 def test_documents_name_the_chunks(client, engine):
     new = "A fresh passage that nobody registered: " + " ".join(f"fresh{j}" for j in range(12))
-    prompt = _prompt(docs=(new, DOCS[2]))
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "qcfuse": {"documents": [new, DOCS[2]],
+    prompt = _prompt(docs=(new, SERVE_DOCS[2]))
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "qcfuse": {"documents": [new, SERVE_DOCS[2]],
                                                                               "method": "cacheblend", "ratio": 0.3}}
     first = client.post("/v1/completions", json=body).json()["qcfuse"]
     assert first["method"] == "cacheblend" and first["ratio"] == 0.3
@@ -268,41 +235,9 @@ def test_models_health_metrics(client):
     assert client.get("/v1/nothing").status_code == 404
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def _wait(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
-
 
 # ---------------------------------------------------------------------------- a live server
 
-
-class LiveServer:
-    """uvicorn on 127.0.0.1 (a free port) in a thread; stopped by `close`."""
-
-    def __init__(self, app) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        _wait(lambda: self.server.started, 30)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_serve import LiveServer, _engine, _prompt, tiny  # noqa: F401 (tiny: the fixture, shared)
 
 from qcfuse_core.serve.app import ServeConfig, create_app
+from tests.qc_fixtures import LiveServer, _engine, _prompt, tiny  # noqa: F401 (tiny: the fixture, shared)
 
 KEY = "k-errors"
 AUTH = {"Authorization": f"Bearer {KEY}"}

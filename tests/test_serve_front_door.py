@@ -19,12 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import TEMPLATE, LiveServer, _engine, _error, _prompt, _wait
 
 from qcfuse_core.asgi import LocalOnly, split_host
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.serve.builds import BuildQueue, BuildsStopped, batches
+from tests.qc_fixtures import TEMPLATE, LiveServer, _engine, _error, _prompt, _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 

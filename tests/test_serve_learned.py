@@ -13,8 +13,6 @@ import re
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_serve import TEMPLATE, LiveServer, _metric
-from test_store_cli import _fill, _run
 
 from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
@@ -26,6 +24,7 @@ from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.serve.protocol import cached_tokens
 from qcfuse_core.serve.validation import ModelIds
 from qcfuse_core.store import MemoryStore
+from tests.qc_fixtures import TEMPLATE, LiveServer, _fill, _metric, _run
 
 NEW = 8
 MODEL = "tiny-learned"

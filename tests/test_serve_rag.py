@@ -19,7 +19,6 @@ import re
 
 import httpx
 import pytest
-from test_serve import TEMPLATE, LiveServer, _metric
 
 from qcfuse_core import EngineConfig
 from qcfuse_core.engine.api import QCFuseEngine
@@ -28,6 +27,7 @@ from qcfuse_core.learn import LearnConfig
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore
+from tests.qc_fixtures import TEMPLATE, LiveServer, _metric
 
 NEW = 10  # max_tokens of every answer
 MODEL = "tiny-rag"

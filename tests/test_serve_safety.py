@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_serve import DOCS, TEMPLATE, LiveServer, _engine, _error, _prompt, _sse, _wait
 
 from qcfuse_core.cli.store import main as store_main
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import kv_dir, open_store
+from tests.qc_fixtures import SERVE_DOCS, TEMPLATE, LiveServer, _engine, _error, _prompt, _sse, _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-0123456789"
@@ -104,15 +104,15 @@ def test_limits_are_openai_4xx(engine):
         err = _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]}),
                      400, "limit of 600")
         assert err["param"] == "messages"
-        three = _prompt(docs=DOCS[:3])
-        err = _error(c.post("/v1/completions", json={"prompt": three, "qcfuse": {"documents": DOCS[:3]}}),
+        three = _prompt(docs=SERVE_DOCS[:3])
+        err = _error(c.post("/v1/completions", json={"prompt": three, "qcfuse": {"documents": SERVE_DOCS[:3]}}),
                      400, "3 chunks", "limit of 2")
         assert err["param"] == "qcfuse.documents"
         err = _error(c.post("/v1/completions", json={"prompt": three, "qcfuse": {"node_ids": ["a", "b", "c"]}}),
                      400, "limit of 2")
         assert err["param"] == "qcfuse.node_ids"
-        ok = c.post("/v1/completions", json={"prompt": _prompt(docs=DOCS[:2]), "max_tokens": 2,
-                                             "qcfuse": {"documents": DOCS[:2]}})
+        ok = c.post("/v1/completions", json={"prompt": _prompt(docs=SERVE_DOCS[:2]), "max_tokens": 2,
+                                             "qcfuse": {"documents": SERVE_DOCS[:2]}})
         assert ok.status_code == 200 and ok.json()["qcfuse"]["chunks"] == 2
         assert _error(c.post("/v1/completions", json={"prompt": short, "max_tokens": 65}), 400,
                       "limit of 64")["param"] == "max_tokens"
@@ -283,14 +283,14 @@ def test_sigterm_finishes_or_cancels_streams_and_closes_the_store(tmp_path):
     one (3000 tokens) is cancelled when it ends (its connection closed); the scheduler stops,
     the store closes, the process exits 0 promptly, and `qcfuse store verify` is clean."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(tmp_path), str(GRACE_S), *DOCS[:2]], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(tmp_path), str(GRACE_S), *SERVE_DOCS[:2]], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline().strip() or 0)
         assert port, proc.stderr.read() if proc.poll() is not None else "no port"
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 30)
-        prompt = _prompt(docs=DOCS[:2])
+        prompt = _prompt(docs=SERVE_DOCS[:2])
         runs = {}
         for name, tokens in (("long", 3000), ("short", 16)):
             out: dict = {}

@@ -18,8 +18,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from test_serve import TEMPLATE, LiveServer, _metric
-from test_store_cli import _run
 
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.learn import LEARNED_SHARE, ChunkLearner, LearnConfig, is_learned, learned_id
@@ -27,6 +25,7 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore, kv_dir, open_store, sizing
+from tests.qc_fixtures import TEMPLATE, LiveServer, _metric, _run
 
 NEW = 6
 MODEL = "tiny-tenants"

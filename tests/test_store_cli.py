@@ -10,23 +10,9 @@ import time
 import pytest
 from store_fixtures import entry_bytes, entry_file, make_chunk, store_at
 
-from qcfuse_core.cli.store import add_store_commands, main, parse_bytes
+from qcfuse_core.cli.store import add_store_commands, parse_bytes
 from qcfuse_core.store import kv_dir
-
-
-def _fill(root, n=4, **kw):
-    chunks = [make_chunk(i, **kw) for i in range(n)]
-    with store_at(kv_dir(root)) as s:
-        for i, c in enumerate(chunks):
-            s.put(c)
-            s.link(f"node-{i}", c.key)
-    return chunks
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(["store", *argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.qc_fixtures import _fill, _run
 
 
 def test_stats(tmp_path, capsys):

@@ -545,7 +545,8 @@ def test_only_the_studios_own_page_may_ingest(service):
     (its cookie, its own Origin) ingests. A multipart body on a JSON route is held to the JSON
     limit (case 91)."""
     import httpx
-    from test_serve import LiveServer
+
+    from tests.qc_fixtures import LiveServer
 
     app = create_app(service)
     server = LiveServer(app)
