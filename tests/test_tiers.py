@@ -51,6 +51,9 @@ def test_uses_it(cluster):
     pass
 """
 
+# a shared helper module whose helper starts Ray two calls down
+HELPER_CASE = "def start():\n    " + CASES["starts Ray"] + "\n\n\ndef cluster():\n    start()\n"
+
 
 @pytest.mark.parametrize("why", list(CASES))
 def test_each_rule_catches_its_resource(why):
@@ -84,3 +87,18 @@ def test_fixtures_are_read_too(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode != 0 and "test_fixture.py::test_uses_it: starts Ray" in done.stdout + done.stderr
+
+
+def test_helpers_of_the_shared_module_are_read_too(tmp_path, monkeypatch):
+    """A resource started by a helper the test imports from the shared helper module (as
+    tests/qc_fixtures.py's) counts against the test, however deep the helper's own calls go."""
+    import importlib
+
+    (tmp_path / "shared_helpers.py").write_text(HELPER_CASE)
+    (tmp_path / "test_user.py").write_text("from shared_helpers import cluster\n\n\ndef test_it():\n    cluster()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = importlib.import_module("test_user")
+    assert tiers.reasons(user.test_it, [], user) == []  # not a helper module: not followed
+    monkeypatch.setattr(tiers, "HELPER_MODULES", frozenset({"shared_helpers"}))
+    tiers._reasons.cache_clear()
+    assert tiers.reasons(user.test_it, [], user) == ["starts Ray"]

@@ -18,7 +18,8 @@ module, the module-level functions and classes those name, transitively - and fa
 collection when a test that is not marked slow starts one of the slow-tier resources below.
 It reads source, so it cannot see a resource reached through another module; the patterns
 name what the library's slow paths are started with, and tests/test_tiers.py shows each one
-caught.
+caught. Helpers a test imports from the shared helper module (tests/qc_fixtures.py) are
+followed too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ast
 import functools
 import inspect
 import re
+import sys
 import textwrap
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -71,25 +73,34 @@ def _names(src: str) -> set[str]:
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
 
+# modules of helpers that test modules import (their source is followed like the test's own)
+HELPER_MODULES = frozenset({"tests.qc_fixtures", "qc_fixtures"})
+
+
 def _closure(roots: Iterable[object], module: ModuleType | None) -> str:
-    """The source of `roots` and of the module-level functions and classes of `module` they
-    name, transitively."""
+    """The source of `roots` and of the module-level functions and classes they name -
+    of `module`, and of the shared helper modules (`HELPER_MODULES`) - transitively."""
     seen: set[int] = set()
-    todo = list(roots)
+    todo = [(root, module) for root in roots]
     parts: list[str] = []
     while todo:
-        obj = todo.pop()
+        obj, mod = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
         src = _source(obj)
         parts.append(src)
-        if module is None:
+        if mod is None:
             continue
         for name in _names(src):
-            ref = getattr(module, name, None)
-            if (inspect.isfunction(ref) or inspect.isclass(ref)) and getattr(ref, "__module__", None) == module.__name__:
-                todo.append(ref)
+            ref = getattr(mod, name, None)
+            if not (inspect.isfunction(ref) or inspect.isclass(ref)):
+                continue
+            home = getattr(ref, "__module__", None)
+            if home == mod.__name__:
+                todo.append((ref, mod))
+            elif home in HELPER_MODULES and home in sys.modules:
+                todo.append((ref, sys.modules[home]))
     return "\n".join(parts)
 
 
