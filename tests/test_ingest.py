@@ -20,6 +20,8 @@ from qcfuse_core.model.testing import TINY_CONFIGS, tiny_model
 from qcfuse_core.types import ChunkKey, KVChunk
 
 ATOL = 1e-5  # fp32
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA_ATOL = 2e-3  # fp32 on a GPU: the compiled kernels' products may round through TF32
 LENGTHS = [17, 1, 32, 5]  # ragged, not sorted
 
 
@@ -57,6 +59,18 @@ def test_batch_equals_hf_per_chunk(arch):
     m = tiny_model(arch)
     ids_list = _chunks(LENGTHS)
     _assert_hf(m, ids_list, prefill_alone_batch(m, ids_list))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
+def test_batch_equals_hf_per_chunk_on_cuda(arch):
+    """The same on the GPU, through the compiled kernels: each chunk equal to HF's forward of
+    it alone on the same device (fp32; the kernels' products may round through TF32)."""
+    m = tiny_model(arch)
+    m.model.to("cuda")
+    ids_list = _chunks([300, 1, 77, 512, 5])
+    _assert_hf(m, ids_list, prefill_alone_batch(m, ids_list), atol=CUDA_ATOL)
 
 
 def test_batch_is_order_independent_and_each_chunk_owns_its_memory():
@@ -271,7 +285,6 @@ def test_writer_fills_a_tiered_store_from_its_thread(tmp_path):
 
 # ----------------------------------------------------------------------------- CUDA (skipped without it)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu
