@@ -625,7 +625,7 @@ class ChunkLearner:
             items = self._fitting(items)
             keys = self._expendable_keys([t for _, t, _ in items])
             try:
-                self.engine.build_chunks(list(dict.fromkeys(t for _, t, _ in items)), register=False)
+                self.engine.build_chunks(list(dict.fromkeys(t for _, t, _ in items)), register=False, background=True)
                 kept = self._register(items)
             finally:
                 self._building.difference_update(keys)

@@ -40,6 +40,7 @@ import queue
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -182,11 +183,21 @@ class QCFuseEngine:
 
     # ------------------------------------------------------------------ ingestion
     def build_chunks(
-        self, texts: Sequence[str], node_ids: Sequence[str | None] | None = None, *, register: bool = True
+        self,
+        texts: Sequence[str],
+        node_ids: Sequence[str | None] | None = None,
+        *,
+        register: bool = True,
+        background: bool = False,
     ) -> list[ChunkKey]:
         """Ingestion of many chunks: the caches of those not stored yet are prefilled many per
         forward pass and written to the store off the compute thread; every text is linked
-        to its node id and (register) added to the chunk-text index so `complete` finds it."""
+        to its node id and (register) added to the chunk-text index so `complete` finds it.
+
+        background: the caches are built at the scheduler's lowest priority instead, one
+        chunk per step in which no request waits or runs (never beside a live request's
+        prefill or decode step: how learned chunks are built); the call returns once they
+        are built."""
         texts = require_sequence(texts, "texts", one="for one chunk, pass [text]")
         node_ids = None if node_ids is None else require_sequence(node_ids, "node_ids", (str, type(None)))
         ids = list(node_ids) if node_ids is not None else [None] * len(texts)
@@ -202,7 +213,12 @@ class QCFuseEngine:
             keys.append(key)
             if key not in todo and not lookup.store.contains(key):
                 todo[key] = tokens
-        self._builder.build(todo)
+        if background and todo:
+            pieces = [self._scheduler.submit_idle(partial(self._builder.build, {k: t})) for k, t in todo.items()]
+            for piece in pieces:
+                piece.result()
+        else:
+            self._builder.build(todo)
         for nid, key in zip(ids, keys):
             lookup.link(nid, key)
         if register:

@@ -79,6 +79,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +136,8 @@ class SchedulerStats:
     max_batch_seen: int  # the most sequences one decode step has run
     deferred: int  # admissions put off because a KV cache did not fit yet
     prefill_slices: int  # slices of chunked prefills run (prompts split over several steps)
+    idle_tasks: int  # background work run in idle steps (`submit_idle`: chunk builds)
+    idle_waiting: int  # background work waiting for an idle step, now
 
 
 @dataclass(eq=False)
@@ -178,9 +181,11 @@ class Scheduler:
                 "max_batch_seen",
                 "deferred",
                 "prefill_slices",
+                "idle_tasks",
             ),
             0,
         )
+        self._idle: deque[tuple[Callable[[], object], Future]] = deque()  # guarded by _cv
         cfg = self.engine.config
         self.runner = ModelRunner(
             self.engine.adapter, cuda_graphs=cfg.scheduler.cuda_graphs, deterministic=cfg.deterministic
@@ -238,6 +243,22 @@ class Scheduler:
                 if self._thread is None:  # no worker: nothing holds the job's resources
                     return
 
+    def submit_idle(self, work: Callable[[], object]) -> Future:
+        """Queue background work (a chunk build) at the scheduler's lowest priority: the worker
+        runs it in a step where no request waits or runs, one piece a step, so it never runs
+        beside a live request's prefill or decode step; a request arriving meanwhile waits
+        for the piece under way at most. -> its Future (cancelled at shutdown if not run)."""
+        future: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine's scheduler has shut down (engine.close(), or the interpreter is exiting)")
+            self._idle.append((work, future))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="qcfuse-scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return future
+
     def deltas(self, job: Job, get: Callable[[], object]) -> Generator[str, None, FusionResult]:
         """The text deltas of `job` from its outbox (`get` blocks for the next item); returns
         its FusionResult, raises its error. Closed early, it aborts the job and waits for
@@ -260,7 +281,9 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            return SchedulerStats(**self._counts, running=len(self._running), waiting=len(self._waiting))
+            return SchedulerStats(
+                **self._counts, running=len(self._running), waiting=len(self._waiting), idle_waiting=len(self._idle)
+            )
 
     # ------------------------------------------------------------------ the worker
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -278,8 +301,8 @@ class Scheduler:
         me = threading.current_thread()
         while True:
             with self._cv:
-                while not self._waiting and not self._running and not self._stopping:
-                    if not self._cv.wait(IDLE_EXIT_S) and not self._waiting:
+                while not self._waiting and not self._running and not self._idle and not self._stopping:
+                    if not self._cv.wait(IDLE_EXIT_S) and not self._waiting and not self._idle:
                         if self._thread is me:
                             self._thread = None
                         return
@@ -288,6 +311,9 @@ class Scheduler:
                 with self._cv:
                     jobs = list(self._waiting) + list(self._running)
                     self._waiting.clear()
+                    idle, self._idle = list(self._idle), deque()
+                for _, future in idle:
+                    future.cancel()
                 for job in jobs:
                     job.abort.set()
                     self._release(job, Status.ABORTED)
@@ -306,8 +332,11 @@ class Scheduler:
         """One scheduler step (the worker thread's; see the module docstring): aborted jobs
         leave, then schedule -> run -> postprocess: for each prefill the step's budget
         reaches (oldest first; admissions last), then for one decode step of every
-        decoding job."""
+        decoding job. A step with no request waiting or running runs one piece of background
+        work instead (`submit_idle`)."""
         self._drop_aborted()
+        if self._run_idle():
+            return
         for job, rows in self._schedule():
             pre = self._run(job, rows)
             if pre is not None:
@@ -318,6 +347,22 @@ class Scheduler:
         with self._cv:
             self._counts["steps"] += 1
             self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
+
+    def _run_idle(self) -> bool:
+        """One piece of background work, when no request waits or runs -> whether one ran."""
+        with self._cv:
+            if self._waiting or self._running or not self._idle:
+                return False
+            work, future = self._idle.popleft()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(work())
+            except Exception as e:  # the work's own error, for its submitter
+                future.set_exception(e)
+        with self._cv:
+            self._counts["idle_tasks"] += 1
+            self._counts["steps"] += 1
+        return True
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self) -> Iterator[tuple[Job, int]]:
