@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from qcfuse_core.cli.commands import main
-from qcfuse_core.ingest.corpus import DEMO_QUESTIONS
+from qcfuse_core.cli.commands import agreement, main
+from qcfuse_core.ingest.corpus import DEMO_CHUNK_CHARS, DEMO_QUESTIONS, demo_chunks
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -18,22 +19,55 @@ def test_demo_prints_full_and_fused_side_by_side(tmp_path, capsys):
     out_json = tmp_path / "demo.json"
     assert main(["demo", "--store", str(tmp_path / "s"), "--max-new-tokens", "8", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert "sample corpus: 12 chunks" in out
+    chunks = demo_chunks()
+    assert 4 <= len(chunks) <= 8 and all(len(c.text) <= DEMO_CHUNK_CHARS for c in chunks)
+    assert f"sample corpus: {len(chunks)} chunks" in out
     for i, q in enumerate(DEMO_QUESTIONS, 1):
-        assert f"Q{i}: {q}" in out
+        # the whole packed corpus is the context: a prompt of realistic size
+        m = re.search(rf"Q{i}: {re.escape(q)}   \((\d+) context tokens, {len(chunks)} chunks\)", out)
+        assert m and int(m.group(1)) > 1000, out
     assert out.count("  full  | TTFT") == 3 and out.count("  fused | TTFT") == 3
-    assert "mean TTFT: full" in out
     rows = json.loads(out_json.read_text())
     assert len(rows) == 3
-    for row in rows:
-        assert row["full"]["method"] == "full" and row["fused"]["method"] != "full"
-        assert row["fused"]["cache_hits"] == row["fused"]["chunks"] > 0 and row["fused"]["cache_misses"] == 0
-        assert row["fused"]["recomputed_tokens"] < row["fused"]["context_tokens"]
-        assert f"        | answered by {row['fused']['answered']}\n" in out  # what answered, the guard's action
-        assert row["fused"]["answered"].startswith(("qcfuse @ 0.15 · guard: ", "full (escalated by the guard"))
+    speedups: list[float] = []
+    blocks = out.split("\nQ")[1:]  # each question's lines
+    assert len(blocks) == 3
+    for row, block in zip(rows, blocks):
+        full, fused = row["full"], row["fused"]
+        assert full["method"] == "full" and fused["method"] != "full"
+        assert fused["cache_hits"] == fused["chunks"] == len(chunks) and fused["cache_misses"] == 0
+        assert fused["recomputed_tokens"] < fused["context_tokens"]
+        assert f"        | answered by {fused['answered']}\n" in block  # what answered, the guard's action
+        assert fused["answered"].startswith(("qcfuse @ 0.15 · guard: ", "full (escalated by the guard"))
+        # the fidelity beside the speedup: answer tokens equal to full prefill's, position by position
+        a, b = row["answer_tokens"]["full"], row["answer_tokens"]["fused"]
+        same, total = sum(x == y for x, y in zip(a, b)), max(len(a), len(b))
+        assert row["agreement"] == [same, total] and len(b) == fused["new_tokens"]
+        whole = "the same answer" if a == b else "a different answer"
+        m = re.search(rf"        \| TTFT speedup (\d+\.\d\d)x, fidelity: {same}/{total} answer tokens as full "
+                      rf"prefill's \({(same / total if total else 1.0):.0%}\), {whole}\n", block)
+        assert m, block
+        speedups.append(float(m.group(1)))
+        assert abs(speedups[-1] - full["ttft_ms"] / fused["ttft_ms"]) < 0.011
+    assert re.search(r"\nmean TTFT: full \d+\.\d ms, fused \d+\.\d ms \(\d+\.\d\dx\)\n", out), out
+    same = sum(r["agreement"][0] for r in rows)
+    total = sum(r["agreement"][1] for r in rows)
+    identical = sum(r["agreement"][0] == r["agreement"][1] for r in rows)
+    assert (f"fidelity: {same}/{total} answer tokens as full prefill's ({same / max(total, 1):.0%}); "
+            f"{identical} of 3 answers the same\n") in out
     # a second run finds everything already ingested
     assert main(["demo", "--store", str(tmp_path / "s"), "--max-new-tokens", "2"]) == 0
     assert "(0 caches built now)" in capsys.readouterr().out
+
+
+def test_demo_agreement_counts_equal_tokens_position_by_position():
+    def result(ids):
+        return SimpleNamespace(token_ids=ids)
+
+    assert agreement(result([1, 2, 3]), result([1, 2, 3])) == (3, 3)
+    assert agreement(result([1, 2, 3, 4]), result([1, 9, 3])) == (2, 4)  # a shorter answer misses the rest
+    assert agreement(result([5]), result([6, 5])) == (0, 2)  # shifted by one: nothing equal in place
+    assert agreement(result([]), result([])) == (0, 0)
 
 
 def test_ingest_then_ask_json(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
     qcfuse ingest PATH... [--store DIR]     files/folders -> chunks -> Chroma + chunk caches
     qcfuse ask "question" [--store DIR]     retrieve top-k, fuse, answer (--json for one object)
-    qcfuse demo [--store DIR]               sample corpus, three questions, full vs fused
+    qcfuse demo [--store DIR]               sample corpus, three questions, full vs fused, fidelity
     qcfuse store stats|verify|gc|clear      inspect and maintain the chunk store
     qcfuse studio [--store DIR] [--port N]  the web page (qcfuse_core/studio)
     qcfuse serve [--store DIR] [--port N]   OpenAI-compatible server (qcfuse_core/serve)
@@ -32,8 +32,8 @@ from qcfuse_core.ingest.corpus import (
     DEMO_QUESTIONS,
     Chunk,
     chunks_from_file,
+    demo_chunks,
     iter_text_files,
-    sample_corpus_dir,
     source_name,
 )
 from qcfuse_core.types import chunk_id
@@ -551,11 +551,24 @@ def _cache_line(r) -> str:
 # ---------------------------------------------------------------------------- demo
 
 
+def agreement(full, fused) -> tuple[int, int]:
+    """How closely the fused answer follows full prefill's on the same prompt: (answer tokens
+    equal position by position, the longer answer's length). (n, n): the same answer."""
+    a, b = full.token_ids, fused.token_ids
+    return sum(x == y for x, y in zip(a, b)), max(len(a), len(b))
+
+
+def _fidelity(same: int, total: int) -> str:
+    share = same / total if total else 1.0
+    whole = "the same answer" if same == total else "a different answer"
+    return f"{same}/{total} answer tokens as full prefill's ({share:.0%}), {whole}"
+
+
 def cmd_demo(args) -> int:
     _require_writable(args.store)
     engine = _engine(args, read_only=False)
     collection = _collection(args.store)
-    chunks = _collect([str(sample_corpus_dir())], 1200, None)
+    chunks = demo_chunks()
     stats = ingest_chunks(engine, collection, chunks)
     print(f"sample corpus: {stats['chunks']} chunks ({stats['caches_built']} caches built now) in {args.store}\n")
     method = args.method or engine.config.method
@@ -576,16 +589,33 @@ def cmd_demo(args) -> int:
         print(f"        | answered by {fused.what_answered()}")
         print(
             f"        | {fused.recomputed_tokens}/{fused.context_tokens} tokens recomputed, "
-            f"chunk cache {_cache_line(fused)}, "
-            f"TTFT speedup {full.ttft_ms / fused.ttft_ms:.2f}x\n"
+            f"chunk cache {_cache_line(fused)}"
+        )
+        print(
+            f"        | TTFT speedup {full.ttft_ms / fused.ttft_ms:.2f}x, fidelity: {_fidelity(*agreement(full, fused))}\n"
         )
     tf = sum(r[0].ttft_ms for r in rows) / len(rows)
     tu = sum(r[1].ttft_ms for r in rows) / len(rows)
+    agree = [agreement(a, b) for a, b in rows]
+    same, total = sum(s for s, _ in agree), sum(t for _, t in agree)
     print(f"mean TTFT: full {tf:.1f} ms, fused {tu:.1f} ms ({tf / tu:.2f}x)")
+    print(
+        f"fidelity: {same}/{total} answer tokens as full prefill's ({same / max(total, 1):.0%}); "
+        f"{sum(s == t for s, t in agree)} of {len(rows)} answers the same"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                [{"question": q, "full": a.to_dict(), "fused": b.to_dict()} for q, (a, b) in zip(DEMO_QUESTIONS, rows)],
+                [
+                    {
+                        "question": q,
+                        "full": a.to_dict(),
+                        "fused": b.to_dict(),
+                        "answer_tokens": {"full": a.token_ids, "fused": b.token_ids},
+                        "agreement": list(agreement(a, b)),
+                    }
+                    for q, (a, b) in zip(DEMO_QUESTIONS, rows)
+                ],
                 indent=2,
             )
         )
@@ -718,6 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results to this JSON file")
     _common(p)
     _answer_opts(p)
+    p.set_defaults(top_k=8)  # every chunk of the packed sample corpus (5): a ~1.2K-token context
     p.set_defaults(func=cmd_demo)
 
     from qcfuse_core.cli.store import add_store_commands

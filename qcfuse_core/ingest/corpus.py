@@ -33,6 +33,20 @@ def sample_corpus_dir() -> Path:
     return Path(str(resources.files("qcfuse_core") / "data" / "sample_corpus"))
 
 
+# `qcfuse demo`'s chunks: the sample corpus's twelve documents (~1.2K tokens in all) packed in
+# order into chunks of ~250 tokens, so a question's context has the size of a real RAG prompt
+# (5 chunks, ~1.2K tokens) rather than four ~100-token documents, where the fixed cost of a
+# fused request is a large share of the little there is to save.
+DEMO_CHUNK_CHARS = 1100
+
+
+def demo_chunks(max_chars: int = DEMO_CHUNK_CHARS) -> list[Chunk]:
+    """The sample corpus's documents, in order, packed into chunks of at most `max_chars`
+    (paragraphs kept whole, `split_text`); their source is "sample_corpus"."""
+    text = "\n\n".join(f.read_text(encoding="utf-8") for f in iter_text_files([sample_corpus_dir()]))
+    return [Chunk(chunk_id("sample_corpus", t), t, "sample_corpus") for t in split_text(text, max_chars)]
+
+
 def split_text(text: str, max_chars: int = 1200) -> list[str]:
     """Paragraph-aware split: paragraphs (blank-line separated) packed greedily up to max_chars.
 
