@@ -133,12 +133,12 @@ if has routing; then
 fi
 
 if has demo; then
-  step "demo: the sample corpus, three questions, full prefill beside each method"
+  step "demo: the sample corpus, three questions, full prefill beside each method, with its fidelity"
   DEMO="demo --store $OUT/demo-store"
-  timeout 1200 $QC $DEMO --json "$OUT/demo_qcfuse_0.15.json" 2>&1 | tee "$OUT/demo.log" | tail -3
-  timeout 600 $QC $DEMO --ratio 0.3 --json "$OUT/demo_qcfuse_0.3.json" 2>&1 | tail -1
+  timeout 1200 $QC $DEMO --json "$OUT/demo_qcfuse_0.15.json" 2>&1 | tee "$OUT/demo.log" | tail -4
+  timeout 600 $QC $DEMO --ratio 0.3 --json "$OUT/demo_qcfuse_0.3.json" 2>&1 | tail -2
   for mode in epic cacheblend naive; do
-    timeout 600 $QC $DEMO --mode $mode --json "$OUT/demo_$mode.json" 2>&1 | tail -1
+    timeout 600 $QC $DEMO --mode $mode --json "$OUT/demo_$mode.json" 2>&1 | tail -2
   done
 fi
 
