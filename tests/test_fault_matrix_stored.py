@@ -497,6 +497,7 @@ def test_large_ingest_asks_first(tmp_path, capsys, monkeypatch):
                           "--max-kv-bytes", "8M")
     assert code == 0, err
     assert "ingested 4 chunks" in out and "1 caches built" in out and "3 chunks not cached" in out
+    assert "(over --max-kv-bytes 8.0 MB: computed when asked)" in out  # the cap that held them back
     rep = _verifies(capsys, store)
     assert rep["ok"] == 1 and rep["chroma"]["rows"] == 4
 

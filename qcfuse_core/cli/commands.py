@@ -450,10 +450,13 @@ def cmd_ingest(args) -> int:
         f"({stats['new_in_chroma']} new in Chroma, {stats['caches_built']} caches built)"
     )
     if stats["caches_capped"]:
-        line += (
-            f"; {stats['caches_capped']} chunks not cached (over --max-kv-bytes "
-            f"{_human(args.max_kv_bytes or 0)}: computed when asked)"
+        disk = getattr(getattr(engine.caches.store, "disk", None), "capacity_bytes", None)
+        cap = (
+            f"--max-kv-bytes {_human(args.max_kv_bytes)}"
+            if args.max_kv_bytes is not None and (disk is None or args.max_kv_bytes <= disk)
+            else f"the store's disk limit of {_human(disk or 0)} (half the disk's room, store/sizing.py)"
         )
+        line += f"; {stats['caches_capped']} chunks not cached (over {cap}: computed when asked)"
     if skipped:
         line += f"; skipped {len(skipped)} file{'s' * (len(skipped) != 1)} (not UTF-8 text)"
     print(line)
