@@ -96,7 +96,11 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> dict:
         for i, example in enumerate(examples):
             for sighting in (1, 2) if args.pairs else (1,):
                 time.sleep(args.gap_s)
-                row = {"set": i, "sighting": sighting, **chat(client, model, prompt_of(example, args.docs), args.max_tokens)}
+                row = {
+                    "set": i,
+                    "sighting": sighting,
+                    **chat(client, model, prompt_of(example, args.docs), args.max_tokens),
+                }
                 rows.append(row)
                 progress(json.dumps(row))
         learned = learned_counters(client)
