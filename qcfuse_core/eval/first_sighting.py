@@ -7,7 +7,8 @@ unmodified OpenAI client's shape, nothing registered and nothing named:
     {"messages": [{"role": "user", "content": "Context:\\n<passage>\\n\\n<passage>...\\n\\nQuestion: <q>"}],
      "max_tokens": N, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}
 
-one set per record of a dataset (`--dataset`, `--docs` passages each, records from `--offset`);
+one set per record of a dataset (`--dataset`, `--docs` passages each, the records from
+`--offset` that hold as many);
 `--pairs` sends each set twice in a row (its first sighting, then its second: with learning
 on, the second is served from the caches built meanwhile, if they are). `--gap-s` is the
 user's pause between requests (0: the next request goes out as the last one ends).
@@ -85,9 +86,10 @@ def learned_counters(client: httpx.Client) -> dict[str, int] | None:
 
 def run(args, progress: Callable[[str], None] = lambda line: None) -> dict:
     """The benchmark (module docstring) -> {"rows": [...], "summary": {...}}."""
-    examples = [e for e in load_dataset(args.dataset, args.sets, args.offset) if len(e.passages) >= args.docs]
+    examples = [e for e in load_dataset(args.dataset, offset=args.offset) if len(e.passages) >= args.docs]
     if len(examples) < args.sets:
         raise ValueError(f"{args.dataset}: {len(examples)} records from {args.offset} hold {args.docs} passages")
+    examples = examples[: args.sets]  # the first `sets` records from `offset` with `docs` passages
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rows = []
     with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout_s) as client:
