@@ -33,7 +33,7 @@ import httpx
 
 from qcfuse_core.eval.datasets import Example, load_dataset
 
-DEFAULT_DATASET = Path("..") / "shared" / "data" / "musique" / "musique_s.json"
+DEFAULT_DATASET = Path("..") / "shared" / "data" / "hotpotqa" / "hotpotqa_train.json"
 LEARNED = ("builds", "hits", "misses", "dropped", "pending")  # /metrics: qcfuse_learned_<name>
 
 
@@ -135,7 +135,7 @@ def add_commands(sub) -> None:
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="evaluation set (default: %(default)s)")
     p.add_argument("--sets", type=positive_int, default=10, help="document sets, one per record (default: %(default)s)")
     p.add_argument("--offset", type=int, default=0, help="the first record (default: %(default)s)")
-    p.add_argument("--docs", type=positive_int, default=4, help="passages per set (default: %(default)s)")
+    p.add_argument("--docs", type=positive_int, default=6, help="passages per set (default: %(default)s)")
     p.add_argument("--pairs", action="store_true", help="send each set twice in a row (its second sighting too)")
     p.add_argument("--gap-s", type=float, default=0.0, help="pause before each request (default: %(default)s)")
     p.add_argument("--max-tokens", type=positive_int, default=8, help="tokens per answer (default: %(default)s)")
