@@ -55,7 +55,15 @@ Bounds. The sightings remembered (`remembered` hashes, LRU), the builds waiting 
 more are dropped and counted, the span is queued again when seen again), the texts learned
 (`max_learned`) and their caches' bytes (`max_bytes`, default LEARNED_SHARE of the store's
 disk limit): past either, the tenant holding most gives up its least recently used text
-(`_Holdings`), so one tenant's flood never evicts another's texts. Registered chunks
+(`_Holdings`), so one tenant's flood never evicts another's texts.
+
+Quotas, per tenant. A tenant has at most `tenant_pending` builds waiting (default 64 of the
+256): past it, its own new spans are dropped, so one tenant's flood leaves the others room in
+the queue. While two tenants or more hold learned texts, each keeps at most `tenant_bytes`
+of caches (default TENANT_SHARE of the byte budget; a lone tenant may use all of it).
+Builds run at the scheduler's lowest priority (`build_chunks(background=True)`: one chunk in
+a step where no request waits or runs, once none has for IDLE_WORK_AFTER_S), so a flood of
+requests delays the builds, never another tenant's requests. Registered chunks
 (`/v1/chunks`, ingestion) are never touched: a span is only a candidate where no registered
 text was found, and the store evicts learned caches first and only learned caches to make
 room for one (`ChunkStore.evict_first`).
@@ -100,6 +108,7 @@ CONTEXT_ROLES = ("user", "tool")  # the messages whose context blocks are learne
 SYSTEM_ROLES = ("system", "developer")  # learned too only where the operator opts in (`LearnConfig.system`)
 LEARNED_SHARE = 0.25  # of the store's disk limit: the default byte budget of learned caches
 DEFAULT_LEARNED_BYTES = 1 << 30  # the budget where the store has no disk limit (an in-memory store)
+TENANT_SHARE = 0.5  # of the byte budget: the most one tenant holds while another holds learned texts too
 
 
 # ---------------------------------------------------------------------------- spans
@@ -242,6 +251,11 @@ class BackgroundBuilds:
             got = self._pending.get(key)
             return got[1] if got else default
 
+    def count(self, keep: Callable[[Hashable], bool]) -> int:
+        """How many pending keys `keep` accepts."""
+        with self._cv:
+            return sum(1 for k in self._pending if keep(k))
+
     def where(self, keep: Callable[[Hashable], bool]) -> set[Future]:
         """The jobs of the pending keys `keep` accepts."""
         with self._cv:
@@ -284,14 +298,21 @@ class LearnConfig:
     # DEFAULT_LEARNED_BYTES for a store without one)
     max_bytes: int | None = None
     max_pending: int = 256  # spans waiting for their build; more are dropped until seen again
+    # spans one tenant may have waiting for their build; more of its own are dropped (so a
+    # tenant's flood leaves the others max_pending - tenant_pending places)
+    tenant_pending: int = 64
+    # bytes of learned caches one tenant keeps while another tenant holds learned texts too;
+    # past it, it gives up its least recently used (None: TENANT_SHARE of the byte budget)
+    tenant_bytes: int | None = None
     remembered: int = 1 << 16  # span hashes whose sightings are counted (LRU)
     system: bool = False  # also learn and serve the spans of system (and developer) messages
 
     def __post_init__(self) -> None:
-        if self.after < 1 or self.max_spans < 1 or self.max_learned < 1 or self.max_pending < 1:
-            raise ValueError(f"after, max_spans, max_learned and max_pending must be >= 1, got {self}")
-        if self.max_bytes is not None and self.max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1 or None, got {self.max_bytes}")
+        if min(self.after, self.max_spans, self.max_learned, self.max_pending, self.tenant_pending) < 1:
+            raise ValueError(f"after, max_spans, max_learned, max_pending and tenant_pending must be >= 1, got {self}")
+        for name in ("max_bytes", "tenant_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if not ANCHOR <= self.min_chars <= self.max_chars:
             raise ValueError(f"need {ANCHOR} <= min_chars <= max_chars, got {self}")
         if self.remembered < self.max_pending:
@@ -313,8 +334,8 @@ class LearnedStats:
     builds: int  # spans whose cache was built
     hits: int  # learned chunks requests served from their cache
     misses: int  # context spans requests computed: no cache held them yet
-    evicted: int  # learned texts a tenant gave up past max_learned or max_bytes
-    dropped: int  # spans not queued: max_pending builds were waiting
+    evicted: int  # learned texts a tenant gave up past max_learned, max_bytes or its tenant_bytes
+    dropped: int  # spans not queued: max_pending builds were waiting, or tenant_pending of the tenant's
     failed: int  # spans whose build raised, exceed the model's context or found no room (computed, as before)
     pending: int  # spans queued or building now
 
@@ -340,10 +361,13 @@ class _Holdings:
     ids, least recently used first; a text's bytes counted once. Past `max_learned` texts
     or `max_bytes`, the tenant holding most (texts, or bytes) gives up its least recently
     used text; a text no tenant holds is released (`settle`). So one tenant's flood evicts
-    its own texts, never those of a tenant holding less."""
+    its own texts, never those of a tenant holding less. While two tenants or more hold
+    texts, one holding more than `tenant_bytes` gives up its least recently used too (its
+    quota: a tenant learning later finds room without waiting for the budget to fill)."""
 
-    def __init__(self, max_learned: int, max_bytes: int) -> None:
+    def __init__(self, max_learned: int, max_bytes: int, tenant_bytes: int | None = None) -> None:
         self.max_learned, self.max_bytes = max_learned, max_bytes
+        self.tenant_bytes_max = max_bytes if tenant_bytes is None else tenant_bytes
         self.texts: dict[str, _Learned] = {}  # learned id -> its text
         self.lru: dict[str, OrderedDict[str, None]] = {}  # tenant -> its ids, least recently used first
         self.tenant_bytes: dict[str, int] = {}
@@ -387,17 +411,27 @@ class _Holdings:
         """Within the bounds again -> the (tenant, id) given up, the (id, text) released."""
         dropped: list[tuple[str, str]] = []
         released: list[tuple[str, _Learned]] = []
-        while self.lru and (len(self.texts) > self.max_learned or self.bytes > self.max_bytes):
-            if self.bytes > self.max_bytes:
-                tenant = max(self.tenant_bytes, key=lambda t: self.tenant_bytes[t])
-            else:
-                tenant = max(self.lru, key=lambda t: len(self.lru[t]))
+        while self.lru:
+            tenant = self._over()
+            if tenant is None:
+                break
             nid = next(iter(self.lru[tenant]))
             dropped.append((tenant, nid))
             gone = self.drop(tenant, nid)
             if gone is not None:
                 released.append((nid, gone))
         return dropped, released
+
+    def _over(self) -> str | None:
+        """The tenant to give up a text now: past the bytes, the one holding most bytes; past
+        the texts, the one holding most texts; else one past its quota (two tenants or more)."""
+        if self.bytes > self.max_bytes:
+            return max(self.tenant_bytes, key=lambda t: self.tenant_bytes[t])
+        if len(self.texts) > self.max_learned:
+            return max(self.lru, key=lambda t: len(self.lru[t]))
+        if len(self.lru) > 1:
+            return next((t for t, n in self.tenant_bytes.items() if n > self.tenant_bytes_max), None)
+        return None
 
     def order(self) -> list[tuple[str, str]]:
         """Every (tenant, id), least recently used first within each tenant."""
@@ -485,7 +519,8 @@ class ChunkLearner:
         self._building: set[str] = set()  # cache keys of learned texts being built (expendable already)
         cap = store.disk_capacity()
         budget = self.config.max_bytes or (int(LEARNED_SHARE * cap) if cap else DEFAULT_LEARNED_BYTES)
-        self._held = _Holdings(self.config.max_learned, budget)
+        share = self.config.tenant_bytes or max(1, int(TENANT_SHARE * budget))
+        self._held = _Holdings(self.config.max_learned, budget, share)
         self._ledger = _Ledger(None if texts.in_memory else texts.path)
         self._builds = BackgroundBuilds("qcfuse-serve-learn")
         self._counts = dict(builds=0, hits=0, misses=0, evicted=0, dropped=0, failed=0)
@@ -497,6 +532,11 @@ class ChunkLearner:
     def max_bytes(self) -> int:
         """The bytes learned caches may hold (`LearnConfig.max_bytes`, or its default)."""
         return self._held.max_bytes
+
+    @property
+    def tenant_bytes(self) -> int:
+        """The bytes one tenant keeps while another holds texts (`LearnConfig.tenant_bytes`, or its default)."""
+        return self._held.tenant_bytes_max
 
     def _load(self) -> None:
         """The learned texts of the index (earlier runs), each held by the tenants the ledger
@@ -592,6 +632,7 @@ class ChunkLearner:
         cfg = self.config
         todo: list[tuple[str, str, str]] = []
         waiting = len(self._builds)
+        mine = self._builds.count(lambda key: key[0] == tenant)  # type: ignore[index]
         for nid, span in candidates.items():
             if self._held.holds(tenant, nid):  # learned, yet not served: another request's build just landed
                 continue
@@ -601,7 +642,7 @@ class ChunkLearner:
             n = self._seen.pop((tenant, nid), 0) + 1
             if n < cfg.after:
                 self._seen[(tenant, nid)] = n
-            elif waiting + len(todo) >= cfg.max_pending:
+            elif waiting + len(todo) >= cfg.max_pending or mine + len(todo) >= cfg.tenant_pending:
                 self._counts["dropped"] += 1
                 self._seen[(tenant, nid)] = n  # queued when seen next, if there is room then
             else:

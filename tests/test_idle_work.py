@@ -83,3 +83,20 @@ def test_build_chunks_in_the_background_builds_them_in_idle_steps(tiny):
     eng.close()
     with pytest.raises(RuntimeError, match="shut down"):
         sched.submit_idle(lambda: None)
+
+
+def test_idle_work_waits_for_a_quiet_spell_after_the_last_request(tiny):
+    """Background work starts only once no request has waited or run for `idle_after_s`
+    (IDLE_WORK_AFTER_S): a request sent right after another finds no piece under way."""
+    eng = QCFuseEngine(tiny, store=MemoryStore())
+    sched = eng._scheduler
+    sched.idle_after_s = 2.0
+    eng.answer("Which note is 1?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=2)
+    ran: list[float] = []
+    future = sched.submit_idle(lambda: ran.append(time.monotonic()))
+    eng.answer("Which note is 2?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=2)  # sent at once
+    last = time.monotonic()
+    assert ran == []  # none ran between the two requests
+    future.result(timeout=30)
+    assert ran[0] - last >= 1.9 and eng.stats().scheduler.idle_tasks == 1  # after the quiet spell
+    eng.close()

@@ -379,6 +379,11 @@ def test_learning_options_of_the_command():
     assert learn_config(Namespace(learn_after=2, max_learned=10)) == LearnConfig(after=2, max_learned=10)
     with pytest.raises(ValueError, match="--learn-after"):
         learn_config(Namespace(learn_after=-1, max_learned=10))
+    from qcfuse_core.cli.commands import build_parser
+
+    args = build_parser().parse_args(["serve", "--tenant-max-pending", "8", "--tenant-max-learned-bytes", "2M"])
+    assert learn_config(args) == LearnConfig(tenant_pending=8, tenant_bytes=2 << 20)
+    assert learn_config(build_parser().parse_args(["serve"])) == LearnConfig()  # the quotas' defaults
 
 
 def test_without_learning_nothing_is_learned(tiny):

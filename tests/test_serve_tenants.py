@@ -14,6 +14,10 @@ Every wait is bounded and on an event.
 from __future__ import annotations
 
 import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import httpx
@@ -25,7 +29,7 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore, kv_dir, open_store, sizing
-from tests.qc_fixtures import TEMPLATE, LiveServer, _metric, _run
+from tests.qc_fixtures import TEMPLATE, LiveServer, _metric, _run, _wait
 
 NEW = 6
 MODEL = "tiny-tenants"
@@ -199,6 +203,139 @@ def test_n_l4_one_tenant_cannot_evict_anothers(tiny, bound):
         s = live.learner.stats()
         assert s.evicted >= 12 + 1 - 8 and s.tenants == 2
         assert (s.learned <= 8) if bound == "texts" else (s.bytes <= live.learner.max_bytes)
+
+
+# ---------------------------------------------------------------------------- N-L3
+
+
+def _prompt(*docs: str) -> str:
+    return "Context:\n" + "\n\n".join(docs) + "\n\nQuestion: which?"
+
+
+def _observe(learner: ChunkLearner, tenant: str, *docs: str) -> int:
+    """`tenant` sends `docs` as one prompt's context -> the spans queued for a build."""
+    prompt = _prompt(*docs)
+    return learner.observe(prompt, [prompt], [], tenant)
+
+
+def _served(learner: ChunkLearner, tenant: str, *docs: str) -> list[str | None]:
+    """The learned ids `tenant` is served in a prompt of `docs`."""
+    prompt = _prompt(*docs)
+    return [c.node_id for c in learner.pieces(prompt, [prompt], [], tenant)]
+
+
+def test_n_l3_a_tenants_pending_builds_stop_at_its_quota(tiny):
+    """Alice has at most `tenant_pending` spans waiting for their build: past it her own new
+    spans are dropped, Bob's are queued and then served to him. (Idle work queued first holds
+    the builds back, so they are all still waiting when counted.)"""
+    engine = QCFuseEngine(tiny, store=MemoryStore())
+    learner = ChunkLearner(engine, LearnConfig(max_pending=8, tenant_pending=3))
+    gate = threading.Event()
+    engine._scheduler.submit_idle(lambda: gate.wait(TIMEOUT_S))
+    bobs = [para(300), para(301)]
+    try:
+        assert _observe(learner, "alice", *(para(200 + i) for i in range(4))) == 3
+        assert _observe(learner, "alice", para(204), para(205)) == 0
+        assert _observe(learner, "bob", *bobs) == 2
+        s = learner.stats()
+        assert (s.dropped, s.pending) == (3, 5)
+    finally:
+        gate.set()
+    try:
+        assert learner.wait(TIMEOUT_S)
+        assert _served(learner, "bob", *bobs) == [learned_id(d) for d in bobs]
+        assert learner.stats().builds == 5
+    finally:
+        learner.close()
+        engine.close()
+
+
+def test_n_l3_a_tenants_learned_bytes_stop_at_its_quota_beside_another(tiny):
+    """Alone, Alice keeps all she learned; once Bob learns too, she keeps `tenant_bytes` at
+    most (giving up her least recently used text), and Bob keeps his."""
+    docs = [para(200 + i) for i in range(4)]  # the same length: the same bytes each
+    probe = QCFuseEngine(tiny, store=MemoryStore())
+    each = probe.caches.store.stored_bytes(probe.build_chunks(docs[:1])[0])
+    probe.close()
+    engine = QCFuseEngine(tiny, store=MemoryStore())
+    learner = ChunkLearner(engine, LearnConfig(tenant_bytes=int(2.5 * each)))
+    try:
+        assert learner.tenant_bytes == int(2.5 * each)
+        assert _observe(learner, "alice", *docs[:3]) == 3 and learner.wait(TIMEOUT_S)
+        assert (learner.stats().learned, learner.stats().evicted) == (3, 0)  # alone: past her quota, kept
+        assert _observe(learner, "bob", docs[3]) == 1 and learner.wait(TIMEOUT_S)
+        assert _served(learner, "alice", *docs[:3]) == [learned_id(d) for d in docs[1:3]]
+        assert _served(learner, "bob", docs[3]) == [learned_id(docs[3])]
+        s = learner.stats()
+        assert (s.learned, s.evicted, s.bytes) == (3, 1, 3 * each)
+    finally:
+        learner.close()
+        engine.close()
+    with pytest.raises(ValueError, match="tenant_pending"):
+        LearnConfig(tenant_pending=0)
+    with pytest.raises(ValueError, match="tenant_bytes"):
+        LearnConfig(tenant_bytes=0)
+
+
+def _timed_chat(url: str, key: str, docs: list[str]) -> dict:
+    """One chat request, not waiting for the learner -> its `qcfuse` statistics."""
+    body = {"model": MODEL, "messages": context(*docs), "max_tokens": NEW, "temperature": 0}
+    res = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                     timeout=TIMEOUT_S)  # fmt: skip
+    assert res.status_code == 200, res.text
+    return res.json()["qcfuse"]
+
+
+BOBS = [[para(500 + 2 * i, "fjord"), para(501 + 2 * i, "fjord")] for i in range(8)]
+
+
+def _flood(live, until: Callable[[], bool]) -> tuple[list[float], list[float]]:
+    """Bob's TTFTs (ms) quiet (BOBS[:4]), then while Alice floods the server with unique
+    paragraphs from two clients (BOBS[4:], once `until()`: all first sightings)."""
+    quiet = [_timed_chat(live.url, "kb", docs)["ttft_ms"] for docs in BOBS[:4]]
+    assert live.learner is None or live.learner.wait(TIMEOUT_S)
+
+    def flood(offset: int) -> None:
+        for r in range(20):
+            _timed_chat(live.url, "ka", [para(1000 + offset + 3 * r + i, "delta") for i in range(3)])
+
+    threads = [threading.Thread(target=flood, args=(o,)) for o in (0, 500)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(until, TIMEOUT_S)
+        flooded = [_timed_chat(live.url, "kb", docs)["ttft_ms"] for docs in BOBS[4:]]
+    finally:
+        for t in threads:
+            t.join(TIMEOUT_S)
+    return quiet, flooded
+
+
+@pytest.mark.slow
+def test_n_l3_a_flood_from_one_tenant_drops_none_of_anothers_spans(tiny, record_property):
+    """Alice floods the server while Bob sends his own paragraphs (first sightings). Alice's
+    spans past her quota are dropped; none of Bob's: once the flood is over and the builds
+    are done, every paragraph Bob sent is served to him from its cache. Bob's TTFT under the
+    flood against his quiet figure, learning on and off, is recorded, not asserted (timings)."""
+    ratios = {}
+    with serving(tiny, learning=LearnConfig(enabled=False), tenant_by="key", api_key=("ka", "kb")) as live:
+        started = time.monotonic()
+        quiet, flooded = _flood(live, lambda: time.monotonic() > started + 0.2)
+        ratios["off"] = statistics.median(flooded) / statistics.median(quiet)
+    cfg = LearnConfig(max_pending=48, tenant_pending=12)
+    with serving(tiny, learning=cfg, tenant_by="key", api_key=("ka", "kb")) as live:
+        quiet, flooded = _flood(live, lambda: live.learner.stats().dropped > 0)  # Alice is past her quota
+        assert live.learner.wait(TIMEOUT_S)
+        s = live.learner.stats()
+        assert s.dropped > 0 and s.failed == 0
+        for docs in BOBS:
+            served = _timed_chat(live.url, "kb", docs)
+            assert served["cache_hits"] == 2 and learned({"qcfuse": served}) == [learned_id(d) for d in docs]
+        ratios["on"] = statistics.median(flooded) / statistics.median(quiet)
+    for k, v in ratios.items():
+        record_property(f"bob_ttft_flood_over_quiet_learning_{k}", round(v, 2))
+    print(f"N-L3: Bob's median TTFT under the flood over his quiet one: {ratios['on']:.2f}x learning on, "
+          f"{ratios['off']:.2f}x off; {s.dropped} of Alice's spans dropped")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- N-L5b

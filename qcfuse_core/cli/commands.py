@@ -769,6 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.eval.routing import add_commands as add_routing_commands
 
     add_routing_commands(sub)  # `bench routing` (Ray imported only when it runs)
+    from qcfuse_core.eval.first_sighting import add_commands as add_first_sighting_commands
+
+    add_first_sighting_commands(sub)  # `bench first-sighting` (against a running server)
     from qcfuse_core.studio.cli import add_commands as add_studio_commands
 
     add_studio_commands(sub)  # `studio` (the web page; FastAPI is imported only when it runs)

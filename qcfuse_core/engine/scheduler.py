@@ -76,6 +76,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -107,6 +108,9 @@ def _shutdown_all() -> None:
 
 IDLE_EXIT_S = 5.0  # the worker thread exits after this long without a request
 ABORT_WAIT_S = 1.0  # how often a caller waiting for an abort checks that the worker lives
+# background work starts only once no request has waited or run for this long: a client
+# sending its requests one after another (a few ms apart) finds no piece under way
+IDLE_WORK_AFTER_S = 0.25
 
 
 class EngineBusy(RuntimeError):
@@ -186,6 +190,8 @@ class Scheduler:
             0,
         )
         self._idle: deque[tuple[Callable[[], object], Future]] = deque()  # guarded by _cv
+        self.idle_after_s = IDLE_WORK_AFTER_S  # quiet time before background work (`submit_idle`)
+        self._busy_at = float("-inf")  # time.monotonic() of the last step that ran requests
         cfg = self.engine.config
         self.runner = ModelRunner(
             self.engine.adapter, cuda_graphs=cfg.scheduler.cuda_graphs, deterministic=cfg.deterministic
@@ -247,7 +253,9 @@ class Scheduler:
         """Queue background work (a chunk build) at the scheduler's lowest priority: the worker
         runs it in a step where no request waits or runs, one piece a step, so it never runs
         beside a live request's prefill or decode step; a request arriving meanwhile waits
-        for the piece under way at most. -> its Future (cancelled at shutdown if not run)."""
+        for the piece under way at most. A piece starts only once no request has waited or
+        run for `idle_after_s` (IDLE_WORK_AFTER_S), so requests sent one after another find
+        none under way. -> its Future (cancelled at shutdown if not run)."""
         future: Future = Future()
         with self._cv:
             if self._stopping:
@@ -347,12 +355,19 @@ class Scheduler:
         with self._cv:
             self._counts["steps"] += 1
             self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
+            self._busy_at = time.monotonic()
 
     def _run_idle(self) -> bool:
-        """One piece of background work, when no request waits or runs -> whether one ran."""
+        """One piece of background work, when no request waits or runs and none has for
+        `idle_after_s` -> whether the step is done (a piece ran, or the worker waited for
+        the quiet time to pass or a request to come)."""
         with self._cv:
             if self._waiting or self._running or not self._idle:
                 return False
+            quiet = time.monotonic() - self._busy_at
+            if quiet < self.idle_after_s:
+                self._cv.wait(self.idle_after_s - quiet)  # a submit wakes the worker
+                return True
             work, future = self._idle.popleft()
         if future.set_running_or_notify_cancel():
             try:

@@ -133,6 +133,22 @@ def _learning_options(p) -> None:
         "limit, which is half of what the store holds plus the disk's free space)",
     )
     g.add_argument(
+        "--tenant-max-pending",
+        type=at_least(1),
+        default=64,
+        metavar="N",
+        help="the most learned spans one tenant may have waiting for their build; past it its own new ones are "
+        "dropped, never another tenant's (of 256 in all) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--tenant-max-learned-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="the most bytes of learned caches one tenant keeps while another tenant holds learned chunks too "
+        "(default: half of --max-learned-bytes)",
+    )
+    g.add_argument(
         "--learn-system-prompts",
         action="store_true",
         help="also learn and serve the context spans of system messages (default: only user and tool messages)",
@@ -181,8 +197,8 @@ def _replica_options(p) -> None:
 
 
 def learn_config(args):
-    """The learning policy --learn-after, --max-learned, --max-learned-bytes and
-    --learn-system-prompts ask for (qcfuse_core/learn.py)."""
+    """The learning policy --learn-after, --max-learned, --max-learned-bytes, the tenants'
+    quotas and --learn-system-prompts ask for (qcfuse_core/learn.py)."""
     from qcfuse_core.learn import LearnConfig
 
     if args.learn_after < 0:
@@ -193,6 +209,8 @@ def learn_config(args):
         after=args.learn_after,
         max_learned=args.max_learned,
         max_bytes=getattr(args, "max_learned_bytes", None) or None,
+        tenant_pending=getattr(args, "tenant_max_pending", LearnConfig.tenant_pending),
+        tenant_bytes=getattr(args, "tenant_max_learned_bytes", None) or None,
         system=getattr(args, "learn_system_prompts", False),
     )
 
