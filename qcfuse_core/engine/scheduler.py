@@ -259,7 +259,9 @@ class Scheduler:
         future: Future = Future()
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the engine's scheduler has shut down (engine.close(), or the interpreter is exiting)")
+                raise RuntimeError(
+                    "the engine's scheduler has shut down (engine.close(), or the interpreter is exiting)"
+                )
             self._idle.append((work, future))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="qcfuse-scheduler", daemon=True)
