@@ -225,6 +225,19 @@ def _engine(tiny, **cfg) -> QCFuseEngine:
     return eng
 
 
+def ledger(i: int, topic: str = "harbour") -> str:
+    """A context paragraph of its own (~110 characters, so about as many tokens): the learned-chunk tests'."""
+    return f"Ledger {i} of the {topic}: {i * 7} barrels of salt herring, {i * 3 + 1} casks of tar and {i % 5} bells."
+
+
+def docs_engine(adapter: ModelAdapter, docs, store=None, **cfg) -> QCFuseEngine:
+    """An engine over `adapter` (a MemoryStore unless given) with `docs` ingested, its config
+    from `engine_config(**cfg)`."""
+    eng = QCFuseEngine(adapter, store=store if store is not None else MemoryStore(), config=engine_config(**cfg))
+    eng.build_chunks(docs)
+    return eng
+
+
 def _prompt(question: str = "Which document mentions word1x3?", docs=(SERVE_DOCS[0], SERVE_DOCS[1])) -> str:
     return "Context:\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}"
 

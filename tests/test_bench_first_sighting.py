@@ -13,21 +13,13 @@ from qcfuse_core.cli.commands import build_parser
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.eval.first_sighting import run
 from qcfuse_core.learn import LearnConfig
-from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore
-from tests.qc_fixtures import TEMPLATE, LiveServer
+from tests.qc_fixtures import LiveServer, ledger, tiny  # noqa: F401  (fixture)
 
 
 def para(i: int) -> str:
-    return f"Ledger {i} of the harbour: {i * 7} barrels of salt herring, {i * 3 + 1} casks of tar and {i % 5} bells."
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    adapter = tiny_model("llama", tokenizer=True)
-    adapter.tokenizer.chat_template = TEMPLATE
-    return adapter
+    return ledger(i)
 
 
 @contextmanager

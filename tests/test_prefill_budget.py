@@ -13,7 +13,7 @@ from qcfuse_core.engine.guard import GuardConfig, Keep, Refuse
 from qcfuse_core.engine.prefill import Prefill
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore, kv_dir, open_store
-from tests.qc_fixtures import engine_config
+from tests.qc_fixtures import docs_engine, engine_config
 
 DOCS = [f"Document {i}: " + " ".join(f"item{i}y{j}" for j in range(12)) for i in range(5)]
 QUESTIONS = [f"Which document names item{i}y{i + 3}?" for i in range(4)]
@@ -26,9 +26,7 @@ def tiny():
 
 
 def _engine(tiny, store=None, **cfg) -> QCFuseEngine:
-    eng = QCFuseEngine(tiny, store=store if store is not None else MemoryStore(), config=engine_config(**cfg))
-    eng.build_chunks(DOCS)
-    return eng
+    return docs_engine(tiny, DOCS, store, **cfg)
 
 
 def _count_rows(eng: QCFuseEngine) -> list[list[tuple[int, float | None, int]]]:

@@ -15,7 +15,7 @@ from qcfuse_core import CacheConfig, EngineBusy, SchedulerConfig
 from qcfuse_core.engine.api import QCFuseEngine
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore, kv_dir, open_store
-from tests.qc_fixtures import engine_config, hold_worker
+from tests.qc_fixtures import docs_engine, engine_config, hold_worker
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(10)) for i in range(4)]
 METHODS = ("qcfuse", "full", "naive", "cacheblend")
@@ -28,9 +28,7 @@ def tiny():
 
 
 def _engine(tiny, store=None, **cfg) -> QCFuseEngine:
-    eng = QCFuseEngine(tiny, store=store if store is not None else MemoryStore(), config=engine_config(**cfg))
-    eng.build_chunks(DOCS)
-    return eng
+    return docs_engine(tiny, DOCS, store, **cfg)
 
 
 def _requests(n: int, seed: int) -> list[tuple[str, list[str], str]]:

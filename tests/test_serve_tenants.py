@@ -29,7 +29,7 @@ from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.retrieval.texts import ChunkTextIndex
 from qcfuse_core.serve.app import ServeConfig, create_app
 from qcfuse_core.store import MemoryStore, kv_dir, open_store, sizing
-from tests.qc_fixtures import TEMPLATE, LiveServer, _metric, _run, _wait
+from tests.qc_fixtures import TEMPLATE, LiveServer, _metric, _run, _wait, ledger, tiny  # noqa: F401  (fixture)
 
 NEW = 6
 MODEL = "tiny-tenants"
@@ -37,15 +37,7 @@ TIMEOUT_S = 60.0
 
 
 def para(i: int, topic: str = "harbour") -> str:
-    """A context paragraph of its own (~110 characters, so about as many tokens)."""
-    return f"Ledger {i} of the {topic}: {i * 7} barrels of salt herring, {i * 3 + 1} casks of tar and {i % 5} bells."
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    adapter = tiny_model("llama", tokenizer=True)
-    adapter.tokenizer.chat_template = TEMPLATE
-    return adapter
+    return ledger(i, topic)
 
 
 @contextmanager
