@@ -256,10 +256,10 @@ class Prefill:
             rep = session.finish()
         finally:
             self._close()
-        self.load_report = self.load_report or rep.to_dict()
+        report = rep.to_dict()
+        self.load_report = self.load_report or report
         if self.request is not None:
             self.request.extra["load_wait_ms"] = rep.total_wait_ms
-        report = rep.to_dict()
         if report.get("failed"):
             segs = self.loading.prompt.segments
             raise Unreadable(report, [segs[i].chunk.key for i in report["failed"]])
