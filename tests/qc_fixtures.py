@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-import uvicorn
 from store_fixtures import make_chunk, store_at
 
 from qcfuse_core import CacheConfig, EngineConfig, FrameConfig, SchedulerConfig
@@ -281,6 +280,8 @@ class LiveServer:
     """uvicorn on 127.0.0.1 (a free port) in a thread; stopped by `close`."""
 
     def __init__(self, app) -> None:
+        import uvicorn  # here, not at the top: the GPU image has no server packages, and its tests import this module
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
