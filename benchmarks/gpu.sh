@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve trace. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve trace}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -261,6 +261,61 @@ for c in sorted(rows["inprocess"]):
         cells += [f"{x:.1f}" if x else "-", f"{y:.1f}" if y else "-", f"{(y - x) / x:+.1%}" if x and y else "-"]
     print(f"| {c} | " + " | ".join(cells) + " |")
 PYEOF
+  fi
+fi
+if has trace; then
+  # issue 63, a RAG trace as users send it: the real openai client against `qcfuse serve` on the
+  # Llama-3.1-8B shape (random weights, seed 0), the default tiers; each request 10 of the
+  # corpus's 1024-token documents drawn by Zipf(1.0) and a new question, in LlamaIndex's and
+  # LangChain's default RAG templates (completions: the shape has no chat template); 8 clients,
+  # 10 batches of 8 requests, 32 new tokens; qcfuse 0.15 then full prefill on each batch. A
+  # fresh server per (pool, mode): the pool of 50, learned and registered; the pool of 400 with
+  # the GPU chunk cap at a third of its 54 GB, learned and registered; then the pool of 50 in
+  # process (the same app, no socket) for the HTTP overhead (about 9 minutes). The server's
+  # packages and openai come as wheels: WHEELS, as for the serve step, plus openai and its
+  # dependencies (anyio, distro, jiter, sniffio, tqdm, typing-extensions); nothing is fetched.
+  if [ -z "${WHEELS:-}" ]; then
+    step "trace: skipped (set WHEELS to a folder of the server's and openai's wheels; see the serve step)"
+  else
+    step "trace: install the server's and openai's wheels from $WHEELS"
+    timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn starlette pydantic \
+        pydantic-core prometheus-client httpx openai 2>&1 | tail -3
+    if [ -n "$QUICK" ]; then TB=3; else TB=10; fi
+    TRACE="--pool-docs 50 --doc-tokens 1024 --docs-per-request 10 --zipf-s 1.0 --batches $TB --clients 8
+           --max-new-tokens 32 --ratio 0.15 --api completions --settle-s 30 --duration-s 60"
+    PORT=${PORT:-8733}
+    TSTORE=$SCRATCH/trace-store
+    trace_http() {  # name pool mode [server options...]: one fresh server, one mode of the trace over HTTP
+      local name=$1 pool=$2 mode=$3; shift 3
+      rm -rf "$TSTORE"
+      $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$TSTORE" \
+          --port "$PORT" "$@" > "$OUT/trace_${name}_server.log" 2>&1 &
+      local server=$!
+      for _ in $(seq 120); do
+        $PY -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
+        sleep 1
+      done
+      # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
+      timeout 200 $PY -m qcfuse_core.cli bench trace --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
+          $TRACE --pool-docs "$pool" --modes "$mode" --json "$OUT/trace_$name.json" --markdown "$OUT/trace_$name.md" \
+          --plot "$OUT/trace_$name.png" > "$OUT/trace_$name.log" 2>&1
+      echo "rc=$?" >> "$OUT/trace_$name.log"; tail -4 "$OUT/trace_$name.log"
+      kill -TERM $server; wait $server; rm -rf "$TSTORE"
+    }
+    step "trace: 50 x 1024, learned, over HTTP"
+    trace_http learned50 50 learned
+    step "trace: 50 x 1024, registered, over HTTP"
+    trace_http registered50 50 registered
+    step "trace: 400 x 1024 (54 GB), GPU chunk cap 18 GB, learned, over HTTP"
+    trace_http learned400 400 learned --gpu-chunk-bytes 18e9 --max-learned-bytes 40G
+    step "trace: 400 x 1024 (54 GB), GPU chunk cap 18 GB, registered, over HTTP"
+    trace_http registered400 400 registered --gpu-chunk-bytes 18e9
+    step "trace: 50 x 1024, both modes, in process (the same client and app, no socket)"
+    timeout 300 $PY -m qcfuse_core.cli bench trace --shape llama-3.1-8b --device cuda --dtype bf16 $TRACE \
+        --store "$TSTORE" --json "$OUT/trace_inprocess50.json" --markdown "$OUT/trace_inprocess50.md" \
+        --plot "$OUT/trace_inprocess50.png" > "$OUT/trace_inprocess50.log" 2>&1
+    echo "rc=$?" >> "$OUT/trace_inprocess50.log"; tail -4 "$OUT/trace_inprocess50.log"; rm -rf "$TSTORE"
+    $PY -m qcfuse_core.eval.trace_report "$OUT" | tee "$OUT/trace_summary.md"
   fi
 fi
 echo; echo "results under $OUT"

@@ -321,8 +321,24 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
         "recomputed_tokens": result.recomputed_tokens,
         "context_tokens": result.context_tokens,
         "recompute_share": round(result.recompute_share, 4),
+        "chunk_sources": chunk_sources(result),
         "guard": result.guard.to_dict() if result.guard is not None else None,
     }
+
+
+def chunk_sources(result: FusionResult) -> dict[str, int]:
+    """How many of the prompt's chunk segments each tier served (gpu, host, disk: a stored
+    image read) and how many were computed in the request (recomputed: a miss, full prefill,
+    the planner's choice), from its load report; {} where the request read no tier (no load
+    session: a store without tiers, full prefill)."""
+    kinds = result.load.get("segment_sources") or []
+    if len(kinds) != len(result.spans):
+        return {}
+    out = {"gpu": 0, "host": 0, "disk": 0, "recomputed": 0}
+    for span, kind in zip(result.spans, kinds):
+        if span.kind == "chunk":
+            out[kind if kind in ("gpu", "host", "disk") else "recomputed"] += 1
+    return out
 
 
 def usage(result: FusionResult) -> dict[str, Any]:
