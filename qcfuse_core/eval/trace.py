@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 
-from qcfuse_core.eval.load import LoadRequest, Method, closed_loop, percentile, summarize
+from qcfuse_core.eval.load import LoadRequest, Method, Trace, closed_loop, percentile, summarize
 from qcfuse_core.eval.load_http import _gauge
 from qcfuse_core.eval.trace_client import SOURCES, ASGIStreamTransport, Sent, send
 from qcfuse_core.eval.trace_prompts import TEMPLATES, batches, corpus, render, warmup_docs
@@ -244,7 +244,7 @@ def _p(xs: list[float], q: float) -> float | None:
 def batch_fields(traces: list[Sent], wall: float) -> dict:
     """A batch's figures for one method, from its responses (module docstring)."""
     done = [t for t in traces if t.finished]
-    s = summarize(traces, wall)  # counts, req/s, the server's TTFT and ITL percentiles, E2E
+    s = summarize(list[Trace](traces), wall)  # counts, req/s, the server's TTFT and ITL percentiles, E2E
     client = [t.client_ttft_ms for t in done if t.client_ttft_ms is not None]
     server = [t.ttft_ms for t in done if t.ttft_ms is not None]
     itl = [t.itl_ms for t in done if t.itl_ms is not None]
@@ -273,7 +273,18 @@ def batch_fields(traces: list[Sent], wall: float) -> dict:
         "escalations": sum(t.escalated for t in done),
         "ran_as": sorted({t.ran_as for t in done}),
         **{f"chunks_{k}": round(v / segs, 4) if segs else None for k, v in sources.items()},
+        "requests": [_request(t) for t in traces],
     }
+
+
+def _request(t: Sent) -> dict:
+    """One request's own figures (the JSON keeps them beside the batch's)."""
+    if not t.finished:
+        return {"error": t.error, "refused": t.refused, "cancelled": t.cancelled}
+    keys = ("client_ttft_ms", "ttft_ms", "itl_ms", "tokens", "prompt_tokens", "cached_tokens", "context_tokens")
+    out = {k: round(v, 3) if isinstance(v, float) else v for k in keys if (v := getattr(t, k)) is not None}
+    out |= {"recomputed_tokens": t.recomputed_tokens, "chunks": t.chunks, "cache_hits": t.cache_hits}
+    return out | {"escalated": t.escalated, "ran_as": t.ran_as, "sources": t.sources, "text_chunks": len(t.deltas)}
 
 
 def _speedups(qc: dict, full: dict) -> None:

@@ -15,7 +15,8 @@ checks them against LlamaIndex's and LangChain's own where those are):
 The corpus: `--pool-docs` documents of about `--doc-tokens` tokens each. A byte-level
 tokenizer (a model of a named shape) gets generated text of that length (workload.make_text);
 any other the paragraphs of a QA set (`--dataset`, any format eval/datasets.py reads) or of
-the packaged sample corpus, joined in a seeded order and cut into documents of that length.
+the packaged sample corpus, one after another in a seeded order (shuffled again each time
+they run out), cut into documents of that length.
 
 The requests: batch b of B has C x R requests (C clients, R each); request i draws
 `--docs-per-request` distinct documents by Zipf(s) over the pool (document j with weight
@@ -112,23 +113,24 @@ def corpus(tokenizer, n: int, doc_tokens: int, seed: int, dataset: Path | None =
     rng = random.Random(f"trace-corpus-{seed}")
     words = text_words(tokenizer)
     if not words:  # a byte-level tokenizer: generated text of the same shape
-        texts = [make_text(tokenizer, doc_tokens, rng, words) for _ in range(n)]
-        return Workload(texts, [f"trace-{i}" for i in range(n)], "", ""), []
+        made = [make_text(tokenizer, doc_tokens, rng, words) for _ in range(n)]
+        return Workload(made, [f"trace-{i}" for i in range(n)], "", ""), []
     paras, questions = _paragraphs(dataset)
     if not paras:
         raise ValueError(f"no paragraphs in {dataset}")
     texts: list[str] = []
     seen: set[str] = set()
     stream: list[str] = []
+    ids: list[int] = []  # the paragraphs' tokens, one after another, cut into documents
     for _ in range(50 * n):  # a document repeating another (a small source, cycled) is made again
         if len(texts) == n:
             break
-        doc: list[int] = []
-        while len(doc) < doc_tokens:
+        while len(ids) < doc_tokens:
             if not stream:
                 stream = rng.sample(paras, len(paras))
-            doc += tokenizer(stream.pop() + " ", add_special_tokens=False).input_ids
-        text = tokenizer.decode(doc[:doc_tokens]).strip().replace("\n\n", "\n")
+            ids += tokenizer(stream.pop() + " ", add_special_tokens=False).input_ids
+        doc, ids = ids[:doc_tokens], ids[doc_tokens:]
+        text = tokenizer.decode(doc).strip().replace("\n\n", "\n")
         if text not in seen:
             seen.add(text)
             texts.append(text)
