@@ -26,6 +26,23 @@ STORE=$SCRATCH/store
 
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 step() { echo; echo "== $*"; }
+wheels() {  # STEP PACKAGE...: install the packages from the wheels in $WHEELS (never a registry), or say the step is skipped
+  local name=$1; shift
+  if [ -z "${WHEELS:-}" ]; then
+    step "$name: skipped (set WHEELS to a folder of the server's wheels; benchmarks/README.md says which)"
+    return 1
+  fi
+  step "$name: install $* from $WHEELS"
+  timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" "$@" 2>&1 | tail -3
+}
+SERVER_WHEELS="fastapi uvicorn starlette pydantic pydantic-core prometheus-client httpx"
+serving() {  # PORT: wait (at most 180 s) until the server there answers /health
+  for _ in $(seq 180); do
+    $PY -c "import httpx; httpx.get('http://127.0.0.1:$1/health').raise_for_status()" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
 
 if has install; then
   # the project itself, on the packages the machine already has (no registry needed)
@@ -221,12 +238,7 @@ if has serve; then
   # minutes). The server's packages come as wheels (the image has none of them): WHEELS names
   # a folder of them (Python 3.12, manylinux x86_64: fastapi, starlette, uvicorn, pydantic and
   # its core, prometheus-client, httpx and their dependencies); nothing is fetched.
-  if [ -z "${WHEELS:-}" ]; then
-    step "serve: skipped (set WHEELS to a folder of the server's wheels; see the comment above)"
-  else
-    step "serve: install the server's wheels from $WHEELS, then bench load in process and over HTTP"
-    timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn starlette pydantic \
-        pydantic-core prometheus-client httpx 2>&1 | tail -3
+  if wheels serve $SERVER_WHEELS; then
     SERVEW="--pool-chunks 20 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --max-new-tokens 64
             --clients 1 8 --requests-per-client 4 --methods qcfuse --ratios 0.15 --duration-s 60"
     timeout 300 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default \
@@ -237,10 +249,7 @@ if has serve; then
     $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$STORE" --port "$PORT" \
         > "$OUT/serve_server.log" 2>&1 &
     SERVER=$!
-    for _ in $(seq 180); do
-      $PY -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
-      sleep 1
-    done
+    serving "$PORT"
     # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
     timeout 300 $PY -m qcfuse_core.cli bench load --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
         $SERVEW --json "$OUT/serve_http.json" --markdown "$OUT/serve_http.md" > "$OUT/serve_http.log" 2>&1
@@ -274,12 +283,7 @@ if has trace; then
   # process (the same app, no socket) for the HTTP overhead (about 9 minutes). The server's
   # packages and openai come as wheels: WHEELS, as for the serve step, plus openai and its
   # dependencies (anyio, distro, jiter, sniffio, tqdm, typing-extensions); nothing is fetched.
-  if [ -z "${WHEELS:-}" ]; then
-    step "trace: skipped (set WHEELS to a folder of the server's and openai's wheels; see the serve step)"
-  else
-    step "trace: install the server's and openai's wheels from $WHEELS"
-    timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn starlette pydantic \
-        pydantic-core prometheus-client httpx openai 2>&1 | tail -3
+  if wheels trace $SERVER_WHEELS openai; then
     if [ -n "$QUICK" ]; then TB=3; else TB=10; fi
     TRACE="--pool-docs 50 --doc-tokens 1024 --docs-per-request 10 --zipf-s 1.0 --batches $TB --clients 8
            --max-new-tokens 32 --ratio 0.15 --api completions --settle-s 30 --duration-s 60"
@@ -291,10 +295,7 @@ if has trace; then
       $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$TSTORE" \
           --port "$PORT" "$@" > "$OUT/trace_${name}_server.log" 2>&1 &
       local server=$!
-      for _ in $(seq 120); do
-        $PY -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
-        sleep 1
-      done
+      serving "$PORT" || echo "the server did not start: $OUT/trace_${name}_server.log"
       # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
       timeout 200 $PY -m qcfuse_core.cli bench trace --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
           $TRACE --pool-docs "$pool" --modes "$mode" --json "$OUT/trace_$name.json" --markdown "$OUT/trace_$name.md" \

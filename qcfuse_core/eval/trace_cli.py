@@ -6,21 +6,39 @@ import sys
 from pathlib import Path
 
 from qcfuse_core.cli.store import parse_bytes
-from qcfuse_core.eval.workload import add_model_options, add_report_options, bench_subparsers, positive_int
+from qcfuse_core.eval.workload import (
+    add_model_options,
+    add_report_options,
+    bench_subparsers,
+    positive_float,
+    positive_int,
+    write_reports,
+)
+
+# (flag, type, default, help): the numbers of the trace (--help shows each default)
+NUMBERS = (
+    ("--pool-docs", positive_int, 50, "documents in the corpus"),
+    ("--doc-tokens", positive_int, 256, "tokens per document"),
+    ("--docs-per-request", positive_int, 10, "documents per request"),
+    ("--zipf-s", float, 1.0, "the draws' Zipf exponent (0: uniform)"),
+    ("--query-tokens", positive_int, 24, "tokens of a generated question"),
+    ("--batches", positive_int, 10, "batches of new questions"),
+    ("--clients", positive_int, 8, "concurrent clients (closed loop)"),
+    ("--requests-per-client", positive_int, 1, "requests each client sends per batch"),
+    ("--ratio", float, 0.15, "qcfuse's recompute ratio"),
+    ("--max-new-tokens", positive_int, 32, "tokens per answer (EOS ignored)"),
+    ("--settle-s", float, 60.0, "learned: after a batch, wait at most this long for the learner's builds"),
+    ("--duration-s", positive_float, 600.0, "cap per batch and method: no request is sent after it"),
+    ("--timeout-s", positive_float, 600.0, "per request"),
+    ("--seed", int, 0, "seed of the corpus, the draws and the questions"),
+)
 
 
 def cmd_trace(args) -> int:
     from qcfuse_core.eval.trace import TIMED_CALL, markdown, plot, run
-    from qcfuse_core.eval.workload import write_json
 
     rows = run(args, lambda line: print(line, file=sys.stderr, flush=True))
-    md = markdown(rows)
-    print(md)
-    write_json(args, rows, TIMED_CALL)
-    if args.markdown:
-        Path(args.markdown).write_text(md + "\n")
-    if args.plot:
-        plot(rows, Path(args.plot))
+    write_reports(args, rows, TIMED_CALL, markdown(rows), plot)
     return 0
 
 
@@ -38,14 +56,6 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="with --url: the server's bearer token")
     p.add_argument("--modes", nargs="+", default=["learned", "registered"], help="learned, registered (in this order)")
-    p.add_argument("--pool-docs", type=positive_int, default=50, help="documents in the corpus (default: %(default)s)")
-    p.add_argument("--doc-tokens", type=positive_int, default=256, help="tokens per document (default: %(default)s)")
-    p.add_argument(
-        "--docs-per-request", type=positive_int, default=10, help="documents per request (default: %(default)s)"
-    )
-    p.add_argument(
-        "--zipf-s", type=float, default=1.0, help="the draws' Zipf exponent (0: uniform) (default: %(default)s)"
-    )
     p.add_argument(
         "--dataset",
         type=Path,
@@ -54,46 +64,21 @@ def add_commands(sub) -> None:
         "sample corpus and generated questions; a named shape: generated text)",
     )
     p.add_argument(
-        "--query-tokens", type=positive_int, default=24, help="generated questions' tokens (default: %(default)s)"
-    )
-    p.add_argument(
-        "--templates",
-        nargs="+",
-        default=["llamaindex", "langchain"],
-        help="RAG templates, request by request in turn: llamaindex, langchain (default: %(default)s)",
+        "--templates", nargs="+", default=["llamaindex", "langchain"], help="RAG templates, one request each in turn"
     )
     p.add_argument(
         "--api",
         default="auto",
         choices=["auto", "chat", "completions"],
-        help="auto: chat where the tokenizer has a chat template, completions otherwise (default: %(default)s)",
+        help="auto: chat where the tokenizer has a chat template, completions otherwise",
     )
-    p.add_argument("--batches", type=positive_int, default=10, help="batches of new questions (default: %(default)s)")
-    p.add_argument("--clients", type=positive_int, default=8, help="concurrent clients (default: %(default)s)")
-    p.add_argument(
-        "--requests-per-client",
-        type=positive_int,
-        default=1,
-        help="requests each client sends per batch (default: %(default)s)",
-    )
-    p.add_argument("--ratio", type=float, default=0.15, help="qcfuse's recompute ratio (default: %(default)s)")
-    p.add_argument(
-        "--max-new-tokens", type=positive_int, default=32, help="tokens per answer, EOS ignored (default: %(default)s)"
-    )
-    p.add_argument(
-        "--settle-s",
-        type=float,
-        default=60.0,
-        help="learned: after a batch, wait at most this long for the learner's builds (default: %(default)s)",
-    )
-    p.add_argument("--duration-s", type=float, default=600.0, help="cap per batch and method (default: %(default)s)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per request (default: %(default)s)")
+    for flag, kind, default, what in NUMBERS:
+        p.add_argument(flag, type=kind, default=default, help=what)
     p.add_argument("--store", default=None, help="in process: the stores' folder (default: a temp folder)")
     p.add_argument("--host-bytes", type=parse_bytes, default=None, help="in process: the host tier's size (e.g. 36e9)")
     p.add_argument(
-        "--gpu-chunk-bytes", type=parse_bytes, default=None, help="in process: at most this much chunk cache on the GPU"
+        "--gpu-chunk-bytes", type=parse_bytes, default=None, help="in process: the most chunk cache on the GPU"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the corpus, the draws and the questions")
     add_report_options(p)
     p.add_argument("--plot", default=None, help="write a PNG of the speedup per batch (full prefill at 1x)")
     p.set_defaults(func=cmd_trace)
