@@ -220,6 +220,19 @@ def test_per_batch_shape_on_the_embedded_model(tmp_path):
         )
 
 
+def test_no_guard_runs_the_server_app_with_the_guard_off(tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    argv = ["bench", "trace", "--shape", "tiny-llama", "--dtype", "fp32", "--modes", "registered", "--pool-docs", "4",
+            "--doc-tokens", "80", "--docs-per-request", "2", "--batches", "1", "--clients", "1", "--max-new-tokens", "2"]  # fmt: skip
+    assert cli_main([*argv, "--no-guard", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["guard"] for r in rows} == {"off"}
+    assert [q["guard"] for q in rows[0]["requests"]] == ["off"]  # what the server said it did
+    capsys.readouterr()
+    assert cli_main([*argv, "--no-guard", "--url", "http://127.0.0.1:9"]) == 2  # the server's guard is its own
+    assert "--no-guard" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- cached_tokens, honest
 
 

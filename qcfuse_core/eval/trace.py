@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -80,8 +81,10 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
 
 
 def _check(args) -> None:
-    if args.url and (args.host_bytes is not None or args.gpu_chunk_bytes is not None or args.store):
-        raise ValueError("--host-bytes, --gpu-chunk-bytes and --store set up the in-process server (no --url)")
+    if args.url and (args.host_bytes is not None or args.gpu_chunk_bytes is not None or args.store or args.no_guard):
+        raise ValueError(
+            "--host-bytes, --gpu-chunk-bytes, --store and --no-guard set up the in-process server (no --url)"
+        )
     if args.docs_per_request > args.pool_docs:
         raise ValueError(f"--docs-per-request ({args.docs_per_request}) is more than --pool-docs ({args.pool_docs})")
     for t in args.templates:
@@ -96,6 +99,7 @@ def _in_process(adapter, mode, texts, trace, args, extra, progress) -> list[dict
     """One mode against the server app over a fresh engine and store in this process."""
     from qcfuse_core.engine.api import QCFuseEngine
     from qcfuse_core.engine.config import CacheConfig, EngineConfig
+    from qcfuse_core.engine.guard import GuardConfig
     from qcfuse_core.eval.workload import open_default_store
     from qcfuse_core.serve.app import create_app
 
@@ -104,6 +108,8 @@ def _in_process(adapter, mode, texts, trace, args, extra, progress) -> list[dict
     store = open_default_store(root / "kv", cuda, host_bytes=args.host_bytes, gpu_bytes=args.gpu_chunk_bytes)
     # the engine `qcfuse serve` opens: a chunk read from disk stays in memory
     config = EngineConfig(threads=args.threads or None, cache=CacheConfig(promote_disk_reads=True))
+    if args.no_guard:  # a diagnostic: the speed without the guard's escalations
+        config = replace(config, guard=GuardConfig(enabled=False))
     engine = QCFuseEngine(adapter, store=store, config=config)
     app = create_app(engine)
     try:
@@ -146,6 +152,7 @@ async def _mode(http, mode, texts, trace, args, extra, progress, where: str = "o
         if build_s is not None:
             progress(f"{mode}: {len(texts)} documents registered through /v1/chunks in {build_s:.1f} s")
         base = {"mode": mode, "where": where, "model": model, "api": "chat" if extra["chat"] else "completions"}
+        base["guard"] = "off" if args.no_guard else "server's"
         base |= {"register_s": None if build_s is None else round(build_s, 3), "clients": args.clients}
         rows: list[dict] = []
         learned = await _learned(http)
@@ -158,7 +165,8 @@ async def _mode(http, mode, texts, trace, args, extra, progress, where: str = "o
                 row |= batch_fields(traces, wall)
             settled = await _settle(http, args.settle_s) if mode == "learned" else 0.0
             now = await _learned(http)
-            pair["qcfuse"]["learned"] = {k: v - learned.get(k, 0) for k, v in now.items()} if now else None
+            counts = {k: v - learned.get(k, 0) for k, v in now.items() if k != "pending"}  # over the batch
+            pair["qcfuse"]["learned"] = counts or None
             pair["qcfuse"]["settle_s"], learned = round(settled, 3), now
             _speedups(pair["qcfuse"], pair["full"])
             rows += [pair["qcfuse"], pair["full"]]
@@ -289,7 +297,8 @@ def _request(t: Sent) -> dict:
     keys = ("client_ttft_ms", "ttft_ms", "itl_ms", "tokens", "prompt_tokens", "cached_tokens", "context_tokens")
     out = {k: round(v, 3) if isinstance(v, float) else v for k in keys if (v := getattr(t, k)) is not None}
     out |= {"recomputed_tokens": t.recomputed_tokens, "chunks": t.chunks, "cache_hits": t.cache_hits}
-    return out | {"escalated": t.escalated, "ran_as": t.ran_as, "sources": t.sources, "text_chunks": len(t.deltas)}
+    out |= {"escalated": t.escalated, "guard": t.guard, "ran_as": t.ran_as, "sources": t.sources}
+    return out | {"text_chunks": len(t.deltas)}
 
 
 def _speedups(qc: dict, full: dict) -> None:
@@ -322,12 +331,12 @@ def one_line(qc: dict, full: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     """A table per (mode, where): a line per batch, qcfuse beside full prefill."""
     out: list[str] = []
-    groups = dict.fromkeys((r["mode"], r["where"]) for r in rows)
-    for mode, where in groups:
-        mine = [r for r in rows if r["mode"] == mode and r["where"] == where]
+    groups = dict.fromkeys((r["mode"], r["where"], r.get("guard")) for r in rows)
+    for mode, where, guard in groups:
+        mine = [r for r in rows if (r["mode"], r["where"], r.get("guard")) == (mode, where, guard)]
         full = {r["batch"]: r for r in mine if r["method"] == "full"}
         out += [
-            f"{mode}, {where}:",
+            f"{mode}, {where}" + (", the quality guard off:" if guard == "off" else ":"),
             "",
             "| batch | TTFT p50 ms | p99 | server p50 | full p50 | full server p50 | speedup | server speedup "
             "| ITL p50 ms | ITL p99 | req/s | full req/s | cached | recomputed | escalated "

@@ -79,6 +79,11 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--gpu-chunk-bytes", type=parse_bytes, default=None, help="in process: the most chunk cache on the GPU"
     )
+    p.add_argument(
+        "--no-guard",
+        action="store_true",
+        help="in process, a diagnostic: the engine's quality guard off (the speed without its escalations)",
+    )
     add_report_options(p)
     p.add_argument("--plot", default=None, help="write a PNG of the speedup per batch (full prefill at 1x)")
     p.set_defaults(func=cmd_trace)

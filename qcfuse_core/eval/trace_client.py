@@ -43,6 +43,7 @@ class Sent(Trace):
     chunks: int = 0
     cache_hits: int = 0
     escalated: bool = False
+    guard: str | None = None  # what the guard did (its action: kept, full, ratio R, off)
     sources: dict[str, int] = field(default_factory=dict)
 
 
@@ -106,7 +107,8 @@ def _record(trace: Sent, stats: dict) -> None:
     trace.context_tokens = stats["context_tokens"]
     trace.ran_as = stats["method"]
     trace.chunks, trace.cache_hits = stats["chunks"], stats["cache_hits"]
-    trace.escalated = bool((stats.get("guard") or {}).get("escalated"))
+    guard = stats.get("guard") or {}
+    trace.escalated, trace.guard = bool(guard.get("escalated")), guard.get("action")
     trace.sources = dict(stats.get("chunk_sources") or {})
 
 
