@@ -173,6 +173,7 @@ def batches(
 
 
 def warmup_docs(tokenizer, k: int, doc_tokens: int, seed: int) -> list[str]:
-    """Documents outside the corpus for the warm-up requests (their caches never count)."""
+    """Documents outside the corpus, as long as its own, for the warm-up requests: the first
+    timed requests are not the first prompts of their length (their caches never count)."""
     rng = random.Random(f"trace-warmup-{seed}")
-    return [make_text(tokenizer, min(doc_tokens, 64), rng, text_words(tokenizer)) for _ in range(k)]
+    return [make_text(tokenizer, doc_tokens, rng, text_words(tokenizer)) for _ in range(k)]
