@@ -33,6 +33,13 @@ NUMBERS = (
     ("--seed", int, 0, "seed of the corpus, the draws and the questions"),
 )
 
+# (flag, type, help): the in-process server's store (no --url)
+IN_PROCESS = (
+    ("--store", str, "the stores' folder (default: a temp folder)"),
+    ("--host-bytes", parse_bytes, "the host tier's size (e.g. 36e9; default: from available RAM)"),
+    ("--gpu-chunk-bytes", parse_bytes, "at most this much chunk cache on the GPU"),
+)
+
 
 def cmd_trace(args) -> int:
     from qcfuse_core.eval.trace import TIMED_CALL, markdown, plot, run
@@ -74,11 +81,8 @@ def add_commands(sub) -> None:
     )
     for flag, kind, default, what in NUMBERS:
         p.add_argument(flag, type=kind, default=default, help=what)
-    p.add_argument("--store", default=None, help="in process: the stores' folder (default: a temp folder)")
-    p.add_argument("--host-bytes", type=parse_bytes, default=None, help="in process: the host tier's size (e.g. 36e9)")
-    p.add_argument(
-        "--gpu-chunk-bytes", type=parse_bytes, default=None, help="in process: the most chunk cache on the GPU"
-    )
+    for flag, kind, what in IN_PROCESS:
+        p.add_argument(flag, type=kind, default=None, help="in process: " + what)
     p.add_argument(
         "--no-guard",
         action="store_true",
