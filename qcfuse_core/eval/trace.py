@@ -105,6 +105,13 @@ def _in_process(adapter, mode, texts, trace, args, extra, progress) -> list[dict
 
     root = Path(args.store) / f"trace-{mode}" if args.store else Path(tempfile.mkdtemp(prefix="qcfuse-trace-"))
     cuda = adapter.device.type == "cuda"
+    if cuda:  # the last mode's engine gone before this store sizes its GPU tier from the free memory
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
     store = open_default_store(root / "kv", cuda, host_bytes=args.host_bytes, gpu_bytes=args.gpu_chunk_bytes)
     # the engine `qcfuse serve` opens: a chunk read from disk stays in memory
     config = EngineConfig(threads=args.threads or None, cache=CacheConfig(promote_disk_reads=True))
@@ -123,10 +130,6 @@ def _in_process(adapter, mode, texts, trace, args, extra, progress) -> list[dict
         app.state.builds.close()
         engine.close()
         shutil.rmtree(root, ignore_errors=True)
-        if cuda:
-            import torch
-
-            torch.cuda.empty_cache()
 
 
 async def _mode(http, mode, texts, trace, args, extra, progress, where: str = "over HTTP") -> list[dict]:
