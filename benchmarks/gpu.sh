@@ -9,14 +9,14 @@
 #     QUICK=1 bash benchmarks/gpu.sh              # smoke run: 10 x 1024 only, few runs (about 6 minutes)
 #     STEPS="tests kernels store" bash benchmarks/gpu.sh
 #
-# Steps: install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve. Results go under $OUT
+# Steps: install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve trace. Results go under $OUT
 # (default bench-results/gpu): env.txt, the logs, and one JSON (and markdown table) per figure;
 # the load step also draws load.png.
 # The chunk stores the TTFT runs build (GBs) live under $SCRATCH (default: a folder under
 # TMPDIR), never under $OUT; the ingestion rerun uses /dev/shm when it exists.
 set -uo pipefail
 export OUT=${OUT:-bench-results/gpu} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve}
+STEPS=${STEPS:-install tests determinism ttft tiers fp8 e2e load hot crowd kernels store serve trace}
 QUICK=${QUICK:-}
 PY=${PYTHON:-python3}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/qcfuse-gpu-bench}
@@ -26,6 +26,23 @@ STORE=$SCRATCH/store
 
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 step() { echo; echo "== $*"; }
+wheels() {  # STEP PACKAGE...: install the packages from the wheels in $WHEELS (never a registry), or say the step is skipped
+  local name=$1; shift
+  if [ -z "${WHEELS:-}" ]; then
+    step "$name: skipped (set WHEELS to a folder of the server's wheels; benchmarks/README.md says which)"
+    return 1
+  fi
+  step "$name: install $* from $WHEELS"
+  timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" "$@" 2>&1 | tail -3
+}
+SERVER_WHEELS="fastapi uvicorn starlette pydantic pydantic-core prometheus-client httpx"
+serving() {  # PORT: wait (at most 180 s) until the server there answers /health
+  for _ in $(seq 180); do
+    $PY -c "import httpx; httpx.get('http://127.0.0.1:$1/health').raise_for_status()" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
 
 if has install; then
   # the project itself, on the packages the machine already has (no registry needed)
@@ -221,12 +238,7 @@ if has serve; then
   # minutes). The server's packages come as wheels (the image has none of them): WHEELS names
   # a folder of them (Python 3.12, manylinux x86_64: fastapi, starlette, uvicorn, pydantic and
   # its core, prometheus-client, httpx and their dependencies); nothing is fetched.
-  if [ -z "${WHEELS:-}" ]; then
-    step "serve: skipped (set WHEELS to a folder of the server's wheels; see the comment above)"
-  else
-    step "serve: install the server's wheels from $WHEELS, then bench load in process and over HTTP"
-    timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn starlette pydantic \
-        pydantic-core prometheus-client httpx 2>&1 | tail -3
+  if wheels serve $SERVER_WHEELS; then
     SERVEW="--pool-chunks 20 --chunk-tokens 1024 --chunks-per-request 10 --query-tokens 32 --max-new-tokens 64
             --clients 1 8 --requests-per-client 4 --methods qcfuse --ratios 0.15 --duration-s 60"
     timeout 300 $PY -m qcfuse_core.cli bench load --shape llama-3.1-8b --device cuda --dtype bf16 --tier default \
@@ -237,10 +249,7 @@ if has serve; then
     $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$STORE" --port "$PORT" \
         > "$OUT/serve_server.log" 2>&1 &
     SERVER=$!
-    for _ in $(seq 180); do
-      $PY -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
-      sleep 1
-    done
+    serving "$PORT"
     # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
     timeout 300 $PY -m qcfuse_core.cli bench load --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
         $SERVEW --json "$OUT/serve_http.json" --markdown "$OUT/serve_http.md" > "$OUT/serve_http.log" 2>&1
@@ -261,6 +270,53 @@ for c in sorted(rows["inprocess"]):
         cells += [f"{x:.1f}" if x else "-", f"{y:.1f}" if y else "-", f"{(y - x) / x:+.1%}" if x and y else "-"]
     print(f"| {c} | " + " | ".join(cells) + " |")
 PYEOF
+  fi
+fi
+if has trace; then
+  # issue 63, a RAG trace as users send it: the real openai client against `qcfuse serve` on the
+  # Llama-3.1-8B shape (random weights, seed 0), the default tiers; each request 10 of the
+  # corpus's 1024-token documents drawn by Zipf(1.0) and a new question, in LlamaIndex's and
+  # LangChain's default RAG templates (completions: the shape has no chat template); 8 clients,
+  # 10 batches of 8 requests, 32 new tokens; qcfuse 0.15 then full prefill on each batch. A
+  # fresh server per (pool, mode): the pool of 50, learned and registered; the pool of 400 with
+  # the GPU chunk cap at a third of its 54 GB, learned and registered; then the pool of 50 in
+  # process (the same app, no socket) for the HTTP overhead (about 9 minutes). The server's
+  # packages and openai come as wheels: WHEELS, as for the serve step, plus openai and its
+  # dependencies (anyio, distro, jiter, sniffio, tqdm, typing-extensions); nothing is fetched.
+  if wheels trace $SERVER_WHEELS openai; then
+    if [ -n "$QUICK" ]; then TB=3; else TB=10; fi
+    TRACE="--pool-docs 50 --doc-tokens 1024 --docs-per-request 10 --zipf-s 1.0 --batches $TB --clients 8
+           --max-new-tokens 32 --ratio 0.15 --api completions --settle-s 30 --duration-s 60"
+    PORT=${PORT:-8733}
+    TSTORE=$SCRATCH/trace-store
+    trace_http() {  # name pool mode [server options...]: one fresh server, one mode of the trace over HTTP
+      local name=$1 pool=$2 mode=$3; shift 3
+      rm -rf "$TSTORE"
+      $PY -m qcfuse_core.cli serve --shape llama-3.1-8b --device cuda --dtype bf16 --store "$TSTORE" \
+          --port "$PORT" "$@" > "$OUT/trace_${name}_server.log" 2>&1 &
+      local server=$!
+      serving "$PORT" || echo "the server did not start: $OUT/trace_${name}_server.log"
+      # the client makes the same texts with the same byte-level tokenizer (a tiny model on the CPU)
+      timeout 200 $PY -m qcfuse_core.cli bench trace --url "http://127.0.0.1:$PORT" --shape tiny-llama --device cpu \
+          $TRACE --pool-docs "$pool" --modes "$mode" --json "$OUT/trace_$name.json" --markdown "$OUT/trace_$name.md" \
+          --plot "$OUT/trace_$name.png" > "$OUT/trace_$name.log" 2>&1
+      echo "rc=$?" >> "$OUT/trace_$name.log"; tail -4 "$OUT/trace_$name.log"
+      kill -TERM $server; wait $server; rm -rf "$TSTORE"
+    }
+    step "trace: 50 x 1024, learned, over HTTP"
+    trace_http learned50 50 learned
+    step "trace: 50 x 1024, registered, over HTTP"
+    trace_http registered50 50 registered
+    step "trace: 400 x 1024 (54 GB), GPU chunk cap 18 GB, learned, over HTTP"
+    trace_http learned400 400 learned --gpu-chunk-bytes 18e9 --max-learned-bytes 40G
+    step "trace: 400 x 1024 (54 GB), GPU chunk cap 18 GB, registered, over HTTP"
+    trace_http registered400 400 registered --gpu-chunk-bytes 18e9
+    step "trace: 50 x 1024, both modes, in process (the same client and app, no socket)"
+    timeout 300 $PY -m qcfuse_core.cli bench trace --shape llama-3.1-8b --device cuda --dtype bf16 $TRACE \
+        --store "$TSTORE" --json "$OUT/trace_inprocess50.json" --markdown "$OUT/trace_inprocess50.md" \
+        --plot "$OUT/trace_inprocess50.png" > "$OUT/trace_inprocess50.log" 2>&1
+    echo "rc=$?" >> "$OUT/trace_inprocess50.log"; tail -4 "$OUT/trace_inprocess50.log"; rm -rf "$TSTORE"
+    $PY -m qcfuse_core.eval.trace_report "$OUT" | tee "$OUT/trace_summary.md"
   fi
 fi
 echo; echo "results under $OUT"

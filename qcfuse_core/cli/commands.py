@@ -772,6 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.eval.first_sighting import add_commands as add_first_sighting_commands
 
     add_first_sighting_commands(sub)  # `bench first-sighting` (against a running server)
+    from qcfuse_core.eval.trace_cli import add_commands as add_trace_commands
+
+    add_trace_commands(sub)  # `bench trace` (the openai client against a server, or its app in process)
     from qcfuse_core.studio.cli import add_commands as add_studio_commands
 
     add_studio_commands(sub)  # `studio` (the web page; FastAPI is imported only when it runs)

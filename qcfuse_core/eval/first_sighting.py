@@ -75,7 +75,11 @@ def chat(client: httpx.Client, model: str, content: str, max_tokens: int) -> dic
 
 def learned_counters(client: httpx.Client) -> dict[str, int] | None:
     """The server's qcfuse_learned_* counters (/metrics) -> None when it learns nothing."""
-    text = client.get("/metrics").text
+    return parse_learned(client.get("/metrics").text)
+
+
+def parse_learned(text: str) -> dict[str, int] | None:
+    """The qcfuse_learned_* counters of a /metrics text -> None when it has none."""
     got = {}
     for line in text.splitlines():
         for name in LEARNED:

@@ -324,16 +324,18 @@ async def _bounded(tasks: list[asyncio.Task], deadline: float) -> bool:
     return bool(pending)
 
 
-async def closed_loop(send: Send, reqs: list[LoadRequest], clients: int, deadline: float):
+async def closed_loop(
+    send: Send, reqs: list[LoadRequest], clients: int, deadline: float, make: Callable[[float], Trace] = Trace
+):
     """`clients` clients; client c sends reqs[c], reqs[c + clients], ... one after another
-    until the deadline -> (traces, capped)."""
+    until the deadline -> (traces, capped). make: the trace of a request submitted at a time."""
     traces: list[Trace] = []
 
     async def client(c: int) -> None:
         for req in reqs[c::clients]:
             if time.perf_counter() >= deadline:
                 return
-            trace = Trace(time.perf_counter())
+            trace = make(time.perf_counter())
             traces.append(trace)
             await send(req, trace)
 

@@ -3,8 +3,6 @@ against a server's URL)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from qcfuse_core.cli.store import parse_bytes
 from qcfuse_core.eval.load import POPULARITY, TIMED_CALL, markdown, plot, run
 from qcfuse_core.eval.load_http import TIMED_HTTP, run_http
@@ -15,7 +13,7 @@ from qcfuse_core.eval.workload import (
     bench_subparsers,
     positive_float,
     positive_int,
-    write_json,
+    write_reports,
 )
 
 
@@ -29,13 +27,7 @@ def cmd_load(args) -> int:
         rows, timed = run_http(args, progress), TIMED_HTTP
     else:
         rows, timed = run(args, progress), TIMED_CALL
-    md = markdown(rows)
-    print(md)
-    write_json(args, rows, timed)
-    if args.markdown:
-        Path(args.markdown).write_text(md + "\n")
-    if args.plot:
-        plot(rows, Path(args.plot))
+    write_reports(args, rows, timed, markdown(rows), plot)
     return 0
 
 

@@ -241,3 +241,14 @@ def write_json(args, rows: list[dict], timed_call: str, extras: dict | None = No
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     data = {"env": environment(args, timed_call, partial), "rows": rows, **(extras or {})}
     Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+
+
+def write_reports(args, rows: list[dict], timed_call: str, table: str, plot=None) -> None:
+    """A finished run's reports: the markdown table printed and written to --markdown, the JSON
+    to --json, and `plot(rows, path)` to --plot where the command has one."""
+    print(table)
+    write_json(args, rows, timed_call)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if plot is not None and getattr(args, "plot", None):
+        plot(rows, Path(args.plot))

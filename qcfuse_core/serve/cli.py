@@ -56,6 +56,20 @@ def add_commands(sub) -> None:
         help="benchmarks: instead of --model, random weights of a named shape (e.g. llama-3.1-8b, seed 0) with a "
         "byte-level tokenizer - the model `qcfuse bench load --shape` runs in process",
     )
+    p.add_argument(
+        "--host-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="with --shape: the host tier's size (e.g. 36e9; default: from available RAM), as `bench load` takes it",
+    )
+    p.add_argument(
+        "--gpu-chunk-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="with --shape: at most this much chunk cache on the GPU (default: what the engine's GPU budget leaves)",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -273,6 +287,8 @@ def cmd_serve(args) -> int:
     api_key = api_keys(args)
     if args.shape and (args.model is not None or args.replicas):
         raise ValueError("--shape replaces --model, and runs one engine (no --replicas)")
+    if not args.shape and (args.host_bytes is not None or args.gpu_chunk_bytes is not None):
+        raise ValueError("--host-bytes and --gpu-chunk-bytes size the tiers of a --shape server (benchmarks)")
     if args.replicas:
         return serve_replicas(args, api_key)
     config = ServeConfig(  # checked now, before the model loads; the prompt limit once it has
@@ -321,7 +337,12 @@ def _shaped_engine(args, config):
     adapter = build_adapter(shape)
     root = Path(args.store)
     root.mkdir(parents=True, exist_ok=True)
-    store = open_store(kv_dir(root), use_cuda=adapter.device.type == "cuda")
+    store = open_store(
+        kv_dir(root),
+        use_cuda=adapter.device.type == "cuda",
+        memory_bytes=args.host_bytes,
+        gpu_bytes=args.gpu_chunk_bytes,
+    )
     return QCFuseEngine(adapter, store=store, config=config, text_index=ChunkTextIndex(root / "chunk_texts.sqlite"))
 
 

@@ -18,7 +18,9 @@ does (validation.py).
 `usage.prompt_tokens_details.cached_tokens` (OpenAI's field, which ChatOpenAI reads into
 `usage_metadata["input_token_details"]["cache_read"]`): the prompt tokens whose KV came from a
 cache stored before the request - its chunks' and its prompt template's - less those
-recomputed (`cached_tokens`).
+recomputed (`cached_tokens`). What the request computed is in the `qcfuse` field, never in
+cached_tokens: `recomputed_tokens` (the rows selective recompute computed afresh) and
+`built_tokens` (chunks that had no cache: computed in the request).
 
 Errors, on every route and from every layer (the app, the shared middlewares, the replicas'
 proxy), have one shape, OpenAI's: {"error": {"message", "type", "param", "code"}}, `code`
@@ -319,10 +321,27 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
         "cache_misses": result.cache_misses,
         "cache_built": result.cache_built,
         "recomputed_tokens": result.recomputed_tokens,
+        "built_tokens": built_tokens(result),
         "context_tokens": result.context_tokens,
         "recompute_share": round(result.recompute_share, 4),
+        "chunk_sources": chunk_sources(result),
         "guard": result.guard.to_dict() if result.guard is not None else None,
     }
+
+
+def chunk_sources(result: FusionResult) -> dict[str, int]:
+    """How many of the prompt's chunk segments each tier served (gpu, host, disk: a stored
+    image read) and how many were computed in the request (recomputed: a miss, full prefill,
+    the planner's choice), from its load report; {} where the request read no tier (no load
+    session: a store without tiers, full prefill)."""
+    kinds = result.load.get("segment_sources") or []
+    if len(kinds) != len(result.spans):
+        return {}
+    out = {"gpu": 0, "host": 0, "disk": 0, "recomputed": 0}
+    for span, kind in zip(result.spans, kinds):
+        if span.kind == "chunk":
+            out[kind if kind in ("gpu", "host", "disk") else "recomputed"] += 1
+    return out
 
 
 def usage(result: FusionResult) -> dict[str, Any]:
@@ -344,12 +363,25 @@ def cached_tokens(result: FusionResult) -> int:
         rows:           ^       ^  ^            ^^^^        ^^^^      recomputed
         cached:    prefix + chunk A - its 3 recomputed rows
     """
-    served = [(s.start, s.end) for s in result.spans if s.cache_hit and s.kind in ("prefix", "chunk")]
-    if not served:
+    return _not_recomputed(result, [s for s in result.spans if s.cache_hit and s.kind in ("prefix", "chunk")])
+
+
+def built_tokens(result: FusionResult) -> int:
+    """Tokens of the prompt's chunk segments that had no cache before the request (chunk B
+    above) and are not among the recomputed rows: computed in the request (the chunk's cache
+    built then, or the chunk computed where it stands), never reused. With the recomputed
+    rows and the cached tokens they make up the context:
+    cached_tokens + recomputed_tokens + built_tokens == context_tokens (+ a cached prefix)."""
+    return _not_recomputed(result, [s for s in result.spans if not s.cache_hit and s.kind == "chunk"])
+
+
+def _not_recomputed(result: FusionResult, spans: list) -> int:
+    """Tokens of `spans` outside the rows selective recompute computed afresh."""
+    if not spans:
         return 0
-    mask = torch.zeros(max(e for _, e in served), dtype=torch.bool)
-    for start, end in served:
-        mask[start:end] = True
+    mask = torch.zeros(max(s.end for s in spans), dtype=torch.bool)
+    for s in spans:
+        mask[s.start : s.end] = True
     rows = result.selection.rows if result.selection is not None else None
     if rows is not None and rows.numel():
         rows = rows.detach().cpu()
