@@ -75,3 +75,22 @@ def test_a_tenant_must_be_a_string(tiny):
         eng.answer("Which item?", DOCS, tenant=3, max_new_tokens=1)
     eng.close()
 
+
+def test_a_tenants_unregistered_documents_and_prefix_are_its_own_caches(tiny):
+    """Documents a request brings (not registered) and its prefix are cached under its
+    tenant's salt: another tenant's request of the same texts finds no cache (a miss, built
+    for it), the same tenant's finds its own; registered chunks are shared by every tenant;
+    no tenant is the shared namespace of in-process callers."""
+    eng = docs_engine(tiny, DOCS[:1])  # DOCS[0] registered
+    docs = [f"Unregistered note {i}: " + " ".join(f"w{i}z{j}" for j in range(8)) for i in range(2)]
+
+    def ask(tenant, documents):
+        r = eng.answer("Which note?", documents, tenant=tenant, method="qcfuse", max_new_tokens=2)
+        return r.cache_hits, r.cache_misses
+
+    assert ask("alice", docs) == (0, 2)
+    assert ask("alice", docs)[0] >= 2  # her own caches (and her prefix)
+    assert ask("bob", docs)[1] == 2  # another tenant: nothing of Alice's is found
+    assert ask(None, docs)[1] == 2  # nor by the shared tenant
+    assert ask("bob", DOCS[:1])[1] == 0 and ask("carol", DOCS[:1])[1] == 0  # registered: shared
+    eng.close()

@@ -107,6 +107,24 @@ def test_n_l6_learned_chunks_are_named_and_counted_only_to_their_tenant(tiny, by
         )
 
 
+def test_n_l6_named_documents_and_the_prefix_are_cached_per_tenant(tiny):
+    """A document named in `qcfuse.documents` (not registered) and the system prompt before it
+    are cached under their tenant's salt: Alice's second request is served from her caches,
+    while Bob, sending the same, sees what a server that never saw Alice would show him -
+    no hit, no cached token (his own request builds them)."""
+    doc = para(7)
+    msgs = [{"role": "system", "content": "You keep the harbour ledgers. " * 3}, *context(doc)]
+    named = {"qcfuse": {"documents": [doc]}}
+    with serving(tiny, tenant_by="key", api_key=("ka", "kb")) as live:
+        first = chat(live, msgs, key="ka", **named)
+        again = chat(live, msgs, key="ka", **named)
+        assert again["qcfuse"]["cache_hits"] == 1 and first["qcfuse"]["cache_hits"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        other = chat(live, msgs, key="kb", **named)
+        assert seen_by_the_client(other) == seen_by_the_client(first)  # as if Alice had never sent it
+        assert chat(live, msgs, key="kb", **named)["qcfuse"]["cache_hits"] == 1  # now his own
+
+
 def test_tenants_and_their_fields(tiny):
     """--tenant-by salt goes by vLLM's cache_salt; another mode refuses a cache_salt (it would
     not separate anything); `user` must be a string."""
