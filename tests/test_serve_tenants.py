@@ -260,6 +260,37 @@ def test_n_l3_a_tenants_pending_builds_stop_at_its_quota(tiny):
         engine.close()
 
 
+def test_n_l3_builds_run_tenant_by_tenant_in_turn(tiny):
+    """Alice's three prompts queue three builds, then Bob's one: Bob's runs after at most one
+    of Alice's waiting builds (not after all of hers), Alice's in her order. Counted in the
+    order the builds reach the engine, the first one held until all are queued."""
+    engine = QCFuseEngine(tiny, store=MemoryStore())
+    learner = ChunkLearner(engine, LearnConfig(max_pending=16, tenant_pending=8))
+    gate, order, build = threading.Event(), [], engine.build_chunks
+
+    def building(texts, **kw):
+        order.append(texts[0])
+        gate.wait(TIMEOUT_S)
+        return build(texts, **kw)
+
+    engine.build_chunks = building
+    alices, bobs = [para(400 + i) for i in range(4)], [para(500)]
+    try:
+        for doc in alices:
+            assert _observe(learner, "alice", doc) == 1
+        assert _observe(learner, "bob", *bobs) == 1
+    finally:
+        gate.set()
+    try:
+        assert learner.wait(TIMEOUT_S)
+        assert order.index(bobs[0]) <= 2  # behind the build under way and at most one of Alice's
+        assert [d for d in order if d in alices] == alices
+        assert learner.stats().builds == 5
+    finally:
+        learner.close()
+        engine.close()
+
+
 def test_n_l3_a_tenants_learned_bytes_stop_at_its_quota_beside_another(tiny):
     """Alone, Alice keeps all she learned; once Bob learns too, she keeps `tenant_bytes` at
     most (giving up her least recently used text), and Bob keeps his."""
