@@ -80,6 +80,18 @@ class Unreadable(Exception):
         self.keys = list(keys)
 
 
+class _Uncached:
+    """The layers a prefill that recomputes every row reads (a full prefill in slices): none,
+    zeros - the prompt's chunk caches (views over a streaming store among them) are not read."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = like.new_zeros((self.num_tokens, *like.shape[1:]))
+        return zeros, zeros
+
+
 @dataclass(eq=False)
 class Prefill:
     """One request's prefill between scheduler steps (module docstring); its own, mutable.
@@ -209,7 +221,7 @@ class Prefill:
         sel = self.selection
         if self.sliced:
             part = self.rows[(self.rows >= a) & (self.rows < b)]
-            source = self.loading.session if a == 0 else None
+            source = (self.loading.session if fused else _Uncached(prompt.num_tokens)) if a == 0 else None
             res = fused_prefill(self.engine.adapter, prompt, part, kv_out=cache, span=(a, b), source=source)
         else:
             res = fused_prefill(
