@@ -16,7 +16,10 @@ quality guard, engine/guard.py) and decode from.
                    function of the rows and the budget alone, so in deterministic mode its
                    bits do not depend on what runs beside it); the first slice reads the load
                    session and lays every cached row into the KV buffer, each later one
-                   attends to the rows before it there
+                   attends to the rows before it there; a full prefill (a selector that does
+                   not fuse, a guard's full rung) runs its first slice as HF's own forward of
+                   those positions (faster than a fused pass over every row, and it reads no
+                   chunk cache), the later ones fused
 
 A chunk whose layers cannot be read (its load session's report) raises `Unreadable` from
 `advance`: the caller opens a new Prefill of the same request with that chunk rebuilt
@@ -78,18 +81,6 @@ class Unreadable(Exception):
         super().__init__(f"{len(report['failed'])} chunk cache(s) unreadable")
         self.report = report
         self.keys = list(keys)
-
-
-class _Uncached:
-    """The layers a prefill that recomputes every row reads (a full prefill in slices): none,
-    zeros - the prompt's chunk caches (views over a streaming store among them) are not read."""
-
-    def __init__(self, num_tokens: int) -> None:
-        self.num_tokens = num_tokens
-
-    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        zeros = like.new_zeros((self.num_tokens, *like.shape[1:]))
-        return zeros, zeros
 
 
 @dataclass(eq=False)
@@ -213,15 +204,15 @@ class Prefill:
         cache, prompt = self._kv(), self.loading.prompt
         a, b = self.spans[self.done]
         fused = get_selector(self.method).fused
-        if not fused and not self.sliced:  # HF's own forward: exactly a `full` request's
-            logits, kv = self.engine.adapter.hf_forward(prompt.token_ids, keep=1)
+        if not fused and a == 0:  # HF's own forward: exactly a `full` request's, or its first slice
+            logits, kv = self.engine.adapter.hf_forward(prompt.token_ids[:b], keep=1)
             fill_from_hf(cache, kv)
             self.done = 1
-            return self._prefilled(logits, prompt.context_tokens, self.selection)
+            return self._prefilled(logits, prompt.context_tokens, self.selection) if self.finished else None
         sel = self.selection
         if self.sliced:
             part = self.rows[(self.rows >= a) & (self.rows < b)]
-            source = (self.loading.session if fused else _Uncached(prompt.num_tokens)) if a == 0 else None
+            source = self.loading.session if a == 0 else None
             res = fused_prefill(self.engine.adapter, prompt, part, kv_out=cache, span=(a, b), source=source)
         else:
             res = fused_prefill(
