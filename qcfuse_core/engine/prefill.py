@@ -3,9 +3,9 @@
 A `Prefill` holds everything step 5 of one request needs and does: the fused prompt and its
 load session, the selected rows, the KV buffer it fills (the request's, `Request.cache`), and
 how far it has got. The scheduler asks `grant(left, first)` how many of its rows fit in what
-is left of a step's budget (`SchedulerConfig.step_prefill_tokens`), then runs
-`advance(rows)`; the call that runs its last rows returns the `Prefilled` to decide on (the
-quality guard, engine/guard.py) and decode from.
+is left of a step's budget (`SchedulerConfig.step_prefill_ms` at the measured rate, or
+`step_prefill_tokens`), then runs `advance(rows)`; the call that runs its last rows
+returns the `Prefilled` to decide on (the quality guard, engine/guard.py) and decode from.
 
     one slice      the rows recompute in one fused pass (`fusion.fused_prefill`), or HF's own
                    forward for a selector that does not fuse: a prompt whose rows fit the

@@ -404,8 +404,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self) -> Iterator[tuple[Job, int]]:
-        """The prefills this step runs and the rows each runs, from `step_prefill_tokens`:
-        those under way first, oldest first (a guard rung or a rerun takes its request's
+        """The prefills this step runs and the rows each runs, from the step's budget
+        (`step_budget`): those under way first, oldest first (a guard rung or a rerun takes its request's
         place), then waiting jobs admitted one at a time while rows are left (at most
         `max_running` running). A prefill whose next slice does not fit waits, and so does
         every one after it; the first prefill of a step runs its next slice whatever its
