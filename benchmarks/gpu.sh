@@ -186,8 +186,8 @@ if has crowd; then
   # issue 54, the crowd's pace on the configuration a user gets (the default tiers): the decode
   # step of 1/8/32 sequences at 10K (plain and deterministic) with where one sequence's step
   # goes; one request end to end (128 new tokens), whose runs also measure the planner's
-  # rates; 1/8/32 closed-loop clients; 8 clients at a smaller chunked-prefill budget (about 6
-  # minutes on an H100)
+  # rates; 1/8/32 closed-loop clients (the default step budget, in time); 8 clients at other
+  # step budgets: 2048 and 8192 rows, 100 ms (about 9 minutes on an H100)
   # the floor's bandwidth: the H100's 3.35 TB/s, else the H200's 4.8 (PEAK_TBPS overrides)
   if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then PEAK=3.35; else PEAK=4.8; fi
   PEAK=${PEAK_TBPS:-$PEAK}
@@ -212,7 +212,17 @@ if has crowd; then
   step "crowd: 8 clients, chunked-prefill budget 2048"
   timeout 240 $LOAD --clients 8 --duration-s 45 --step-prefill-tokens 2048 --json "$OUT/crowd_budget.json" \
       --markdown "$OUT/crowd_budget.md" > "$OUT/crowd_budget.log" 2>&1
-  tail -6 "$OUT/crowd_budget.log"; rm -rf "$CROWD"
+  tail -6 "$OUT/crowd_budget.log"
+  # issue 64 item 3: the rows above ran on the step budget in time (the GPU default,
+  # step_budget.GPU_STEP_PREFILL_MS); this one on the fixed 8192 rows it replaced, and one at
+  # twice the default - compare req/s, ITL p99 and the largest gap to choose the default
+  step "crowd: 8 clients, step budget 8192 rows (the old default) and 100 ms"
+  timeout 150 $LOAD --clients 8 --duration-s 45 --step-prefill-tokens 8192 --json "$OUT/crowd_rows8192.json" \
+      --markdown "$OUT/crowd_rows8192.md" > "$OUT/crowd_rows8192.log" 2>&1
+  tail -3 "$OUT/crowd_rows8192.log"
+  timeout 150 $LOAD --clients 8 --duration-s 45 --step-prefill-ms 100 --json "$OUT/crowd_ms100.json" \
+      --markdown "$OUT/crowd_ms100.md" > "$OUT/crowd_ms100.log" 2>&1
+  tail -3 "$OUT/crowd_ms100.log"; rm -rf "$CROWD"
 fi
 
 if has kernels; then

@@ -61,6 +61,8 @@ Quotas, per tenant. A tenant has at most `tenant_pending` builds waiting (defaul
 256): past it, its own new spans are dropped, so one tenant's flood leaves the others room in
 the queue. While two tenants or more hold learned texts, each keeps at most `tenant_bytes`
 of caches (default TENANT_SHARE of the byte budget; a lone tenant may use all of it).
+The builds waiting run tenant by tenant in turn (`BackgroundBuilds` lanes), first in first
+out within a tenant, so one tenant's flood of new spans never queues ahead of another's.
 Builds run at the scheduler's lowest priority (`build_chunks(background=True)`: one chunk in
 a step where no request waits or runs, once none has for IDLE_WORK_AFTER_S), so a flood of
 requests delays the builds, never another tenant's requests. Registered chunks
@@ -82,7 +84,7 @@ import logging
 import re
 import sqlite3
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -207,33 +209,54 @@ class _Job:
 class BackgroundBuilds:
     """One learner's background builds: a single thread, never a request's. Each job names the
     keys it builds (a key with a tag: the integrations' node id); a key submitted again while
-    it waits follows its latest job. Thread-safe."""
+    it waits follows its latest job. Jobs run lane by lane in turn (`submit`'s lane: the
+    server's tenant), first in first out within a lane, so one lane's flood of builds never
+    queues ahead of another lane's one. Thread-safe."""
 
     def __init__(self, thread_name: str) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._cv = threading.Condition()
         self._pending: dict[Hashable, tuple[Future, object, _Job]] = {}  # key -> its latest job
+        # lane -> its waiting jobs; the lane served next first (a lane served goes to the back)
+        self._lanes: OrderedDict[Hashable, deque[tuple[_Job, Future, Callable[..., object], tuple]]] = OrderedDict()
         self.closed = False
 
-    def submit(self, keys: Sequence[tuple[Hashable, object]], fn: Callable[..., object], *args) -> Future | None:
-        """Run `fn(*args)` in the background; `keys` ((key, tag)) are pending until it ends.
-        None when there is nothing to do or the builds are closed."""
+    def submit(
+        self, keys: Sequence[tuple[Hashable, object]], fn: Callable[..., object], *args, lane: Hashable = None
+    ) -> Future | None:
+        """Run `fn(*args)` in the background, in `lane`'s turn; `keys` ((key, tag)) are pending
+        until it ends. None when there is nothing to do or the builds are closed."""
         with self._cv:
             if self.closed or not keys:
                 return None
-            job = _Job()
-            future = self._start(self._run, job, fn, args)
+            job, future = _Job(), Future[object]()
+            self._lanes.setdefault(lane, deque()).append((job, future, fn, args))
             for key, tag in keys:
                 self._pending[key] = (future, tag, job)
+            self._start(self._run_next)
             return future
 
     def _start(self, fn: Callable[..., object], *args) -> Future:
-        """The one place work is handed to the background thread."""
+        """The one place work is handed to the background thread (one task per job: each runs
+        the job whose turn it is when it starts)."""
         return self._pool.submit(fn, *args)
 
-    def _run(self, job: _Job, fn: Callable[..., object], args: tuple) -> object:
+    def _run_next(self) -> None:
+        """The first job of the lane whose turn it is; that lane goes to the back."""
+        with self._cv:
+            if not self._lanes:
+                return
+            lane, jobs = next(iter(self._lanes.items()))
+            job, future, fn, args = jobs.popleft()
+            del self._lanes[lane]
+            if jobs:
+                self._lanes[lane] = jobs
         try:
-            return fn(*args)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the job's own error, for its submitter
+                    future.set_exception(e)
         finally:
             with self._cv:
                 for key in [k for k, (_, _, j) in self._pending.items() if j is job]:
@@ -277,6 +300,10 @@ class BackgroundBuilds:
             self.closed = True
         self._pool.shutdown(wait=True, cancel_futures=cancel)
         with self._cv:
+            for jobs in self._lanes.values():
+                for _, future, _, _ in jobs:
+                    future.cancel()
+            self._lanes.clear()
             self._pending.clear()
             self._cv.notify_all()
 
@@ -603,7 +630,7 @@ class ChunkLearner:
             if self._builds.closed:
                 return 0
             todo = self._sight(tag, candidates)
-            self._builds.submit([((tag, nid), None) for _, _, nid in todo], self._build, todo)
+            self._builds.submit([((tag, nid), None) for _, _, nid in todo], self._build, todo, lane=tag)
         return len(todo)
 
     def _spans_at(self, prompt: str, contexts: Sequence[Context]) -> list[tuple[int, str]]:

@@ -77,12 +77,15 @@ class Piece:
 
     source: the stored chunk text this chunk re-renders (truncated, other whitespace); where
     the chunk's own cache is missing, its token runs are served from the source's cache
-    (subspans.py)."""
+    (subspans.py).
+    salt: the tenant whose own cache of this piece it is (`ChunkLookup.find` keys it under
+    the salt, so no other tenant's request finds it, nor times it); None: the shared cache."""
 
     kind: str
     text: str
     node_id: str | None = None
     source: str | None = None
+    salt: str | None = None
 
 
 @dataclass

@@ -46,6 +46,9 @@ ROW_KEYS = {
     "ttft_ms_p99",
     "itl_ms_p50",
     "itl_ms_p95",
+    "itl_ms_p99",
+    "gap_ms_p99",
+    "gap_ms_max",
     "e2e_ms_p50",
     "e2e_ms_p95",
     "max_batch_seen",
@@ -115,7 +118,8 @@ def test_closed_loop_cli_writes_rows_table_and_plot(tmp_path, capsys):
         assert r["output_tokens"] == 16 * r["finished"]  # EOS ignored: every answer runs to its length
         assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"] <= r["ttft_ms_p99"] <= r["e2e_ms_p95"]
-        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p95"] and r["e2e_ms_p50"] <= r["e2e_ms_p95"]
+        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p95"] <= r["itl_ms_p99"] and r["e2e_ms_p50"] <= r["e2e_ms_p95"]
+        assert 0 < r["gap_ms_p99"] <= r["gap_ms_max"] < r["wall_s"] * 1e3  # the tail of the gaps between tokens
         assert r["ran_as"] == [r["method"]]
     assert all(r["max_batch_seen"] == 1 for r in rows if r["clients"] == 1)
     assert all(r["max_batch_seen"] > 1 for r in rows if r["clients"] == 4)

@@ -159,3 +159,20 @@ def test_the_guard_decides_keep_or_refuse(tiny):
     assert d == Refuse(0.5, d.selection) and d.selection is not None and rep.code == "low_margin"
     d, rep = decide("qcfuse", unsure, rung=True)  # the 0.5 rung's margin is still low: full prefill next
     assert d == Refuse(1.0) and rep.rungs[0][0] == 0.5
+
+
+def test_a_full_prefill_rung_sliced_over_a_streaming_store_reads_no_chunk_layer(tiny, tmp_path):
+    """A full-prefill rung recomputes every row: sliced (a small budget, as the step budget in
+    time gives on a slow machine), its first slice reads no cached layer - over a store that
+    streams layers its chunks are views whose anchor layers are not tensors - and the answer
+    is the `full` request's."""
+    store = open_store(kv_dir(tmp_path), use_cuda=False)
+    guard = GuardConfig(threshold=1.0, ladder=(1.0,))
+    eng = _engine(tiny, store=store, step_prefill_tokens=BUDGET, guard=guard)
+    steps = _count_rows(eng)
+    got = eng.answer(QUESTIONS[0], DOCS, method="qcfuse", ratio=0.15, max_new_tokens=6, ignore_eos=True)
+    assert got.guard.action == "full"
+    assert sum(1 for step in steps if any(rung == 1.0 for _, rung, _ in step)) > 1  # the rung ran in slices
+    want = _engine(tiny).answer(QUESTIONS[0], DOCS, method="full", max_new_tokens=6, ignore_eos=True)
+    assert got.token_ids == want.token_ids
+    assert torch.allclose(got.first_logits, want.first_logits, atol=1e-5)

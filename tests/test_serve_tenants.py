@@ -107,6 +107,24 @@ def test_n_l6_learned_chunks_are_named_and_counted_only_to_their_tenant(tiny, by
         )
 
 
+def test_n_l6_named_documents_and_the_prefix_are_cached_per_tenant(tiny):
+    """A document named in `qcfuse.documents` (not registered) and the system prompt before it
+    are cached under their tenant's salt: Alice's second request is served from her caches,
+    while Bob, sending the same, sees what a server that never saw Alice would show him -
+    no hit, no cached token (his own request builds them)."""
+    doc = para(7)
+    msgs = [{"role": "system", "content": "You keep the harbour ledgers. " * 3}, *context(doc)]
+    named = {"qcfuse": {"documents": [doc]}}
+    with serving(tiny, tenant_by="key", api_key=("ka", "kb")) as live:
+        first = chat(live, msgs, key="ka", **named)
+        again = chat(live, msgs, key="ka", **named)
+        assert again["qcfuse"]["cache_hits"] == 1 and first["qcfuse"]["cache_hits"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        other = chat(live, msgs, key="kb", **named)
+        assert seen_by_the_client(other) == seen_by_the_client(first)  # as if Alice had never sent it
+        assert chat(live, msgs, key="kb", **named)["qcfuse"]["cache_hits"] == 1  # now his own
+
+
 def test_tenants_and_their_fields(tiny):
     """--tenant-by salt goes by vLLM's cache_salt; another mode refuses a cache_salt (it would
     not separate anything); `user` must be a string."""
@@ -236,6 +254,37 @@ def test_n_l3_a_tenants_pending_builds_stop_at_its_quota(tiny):
     try:
         assert learner.wait(TIMEOUT_S)
         assert _served(learner, "bob", *bobs) == [learned_id(d) for d in bobs]
+        assert learner.stats().builds == 5
+    finally:
+        learner.close()
+        engine.close()
+
+
+def test_n_l3_builds_run_tenant_by_tenant_in_turn(tiny):
+    """Alice's three prompts queue three builds, then Bob's one: Bob's runs after at most one
+    of Alice's waiting builds (not after all of hers), Alice's in her order. Counted in the
+    order the builds reach the engine, the first one held until all are queued."""
+    engine = QCFuseEngine(tiny, store=MemoryStore())
+    learner = ChunkLearner(engine, LearnConfig(max_pending=16, tenant_pending=8))
+    gate, order, build = threading.Event(), [], engine.build_chunks
+
+    def building(texts, **kw):
+        order.append(texts[0])
+        gate.wait(TIMEOUT_S)
+        return build(texts, **kw)
+
+    engine.build_chunks = building
+    alices, bobs = [para(400 + i) for i in range(4)], [para(500)]
+    try:
+        for doc in alices:
+            assert _observe(learner, "alice", doc) == 1
+        assert _observe(learner, "bob", *bobs) == 1
+    finally:
+        gate.set()
+    try:
+        assert learner.wait(TIMEOUT_S)
+        assert order.index(bobs[0]) <= 2  # behind the build under way and at most one of Alice's
+        assert [d for d in order if d in alices] == alices
         assert learner.stats().builds == 5
     finally:
         learner.close()

@@ -41,6 +41,16 @@ TOKEN_CACHE = 8192  # chunk texts whose token ids and keys are kept (about 8 KB 
 PREFIX_CACHE = 8  # prefix caches kept on the compute device (prompt templates)
 
 
+def salted(key: ChunkKey | None, salt: str | None) -> ChunkKey | None:
+    """`key` in a tenant's own namespace (its fingerprint hashed with `salt`, as
+    `CacheConfig.chunk_sink` gets one of its own): the same tokens under another salt, or
+    none, are another cache. None or "": the shared key."""
+    if key is None or not salt:
+        return key
+    fingerprint = hashlib.sha256(f"{key.fingerprint}|salt={salt}".encode()).hexdigest()[:16]
+    return ChunkKey(fingerprint, key.token_hash)
+
+
 class ChunkLookup:
     """Token ids, keys, links, prefix caches and views of one engine's chunks, and a
     request's lookup (`engine.lookup`; the module docstring).
@@ -87,6 +97,7 @@ class ChunkLookup:
             cached = fused and p.kind in ("prefix", "chunk")
             if p.kind in ("prefix", "chunk"):
                 ids, key = self.chunk_tokens(p.text)
+                key = salted(key, p.salt)
             elif p.kind == "text" and len(p.text) <= GLUE_CHARS:  # glue between chunks repeats request to request
                 ids, key = self.chunk_tokens(p.text)[0], None
             else:

@@ -235,7 +235,9 @@ class QCFuseEngine:
         (max_new_tokens, temperature, stop, seed, ...), sync_stages (stage timings with the
         GPU synchronised), started (`time.perf_counter()` when the caller began work for
         the request: its clock, and so its TTFT, starts there instead of at submission),
-        guard (False: the quality guard does not escalate this request; engine/guard.py).
+        guard (False: the quality guard does not escalate this request; engine/guard.py),
+        tenant (whose request it is: the scheduler admits waiting requests tenant by tenant
+        in turn, first in first out within each; None, the default: the one shared tenant).
         A malformed prompt, an unknown method or option, a ratio outside [0, 1] raises before
         anything is queued; a full queue raises EngineBusy."""
         return _drain(self.stream(question, documents, **kw))
@@ -398,6 +400,7 @@ class QCFuseEngine:
         sync_stages: bool = False,
         started: float | None = None,
         guard: bool = True,
+        tenant: str | None = None,
         **gen_kw: Any,
     ) -> tuple[Scheduler, Job]:
         """The one submission path: the request of `prompt` (a Prompt, or its pieces) checked
@@ -421,9 +424,11 @@ class QCFuseEngine:
             gen = replace(gen, **gen_kw)
         if not isinstance(guard, bool):
             raise ValueError(f"guard must be True or False, got {guard!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         scheduler = self._scheduler
         return scheduler, scheduler.submit(
-            prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started, guard=guard
+            prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started, guard=guard, tenant=tenant
         )
 
 

@@ -13,6 +13,7 @@ what is wrong. Per-request values (method, ratio, generation) are arguments of a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,31 +52,46 @@ class FrameConfig:
 class SchedulerConfig:
     """The scheduler's bounds (engine/scheduler.py).
 
-    max_queue / max_running / step_prefill_tokens: at most `max_queue` requests wait to be
-    admitted - one more raises `EngineBusy` at submit instead of growing without bound; at
-    most `max_running` are prefilled or decoding at once; one scheduler step starts new
-    requests until their prompts reach `step_prefill_tokens` (at least one per step), so new
-    prompts do not stall the running requests' decode for long. It is also the chunked
-    prefill's budget: a prefill recomputing more rows is split by position into slices of at
-    most that many rows, one step's worth each, the running requests decoding between them
-    (engine/scheduler.py). The default, 8192, leaves the CPU machine's prompts whole (its
-    4-client load unchanged, docs/benchmarks.md); smaller bounds a running answer's stall
-    more tightly at the cost of more passes over the weights per prompt.
+    max_queue / max_running: at most `max_queue` requests wait to be admitted - one more
+    raises `EngineBusy` at submit instead of growing without bound; at most `max_running` are
+    prefilled or decoding at once.
+    step_prefill_ms / step_prefill_tokens: the step budget - the prefill one scheduler step
+    runs before the running answers get their next token, so a new prompt stalls them for a
+    step's budget, never for its whole prefill. A step admits new requests while rows are
+    left (at least one per step), and a prefill recomputing more rows than the budget is
+    split by position into slices of at most that many rows, one step's worth each, the
+    running requests decoding between them (engine/scheduler.py).
+    step_prefill_ms: the budget in time - the rows are sized from the measured prefill rate
+    so that a step's prefill takes about this long (engine/step_budget.py). None: the
+    device's default, 1000 ms on a CPU (measured: a 2.8K-token prompt beside a running answer
+    stalls it under half its prefill alone, and `bench load` keeps its throughput;
+    docs/benchmarks.md) and 50 ms on a GPU (provisional, benchmarks/gpu.sh `crowd`).
+    step_prefill_tokens: a fixed budget in rows instead; it overrides step_prefill_ms. In
+    deterministic mode (`EngineConfig.deterministic`) the budget is never timed (a prefill's
+    slices set its bits): step_prefill_tokens, else 8192 rows.
+    Smaller budgets bound a running answer's stall more tightly at the cost of more passes
+    over the weights per prompt.
     cuda_graphs: on a CUDA device the scheduler replays its decode steps from CUDA graphs
     (`model.graphs.GraphDecoder`); off, or where a step cannot be captured, it decodes eagerly.
     """
 
     max_queue: int = 256
     max_running: int = 32
-    step_prefill_tokens: int = 8192
+    step_prefill_tokens: int | None = None
+    step_prefill_ms: float | None = None
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_bools(self, "cuda_graphs")
         for name in ("max_queue", "max_running", "step_prefill_tokens"):
             v = getattr(self, name)
-            if not _positive_int(v):
+            if not _positive_int(v) and not (name == "step_prefill_tokens" and v is None):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        ms = self.step_prefill_ms
+        if ms is not None and (
+            isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0
+        ):
+            raise ValueError(f"step_prefill_ms must be a positive number of milliseconds or None, got {ms!r}")
 
 
 @dataclass(frozen=True)

@@ -298,10 +298,26 @@ class Steps:
         """Step 1 of `req`: `lookup` for its method, its prompt and max_new_tokens checked
         against the model's positions. Once it returns, the prompt's length is known and
         nothing is loaded or allocated yet: where the scheduler reserves its KV cache.
-        again: see `prepare`."""
+        again: see `prepare`. A request of a tenant has its own caches of its prefix and of
+        the chunks it brings that are not registered (`tenant_pieces`)."""
+        pieces = self.tenant_pieces(pieces, req.tenant)
         looked = self.lookup(pieces, req.method, streaming=False if again else None)
         check_context(self.engine.adapter.max_positions, looked.num_tokens, req.generation.max_new_tokens)
         return looked
+
+    def tenant_pieces(self, pieces: Sequence[Piece], tenant: str | None) -> Sequence[Piece]:
+        """`pieces` of a request of `tenant`: its prefix and every chunk text not registered in
+        the chunk-text index (registered ones, learned ones included, are shared: the learner
+        grants learned ones per tenant) salted with the tenant, so their caches are its own -
+        another tenant sending the same text neither hits them nor times them. No tenant
+        (None, ""): as they are."""
+        if not tenant:
+            return pieces
+        texts = self.engine.caches.texts
+        return [
+            replace(p, salt=tenant) if p.kind == "prefix" or (p.kind == "chunk" and p.text not in texts) else p
+            for p in pieces
+        ]
 
     def prepare(self, looked: LookedUp, req: Request, *, again: bool = False) -> Loading:
         """Steps 2-3 of `req` after its lookup (`request_lookup`), without its load session:

@@ -3,9 +3,9 @@
 A `Prefill` holds everything step 5 of one request needs and does: the fused prompt and its
 load session, the selected rows, the KV buffer it fills (the request's, `Request.cache`), and
 how far it has got. The scheduler asks `grant(left, first)` how many of its rows fit in what
-is left of a step's budget (`SchedulerConfig.step_prefill_tokens`), then runs
-`advance(rows)`; the call that runs its last rows returns the `Prefilled` to decide on (the
-quality guard, engine/guard.py) and decode from.
+is left of a step's budget (`SchedulerConfig.step_prefill_ms` at the measured rate, or
+`step_prefill_tokens`), then runs `advance(rows)`; the call that runs its last rows
+returns the `Prefilled` to decide on (the quality guard, engine/guard.py) and decode from.
 
     one slice      the rows recompute in one fused pass (`fusion.fused_prefill`), or HF's own
                    forward for a selector that does not fuse: a prompt whose rows fit the
@@ -16,7 +16,10 @@ quality guard, engine/guard.py) and decode from.
                    function of the rows and the budget alone, so in deterministic mode its
                    bits do not depend on what runs beside it); the first slice reads the load
                    session and lays every cached row into the KV buffer, each later one
-                   attends to the rows before it there
+                   attends to the rows before it there; a full prefill (a selector that does
+                   not fuse, a guard's full rung) runs its first slice as HF's own forward of
+                   those positions (faster than a fused pass over every row, and it reads no
+                   chunk cache), the later ones fused
 
 A chunk whose layers cannot be read (its load session's report) raises `Unreadable` from
 `advance`: the caller opens a new Prefill of the same request with that chunk rebuilt
@@ -201,11 +204,11 @@ class Prefill:
         cache, prompt = self._kv(), self.loading.prompt
         a, b = self.spans[self.done]
         fused = get_selector(self.method).fused
-        if not fused and not self.sliced:  # HF's own forward: exactly a `full` request's
-            logits, kv = self.engine.adapter.hf_forward(prompt.token_ids, keep=1)
+        if not fused and a == 0:  # HF's own forward: exactly a `full` request's, or its first slice
+            logits, kv = self.engine.adapter.hf_forward(prompt.token_ids[:b], keep=1)
             fill_from_hf(cache, kv)
             self.done = 1
-            return self._prefilled(logits, prompt.context_tokens, self.selection)
+            return self._prefilled(logits, prompt.context_tokens, self.selection) if self.finished else None
         sel = self.selection
         if self.sliced:
             part = self.rows[(self.rows >= a) & (self.rows < b)]

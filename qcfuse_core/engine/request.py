@@ -144,6 +144,7 @@ class Request:
     guard_report: GuardReport | None = None  # what the guard saw and did (engine/guard.py)
     guard_row_ms: float = 0.0  # its first fused pass's time per row (the guard's time ceiling)
     asked: tuple[str, float] = ("", 0.0)  # the method and ratio its caller asked for (set at construction)
+    tenant: str | None = None  # whose request: the scheduler admits tenants in turn (None: the one shared tenant)
 
     def __post_init__(self) -> None:
         self.asked = (self.method, self.ratio)

@@ -10,10 +10,11 @@ nearly free throughput; and with one thread on the device no two requests fight 
     submit -> Job -> waiting (<= max_queue)       1. drop aborted jobs: KV cache back to the
               EngineBusy when it is full             pool, load session closed
     stream <- the job's outbox: text deltas,      2. for each prefill the step's budget reaches:
-              then the FusionResult or the           schedule     rows of `step_prefill_tokens`,
+              then the FusionResult or the           schedule     the step budget's rows,
               error of that request alone                         prefills under way oldest
     close / cancel -> the job's abort flag                        first, then waiting jobs
-                                                                  admitted (steps 1-4: lookup,
+                                                                  admitted, tenants in turn
+                                                                  (steps 1-4: lookup,
                                                                   KV reserved, plan, prompt,
                                                                   load session, rows: its
                                                                   `Prefill`)
@@ -62,9 +63,18 @@ On a CUDA device the decode step is replayed from CUDA graphs (`model.graphs.Gra
 `SchedulerConfig.cuda_graphs`); with `deterministic` it runs one bucket of `deterministic_tile`
 rows, so a sequence's bits do not depend on its batch there either.
 
-The step budget: a step runs at most `step_prefill_tokens` rows of prefill, whoever they
-belong to - a request's own pass, the guard's rungs, a rerun - so a long prompt holds the
-running answers for a slice a step, never for its whole prefill. A prefill with more rows
+The step budget: a step runs at most its budget's rows of prefill, whoever they belong to -
+a request's own pass, the guard's rungs, a rerun - so a long prompt holds the running
+answers for a slice a step, never for its whole prefill. The budget is in time
+(`SchedulerConfig.step_prefill_ms`, a default per device): its rows are sized at each step
+from the prefills' measured cost (`PrefillRate`, engine/step_budget.py; before the first,
+the planner's rate), so a step's prefill takes about that long on any machine and load; an
+explicit `step_prefill_tokens` fixes the rows instead.
+
+Fair admission: waiting requests are admitted tenant by tenant in turn (`Request.tenant`,
+`_pick`: the tenant admitted least recently first), first in first out within a tenant, so
+one tenant's flood cannot queue ahead of another's single request. In-process callers name
+no tenant: one tenant, first in first out. A prefill with more rows
 is split into slices by position (engine/prefill.py); its slices depend on its rows and
 the budget only, so in deterministic mode its bits are the same alone or batched. The
 first prefill of a step runs its next slice whatever its size (a prefill whose rows are
@@ -91,6 +101,7 @@ from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
 from qcfuse_core.engine.prefill import Prefill, Unreadable
 from qcfuse_core.engine.request import Prefilled, Prompt, Request, StageClock, Status
+from qcfuse_core.engine.step_budget import FALLBACK_STEP_PREFILL_TOKENS, PrefillRate, default_step_ms, step_rows
 from qcfuse_core.engine.threads import configure_cpu_threads
 from qcfuse_core.model.runner import ModelRunner
 from qcfuse_core.types import FusionResult
@@ -142,6 +153,7 @@ class SchedulerStats:
     prefill_slices: int  # slices of chunked prefills run (prompts split over several steps)
     idle_tasks: int  # background work run in idle steps (`submit_idle`: chunk builds)
     idle_waiting: int  # background work waiting for an idle step, now
+    admitted: int  # requests admitted (given a Prefill; tenants in turn, `Scheduler._pick`)
 
 
 @dataclass(eq=False)
@@ -171,6 +183,8 @@ class Scheduler:
         self.engine = steps.engine
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()  # guarded by _cv
+        # tenant -> the number of its last admission, for tenants with requests waiting (`_pick`)
+        self._turns: dict[str | None, int] = {}  # guarded by _cv
         self._running: list[Job] = []  # the worker's own; admitted jobs, prefilling or decoding
         self._thread: threading.Thread | None = None
         self._stopping = False  # set by shutdown(); submit refuses from then on
@@ -186,12 +200,16 @@ class Scheduler:
                 "deferred",
                 "prefill_slices",
                 "idle_tasks",
+                "admitted",
             ),
             0,
         )
         self._idle: deque[tuple[Callable[[], object], Future]] = deque()  # guarded by _cv
         self.idle_after_s = IDLE_WORK_AFTER_S  # quiet time before background work (`submit_idle`)
         self._busy_at = float("-inf")  # time.monotonic() of the last step that ran requests
+        self.rate = PrefillRate()  # the prefills' measured ms per row: the step budget in time
+        self.clock: Callable[[], float] = time.perf_counter  # times the prefills for `rate`
+        self._rows = 0  # this step's budget in rows (`step_budget`), set at each step
         cfg = self.engine.config
         self.runner = ModelRunner(
             self.engine.adapter, cuda_graphs=cfg.scheduler.cuda_graphs, deterministic=cfg.deterministic
@@ -209,13 +227,15 @@ class Scheduler:
         sync_stages: bool = False,
         started: float | None = None,
         guard: bool = True,
+        tenant: str | None = None,
     ) -> Job:
         """Queue a request; its clock (and so its TTFT) starts now, or at `started`
-        (`time.perf_counter()`); guard=False: the quality guard leaves it as fused. Raises
+        (`time.perf_counter()`); guard=False: the quality guard leaves it as fused; tenant:
+        whose request it is (admitted in turn with other tenants', `_pick`). Raises
         EngineBusy when `max_queue` requests already wait."""
         engine = self.engine
         clock = StageClock(engine.adapter.device, sync_stages, started)
-        job = Job(Request(method, ratio, gen, clock, guard=guard), prompt, emit)
+        job = Job(Request(method, ratio, gen, clock, guard=guard, tenant=tenant), prompt, emit)
         with self._cv:
             if self._stopping:
                 raise RuntimeError(
@@ -347,6 +367,7 @@ class Scheduler:
         self._drop_aborted()
         if self._run_idle():
             return
+        self._rows = self.step_budget()
         for job, rows in self._schedule():
             pre = self._run(job, rows)
             if pre is not None:
@@ -383,14 +404,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self) -> Iterator[tuple[Job, int]]:
-        """The prefills this step runs and the rows each runs, from `step_prefill_tokens`:
-        those under way first, oldest first (a guard rung or a rerun takes its request's
+        """The prefills this step runs and the rows each runs, from the step's budget
+        (`step_budget`): those under way first, oldest first (a guard rung or a rerun takes its request's
         place), then waiting jobs admitted one at a time while rows are left (at most
         `max_running` running). A prefill whose next slice does not fit waits, and so does
         every one after it; the first prefill of a step runs its next slice whatever its
         size. Lazy: a job's first token leaves before the next job is admitted."""
         cfg = self.engine.config.scheduler
-        left, seen = cfg.step_prefill_tokens, set()
+        left, seen = self._rows, set()
         while True:
             job = next((j for j in self._running if j.prefill is not None and id(j.prefill) not in seen), None)
             if job is None and left > 0 and len(self._running) < cfg.max_running:
@@ -398,7 +419,7 @@ class Scheduler:
             if job is None or job.prefill is None:
                 return
             seen.add(id(job.prefill))
-            rows = job.prefill.grant(left, first=left == cfg.step_prefill_tokens)
+            rows = job.prefill.grant(left, first=left == self._rows)
             if rows == 0:
                 return
             left -= rows
@@ -410,14 +431,18 @@ class Scheduler:
             gone = [j for j in self._waiting if j.abort.is_set()]
             for j in gone:
                 self._waiting.remove(j)
+            if gone:  # a tenant none of whose requests waits any more comes back as a new one
+                waiting = {j.request.tenant for j in self._waiting}
+                self._turns = {t: n for t, n in self._turns.items() if t in waiting}
         gone += [j for j in self._running if j.abort.is_set()]
         for j in gone:
             self._release(j, Status.ABORTED)
 
     def _admit(self) -> Job | None:
-        """The oldest waiting job, admitted with its Prefill (`_open`); None when none waits,
-        or when the oldest must wait for its KV cache to fit (it stays at the queue's head).
-        A job that fails alone is released and the next one is tried."""
+        """The next waiting job (`_pick`: tenants in turn), admitted with its Prefill
+        (`_open`); None when none waits, or when it must wait for its KV cache to fit (it
+        stays first in its tenant's line, and its tenant keeps its turn). A job that fails
+        alone is released and the next one is tried."""
         while True:
             job = self._next_waiting()
             if job is None:
@@ -425,20 +450,44 @@ class Scheduler:
             self._open(job)
             if job.request.status is Status.WAITING:  # deferred: its KV cache does not fit yet
                 return None
+            with self._cv:  # its tenant's turn is taken
+                tenant = job.request.tenant
+                self._turns[tenant] = self._counts["admitted"]
+                self._counts["admitted"] += 1
+                if not any(j.request.tenant == tenant for j in self._waiting):
+                    del self._turns[tenant]  # none of its requests waits: it comes back as a new tenant
             if job.prefill is not None:
                 return job
 
     def _next_waiting(self) -> Job | None:
-        """The oldest waiting job not aborted (aborted ones leave the queue now), or None."""
+        """The next waiting job not aborted (`_pick`; aborted ones leave the queue now), or None."""
         while True:
             with self._cv:
                 if not self._waiting:
                     return None
-                job = self._waiting.popleft()
+                job = self._pick()
+                self._waiting.remove(job)
                 self._running.append(job)  # counted as running from here (under the lock)
             if not job.abort.is_set():
                 return job
             self._release(job, Status.ABORTED)
+
+    def _pick(self) -> Job:
+        """Fair admission (under the lock, some job waiting): the oldest waiting job of the
+        tenant admitted least recently - a tenant with none admitted since its requests began
+        waiting first, then the one whose last admission is oldest; ties go to the tenant
+        whose oldest job waited longest. So tenants take turns, first in first out within
+        each, and one tenant's flood cannot queue ahead of another's single request."""
+        best, best_turn, seen = self._waiting[0], None, set()
+        for job in self._waiting:  # oldest first: each tenant's first job is its oldest
+            tenant = job.request.tenant
+            if tenant in seen:
+                continue
+            seen.add(tenant)
+            turn = self._turns.get(tenant, -1)
+            if best_turn is None or turn < best_turn:
+                best, best_turn = job, turn
+        return best
 
     def _open(self, job: Job) -> None:
         """Steps 1-4 of `job`, its KV cache reserved once its prompt's length is known (after
@@ -464,7 +513,25 @@ class Scheduler:
 
     @property
     def _slice_rows(self) -> int:
-        return self.engine.config.scheduler.step_prefill_tokens
+        return self._rows or self.step_budget()
+
+    def step_budget(self) -> int:
+        """The rows of prefill one step runs now: `step_prefill_tokens` where set, else
+        `step_prefill_ms` (None: the device's default) at the measured prefill cost - the
+        scheduler's own, before its first prefill the planner's rate (engine/step_budget.py)."""
+        cfg, rates = self.engine.config.scheduler, self.steps.rates
+        ms = cfg.step_prefill_ms or default_step_ms(self.engine.adapter.device.type)
+        prior = rates.prefill_ms_per_token if rates is not None else None
+        return step_rows(self._fixed_rows(), ms, self.rate.cost(prior))
+
+    def _fixed_rows(self) -> int | None:
+        """The budget in rows where it is not timed: `step_prefill_tokens`; in deterministic
+        mode without it FALLBACK_STEP_PREFILL_TOKENS (a prefill's slices set its bits, and
+        must not depend on the clock)."""
+        cfg = self.engine.config
+        if cfg.scheduler.step_prefill_tokens is None and cfg.deterministic:
+            return FALLBACK_STEP_PREFILL_TOKENS
+        return cfg.scheduler.step_prefill_tokens
 
     def _defer(self, job: Job) -> None:
         """`job` waits again, at the head of the queue: the lookup done so far counts as
@@ -486,7 +553,9 @@ class Scheduler:
         prefill = job.prefill
         assert prefill is not None
         try:
+            t0 = self.clock()
             pre = prefill.advance(rows)
+            self._observe(prefill, rows, t0)
             if prefill.sliced:
                 with self._cv:
                     self._counts["prefill_slices"] += 1
@@ -499,6 +568,18 @@ class Scheduler:
         except Exception as e:
             self._release(job, Status.FAILED, e)
         return None
+
+    def _observe(self, prefill: Prefill, rows: int, t0: float) -> None:
+        """The prefill rate, from `rows` granted to `prefill` since `t0` (the rows it
+        recomputed: a prefill in one slice is charged its prompt's length but recomputes its
+        selected rows; its loads and probe count in its time, so the rate errs slow). Only
+        where the budget is in time (on CUDA the device is waited for, to time its work)."""
+        if self._fixed_rows() is not None:
+            return
+        if self.engine.adapter.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.adapter.device)
+        computed = rows if prefill.sliced else int(prefill.rows.numel())
+        self.rate.observe((self.clock() - t0) * 1e3, computed)
 
     def _run_decode(self, batch: list[Job]) -> list[torch.Tensor | None]:
         """One decode step of the decoding jobs on the model runner -> per job its logits row,

@@ -428,6 +428,7 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
     done = [t for t in traces if t.finished]
     ttft = [t.ttft_ms / 1e3 for t in done if t.ttft_ms is not None]
     itl = [t.itl_ms / 1e3 for t in done if t.itl_ms is not None]
+    gaps = [b - a for t in done for a, b in zip(t.deltas, t.deltas[1:])]  # between a request's deltas (s)
     e2e = [t.end - t.submit for t in done if t.end is not None]
     tokens = sum(t.tokens for t in done)
     errors = [t.error for t in traces if t.error is not None]
@@ -449,6 +450,10 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
         "ttft_ms_p99": _ms(percentile(ttft, 99)),
         "itl_ms_p50": _ms(percentile(itl, 50)),
         "itl_ms_p95": _ms(percentile(itl, 95)),
+        "itl_ms_p99": _ms(percentile(itl, 99)),
+        # the stall a user sees: gaps between one request's consecutive text deltas, client clock
+        "gap_ms_p99": _ms(percentile(gaps, 99)),
+        "gap_ms_max": _ms(max(gaps)) if gaps else None,
         "e2e_ms_p50": _ms(percentile(e2e, 50)),
         "e2e_ms_p95": _ms(percentile(e2e, 95)),
         "queue_ms_p50": round(statistics.median(queue), 3) if queue else None,
@@ -642,6 +647,8 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     sched_kw = {"max_running": args.max_running} if args.max_running else {}
     if args.step_prefill_tokens:
         sched_kw["step_prefill_tokens"] = args.step_prefill_tokens
+    if getattr(args, "step_prefill_ms", 0):
+        sched_kw["step_prefill_ms"] = args.step_prefill_ms
     cfg = EngineConfig(
         threads=args.threads or None,
         frame=FrameConfig(system_prompt=pool.system),
@@ -676,6 +683,8 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
         ignore_eos=True,
         duration_cap_s=args.duration_s,
         planner=rates is not None,
+        step_prefill_tokens=args.step_prefill_tokens or None,
+        step_prefill_ms=getattr(args, "step_prefill_ms", 0) or None,
         timed_call=TIMED_CALL,
         build_chunks_s=round(build_s, 3),
     )
@@ -726,7 +735,8 @@ def one_line(r: dict) -> str:
     return (
         f"{r['finished']}/{r['submitted']} finished{capped}, {r['errors']} errors, {r['requests_per_s']:.2f} req/s, "
         f"{r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {_f(r['ttft_ms_p50'])} ms, "
-        f"ITL p50 {_f(r['itl_ms_p50'])} ms, max batch {r['max_batch_seen']}, {r['wall_s']:.1f} s, "
+        f"ITL p50 {_f(r['itl_ms_p50'])} p99 {_f(r['itl_ms_p99'])} ms, largest gap {_f(r['gap_ms_max'])} ms, "
+        f"max batch {r['max_batch_seen']}, {r['wall_s']:.1f} s, "
         f"chunks gpu/host/disk/recomputed {tier_shares(r)}, MiB/request gpu/host/disk {tier_bytes(r)}"
     )
 
@@ -738,9 +748,9 @@ def markdown(rows: list[dict]) -> str:
     if loops:
         out += [
             "| mode | load | method | ratio | finished/submitted | errors | req/s | output tok/s "
-            "| TTFT p50 ms | TTFT p95 | TTFT p99 | ITL p50 ms | ITL p95 | E2E p50 ms | E2E p95 | max batch "
+            "| TTFT p50 ms | TTFT p95 | TTFT p99 | ITL p50 ms | ITL p95 | ITL p99 | largest gap ms | E2E p50 ms | E2E p95 | max batch "
             "| chunks from GPU / host / disk / recomputed | MiB per request from GPU / host / disk |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in loops:
         load = f"{r['clients']} client{'s' * (r['clients'] != 1)}" if r["mode"] == "closed" else f"{r['rate']:g} req/s"
@@ -752,7 +762,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['mode']} | {load} | {r['method']} | {ratio} | {done} | {r['errors']} "
             f"| {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(r['ttft_ms_p50'])} | {_f(r['ttft_ms_p95'])} | {_f(r['ttft_ms_p99'])} "
-            f"| {_f(r['itl_ms_p50'], 2)} | {_f(r['itl_ms_p95'], 2)} | {_f(r['e2e_ms_p50'])} | {_f(r['e2e_ms_p95'])} "
+            f"| {_f(r['itl_ms_p50'], 2)} | {_f(r['itl_ms_p95'], 2)} | {_f(r['itl_ms_p99'], 2)} | {_f(r['gap_ms_max'])} "
+            f"| {_f(r['e2e_ms_p50'])} | {_f(r['e2e_ms_p95'])} "
             f"| {r['max_batch_seen']} | {tier_shares(r)} | {tier_bytes(r)} |"
         )
     if bursts:

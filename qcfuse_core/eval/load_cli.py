@@ -108,7 +108,15 @@ def add_load_parser(bench_sub) -> None:
         "--step-prefill-tokens",
         type=int,
         default=0,
-        help="SchedulerConfig.step_prefill_tokens: prompt tokens one scheduler step admits (0: its default)",
+        help="SchedulerConfig.step_prefill_tokens: prefill rows one scheduler step runs, a fixed budget that "
+        "overrides --step-prefill-ms (0: the budget in time)",
+    )
+    p.add_argument(
+        "--step-prefill-ms",
+        type=float,
+        default=0.0,
+        help="SchedulerConfig.step_prefill_ms: one step's prefill time, its rows sized from the measured "
+        "prefill rate (0: the device's default)",
     )
     p.add_argument(
         "--rates", default=None, help="planner rates JSON (from `bench ttft`); None: every stored chunk is loaded"

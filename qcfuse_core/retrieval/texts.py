@@ -106,6 +106,14 @@ class ChunkTextIndex:
             self._by_anchor = None
         return gone
 
+    def __contains__(self, text: object) -> bool:
+        """Whether `text` is registered."""
+        if not isinstance(text, str):
+            return False
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM chunk_text WHERE sha = ?", (sha,)).fetchone() is not None
+
     def node_id(self, text: str) -> str | None:
         """The node id a registered text carries (None: none, or not registered)."""
         sha = hashlib.sha256(text.encode()).hexdigest()

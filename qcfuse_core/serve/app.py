@@ -40,6 +40,7 @@ at the scheduler's next step).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -144,6 +145,7 @@ class Generation:
     include_usage: bool = False
     stream: bool = False
     started: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None  # whose request, for the engine (`engine_tenant`): fair admission, salted caches
 
     @property
     def chunk_ids(self) -> list[str | None]:
@@ -288,6 +290,7 @@ def _generation_routes(
         _check_model(ids, body.model)
         tenant = tenant_of(request, body, cfg)
         g = await _chat(engine, body, cfg)
+        g.tenant = engine_tenant(tenant)
         if learner is not None and _by_content(body):  # the context blocks of its messages, by role
             _learned(learner, g, [(m["role"], m["content"]) for m in body.messages], tenant)
         return await _respond(engine, g, request, ids.public, metrics, cfg)
@@ -297,6 +300,7 @@ def _generation_routes(
         _check_model(ids, body.model)
         tenant = tenant_of(request, body, cfg)
         g = await _completion(engine, body, cfg)
+        g.tenant = engine_tenant(tenant)
         if learner is not None and _by_content(body):
             _learned(learner, g, [("user", g.prompt)], tenant)
         return await _respond(engine, g, request, ids.public, metrics, cfg)
@@ -365,6 +369,13 @@ def tenant_of(request: Request, body: ChatRequest | CompletionRequest, cfg: Serv
             raise ApiError(400, f"{field_name} must be a string", param=field_name)
         return f"{by}:{value}" if value else ""
     return ""
+
+
+def engine_tenant(tenant: str) -> str | None:
+    """The tenant as the engine gets it (`tenant=`: its requests admitted in turn with other
+    tenants', its prefix and unregistered documents cached under its own salt): a hash, so
+    no key travels further; None for the one shared tenant."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32] if tenant else None
 
 
 def _learned(learner: ChunkLearner, g: Generation, blocks: list[tuple[str, str]], tenant: str) -> None:
@@ -617,7 +628,14 @@ async def _respond(
 ):
     try:
         stream = engine.acomplete(
-            g.prompt, g.chunks, framed=g.framed, stream=True, method=g.method, ratio=g.ratio, generation=g.gen
+            g.prompt,
+            g.chunks,
+            framed=g.framed,
+            stream=True,
+            method=g.method,
+            ratio=g.ratio,
+            generation=g.gen,
+            tenant=g.tenant,
         )
     except EngineBusy as e:
         metrics.outcome(g.route, "busy")
