@@ -145,6 +145,7 @@ def test_the_measured_cost_and_the_rows():
     assert step_rows(None, 40.0, (50.0, 1.0)) == MIN_STEP_PREFILL_TOKENS  # a pass costs more than the budget
     assert step_rows(None, 500.0, None) == FALLBACK_STEP_PREFILL_TOKENS
     assert step_rows(17, 500.0, (0.0, 2.0)) == 17
+    assert step_rows(None, None, (0.0, 2.0)) == FALLBACK_STEP_PREFILL_TOKENS  # no time budget (the GPU's default)
     assert default_step_ms("cpu") == CPU_STEP_PREFILL_MS and default_step_ms("cuda") == GPU_STEP_PREFILL_MS
     superlinear = PrefillRate()  # a negative pass cost (attention's growth): through the origin
     superlinear.observe(10.0, 100)

@@ -65,7 +65,8 @@ class SchedulerConfig:
     so that a step's prefill takes about this long (engine/step_budget.py). None: the
     device's default, 1000 ms on a CPU (measured: a 2.8K-token prompt beside a running answer
     stalls it under half its prefill alone, and `bench load` keeps its throughput;
-    docs/benchmarks.md) and 50 ms on a GPU (provisional, benchmarks/gpu.sh `crowd`).
+    docs/benchmarks.md) and none on a GPU, which keeps 8192 rows until a time budget is measured there
+    (benchmarks/gpu.sh `crowd`).
     step_prefill_tokens: a fixed budget in rows instead; it overrides step_prefill_ms. In
     deterministic mode (`EngineConfig.deterministic`) the budget is never timed (a prefill's
     slices set its bits): step_prefill_tokens, else 8192 rows.

@@ -26,15 +26,16 @@ from __future__ import annotations
 # so that answer's largest gap stays under half the prompt's prefill alone, and `bench load`
 # at 4 clients keeps its throughput (docs/benchmarks.md, "A step budget in time").
 CPU_STEP_PREFILL_MS = 1000.0
-# GPU: provisional, to be measured on the H100 (benchmarks/gpu.sh, step `crowd`): about 1.5K
-# rows of an 8B model's prefill, a few decode steps' time.
-GPU_STEP_PREFILL_MS = 50.0
+# GPU: no time budget by default until one is measured on the card (benchmarks/gpu.sh, step
+# `crowd`, runs 50 and 100 ms beside it): a GPU keeps the fixed FALLBACK_STEP_PREFILL_TOKENS,
+# the budget the H100 figures of docs/benchmarks.md were measured with.
+GPU_STEP_PREFILL_MS: float | None = None
 FALLBACK_STEP_PREFILL_TOKENS = 8192  # no rate measured yet (neither the planner's nor the scheduler's)
 MIN_STEP_PREFILL_TOKENS = 64  # a slice never smaller: below it a pass over the weights costs more than its rows
 DECAY = 0.9  # weight of the earlier prefills in the measure at each new one (about the last ten count)
 
 
-def default_step_ms(device_type: str) -> float:
+def default_step_ms(device_type: str) -> float | None:
     """The step budget in ms where `SchedulerConfig.step_prefill_ms` is None."""
     return GPU_STEP_PREFILL_MS if device_type == "cuda" else CPU_STEP_PREFILL_MS
 
@@ -68,13 +69,13 @@ class PrefillRate:
         return 0.0, self._y / self._x
 
 
-def step_rows(fixed: int | None, ms: float, cost: tuple[float, float] | None) -> int:
+def step_rows(fixed: int | None, ms: float | None, cost: tuple[float, float] | None) -> int:
     """The rows one step may run: `fixed` where given, else as many as `ms` of prefill holds
-    at `cost` (ms per pass, ms per row; at least MIN_STEP_PREFILL_TOKENS; no cost known:
-    FALLBACK_STEP_PREFILL_TOKENS)."""
+    at `cost` (ms per pass, ms per row; at least MIN_STEP_PREFILL_TOKENS; no cost known, or
+    no time budget: FALLBACK_STEP_PREFILL_TOKENS)."""
     if fixed is not None:
         return fixed
-    if cost is None:
+    if cost is None or ms is None:
         return FALLBACK_STEP_PREFILL_TOKENS
     per_pass, per_row = cost
     return max(MIN_STEP_PREFILL_TOKENS, int((ms - per_pass) / per_row))
