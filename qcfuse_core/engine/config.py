@@ -63,15 +63,22 @@ class SchedulerConfig:
     more tightly at the cost of more passes over the weights per prompt.
     cuda_graphs: on a CUDA device the scheduler replays its decode steps from CUDA graphs
     (`model.graphs.GraphDecoder`); off, or where a step cannot be captured, it decodes eagerly.
+    decode_ahead: device-side sampling - plain greedy decode steps choose their tokens on the
+    device, feed them to the next step there and are read back one step late, so the host
+    does not wait between steps (engine/ahead.py; answers token for token the same). None:
+    on where the steps replay from CUDA graphs (elsewhere the host waits for each step anyway).
     """
 
     max_queue: int = 256
     max_running: int = 32
     step_prefill_tokens: int = 8192
     cuda_graphs: bool = True
+    decode_ahead: bool | None = None
 
     def __post_init__(self) -> None:
         _check_bools(self, "cuda_graphs")
+        if self.decode_ahead is not None and not isinstance(self.decode_ahead, bool):
+            raise ValueError(f"decode_ahead must be True, False or None, got {self.decode_ahead!r}")
         for name in ("max_queue", "max_running", "step_prefill_tokens"):
             v = getattr(self, name)
             if not _positive_int(v):
