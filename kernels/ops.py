@@ -883,6 +883,7 @@ def rope_append_ptrs(
         pos,
         q,
         KV_FP8=_fp8_tables(k_scale_ptrs, v_scale_ptrs),
+        ROUND_FP8=backend() == "interpret",
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=D,
@@ -925,5 +926,6 @@ def kv_append_ptrs(
         BLOCK_H=_next_pow2(Hkv),
         BLOCK_D=_next_pow2(D),
         KV_FP8=_fp8_tables(k_scale_ptrs, v_scale_ptrs),
+        ROUND_FP8=backend() == "interpret",
         num_warps=4,
     )

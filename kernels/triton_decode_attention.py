@@ -160,6 +160,18 @@ def decode_combine_kernel(
 
 
 @triton.jit
+def _fp8(x, ROUND: tl.constexpr):
+    """fp32 -> float8_e4m3fn, to nearest. ROUND (Triton's interpreter, whose cast drops a
+    rounding that carries into the exponent: 125.4 became 64): rounded here to an e4m3 value
+    first, which the cast then keeps."""
+    if ROUND:
+        e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.exp2((tl.maximum(e, -6) - 3).to(tl.float32))
+        x = tl.floor(x / step + 0.5) * step
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_rows(x, scales, sc_off, sc_ok):
     """(heads, D) fp32 rows -> each divided by its scale (amax / 448, 1 for an all-zero row;
     clamped to +-448), the scales stored at scales + sc_off: `reference.quantize_fp8_rows`."""
@@ -183,6 +195,7 @@ def kv_append_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # the interpreter: `_fp8`
 ):
     b = tl.program_id(0)
     pos = tl.load(POS + b).to(tl.int64)
@@ -204,8 +217,8 @@ def kv_append_kernel(
         sc_ok = hk < NUM_KV_HEADS
         kq = _quantize_rows(k.to(tl.float32), tl.load(KSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
         vq = _quantize_rows(v.to(tl.float32), tl.load(VSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
-        tl.store(kbase + off, kq.to(tl.float8e4nv), mask=ok)
-        tl.store(vbase + off, vq.to(tl.float8e4nv), mask=ok)
+        tl.store(kbase + off, _fp8(kq, ROUND_FP8), mask=ok)
+        tl.store(vbase + off, _fp8(vq, ROUND_FP8), mask=ok)
     else:
         tl.store(kbase + off, k, mask=ok)
         tl.store(vbase + off, v, mask=ok)
@@ -239,6 +252,7 @@ def rope_append_kernel(
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # the interpreter: `_fp8`
 ):
     """Grid (B,): RoPE of row b's queries and key (rope_kernel's arithmetic), the rotated key
     and the value written at the row's position of its caches (kv_append_kernel's; KV_FP8:
@@ -285,10 +299,10 @@ def rope_append_kernel(
         v1 = tl.load(v_src + off, mask=ok, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + off + HALF, mask=ok, other=0.0).to(tl.float32)
         v1, v2 = _quantize_halves(v1, v2, tl.load(VSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
-        tl.store(kbase + off, k1.to(tl.float8e4nv), mask=ok)
-        tl.store(kbase + off + HALF, k2.to(tl.float8e4nv), mask=ok)
-        tl.store(vbase + off, v1.to(tl.float8e4nv), mask=ok)
-        tl.store(vbase + off + HALF, v2.to(tl.float8e4nv), mask=ok)
+        tl.store(kbase + off, _fp8(k1, ROUND_FP8), mask=ok)
+        tl.store(kbase + off + HALF, _fp8(k2, ROUND_FP8), mask=ok)
+        tl.store(vbase + off, _fp8(v1, ROUND_FP8), mask=ok)
+        tl.store(vbase + off + HALF, _fp8(v2, ROUND_FP8), mask=ok)
     else:
         kbase = tl.load(KP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
         vbase = tl.load(VP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW

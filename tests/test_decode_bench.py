@@ -15,13 +15,32 @@ def test_decode_bench_writes_every_row(tmp_path, capsys):
     )
     assert rc == 0
     res = json.loads(out.read_text())
-    rows = [(r["streams"], r["deterministic"]) for r in res["rows"]]
-    assert rows == [(1, False), (3, False), (1, True), (3, True)]
+    rows = [(r["streams"], r["deterministic"], r["mode"]) for r in res["rows"]]
+    assert rows == [(n, det, mode) for det in (False, True) for mode in ("host", "ahead") for n in (1, 3)]
     for r in res["rows"]:
-        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and not r["graphs"]
+        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and not r["graphs"] and r["kv_dtype"] == "auto"
         assert r["ms_per_token"] == pytest.approx(r["ms_per_step"] / r["streams"], abs=1e-3)
+        assert r["roofline_fraction"] == pytest.approx(r["floor_ms"] / r["ms_per_step"], rel=1e-2, abs=1e-4)
     assert res["env"]["context"] == 16
-    assert "| 3 | yes |" in md.read_text()
+    assert "| 3 | auto | host | yes |" in md.read_text()
+
+
+def test_decode_bench_times_fp8_caches_against_their_roofline(tmp_path):
+    """--kv-dtype auto fp8: rows of both, the fp8 floor reading the codes and their scales
+    (less than the model dtype's), the roofline fraction beside each figure."""
+    out, md = tmp_path / "d.json", tmp_path / "d.md"
+    args = ["--shape", "tiny-llama", "--device", "cpu", "--dtype", "bf16", "--context", "4000", "--streams", "2",
+            "--steps", "1", "--warmup", "0", "--deterministic", "off", "--modes", "ahead", "--kv-dtype", "auto", "fp8",
+            "--json", str(out), "--markdown", str(md)]
+    assert decode.main(args) == 0
+    auto, fp8 = json.loads(out.read_text())["rows"]
+    assert (auto["kv_dtype"], fp8["kv_dtype"]) == ("auto", "fp8")
+    adapter = decode._model(decode.parse_args(args))
+    s = adapter.shape
+    kv_auto = 2 * s.num_layers * 4000 * s.num_kv_heads * s.head_dim * 2 * 2  # bf16, 2 sequences
+    kv_fp8 = kv_auto / 2 + 2 * s.num_layers * 4000 * s.num_kv_heads * 4 * 2  # codes + fp32 scales
+    assert (auto["floor_ms"] - fp8["floor_ms"]) * 1e-3 * 4.8e12 == pytest.approx(kv_auto - kv_fp8, rel=1e-3)
+    assert "| 2 | fp8 | ahead | no |" in md.read_text() and "%" in md.read_text()
 
 
 def test_kernel_names_map_to_what_they_do():

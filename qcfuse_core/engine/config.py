@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qcfuse_core.engine.guard import GuardConfig
+from qcfuse_core.model.fusion import check_kv_dtype
 from qcfuse_core.selection.options import OTHER_OPTIONS, QCFuseOptions
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided."
@@ -103,14 +104,21 @@ class CacheConfig:
     each time (what a benchmark of the disk tier wants).
     chunk_sink: cache every chunk after the tokenizer's BOS token (dropped from the cache),
     under its own key fingerprint; off by default (docs/design.md, "Why these defaults").
+    kv_dtype: the running requests' KV caches - "auto", the model's dtype (bf16 on a GPU), or
+    "fp8": float8_e4m3fn with one fp32 scale per token and KV head, about half the bytes, so
+    a decode step reads half the K and V and twice the requests fit (model/fusion.py
+    `KVCache`; its answers against bf16 KV: docs/benchmarks.md, "fp8 KV"). The fused
+    prefill writes the codes, the decode step reads them (`qcfuse serve --kv-dtype fp8`).
     """
 
     kv_cache_bytes: int | None = None
     kv_memory_share: float = 0.8
     promote_disk_reads: bool = True
     chunk_sink: bool = False
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_dtype(self.kv_dtype)
         if not isinstance(self.chunk_sink, bool):
             raise ValueError(f"chunk_sink must be True or False, got {self.chunk_sink!r}")
         _check_bools(self, "promote_disk_reads")

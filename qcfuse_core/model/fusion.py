@@ -173,6 +173,15 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[1]
 
+    @staticmethod
+    def bytes_for(adapter: ModelAdapter, tokens: int, kv_dtype: str = "auto") -> int:
+        """Bytes of a cache of `tokens` rows (`nbytes` of one made now): K and V in the model's
+        dtype, or fp8 codes plus their fp32 scales (one per token and KV head)."""
+        s = adapter.shape
+        if check_kv_dtype(kv_dtype) == "auto":
+            return s.kv_bytes(tokens, adapter.dtype)
+        return s.kv_bytes(tokens, torch.float8_e4m3fn) + 2 * s.num_layers * tokens * s.num_kv_heads * 4
+
     def clone(self) -> KVCache:
         """A copy of the cache (its own tensors, the same length)."""
         out = KVCache.__new__(KVCache)

@@ -235,15 +235,19 @@ class GraphDecoder:
     def max_rows(self) -> int:
         return self.buckets[-1]
 
+    def step(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of every sequence, as `model.batched.decode_batch`: token i appended
+        to caches[i] at its own position -> logits (B, vocab) fp32."""
+        return self.step_greedy(caches, tokens)[0]
+
     @torch.inference_mode()
-    def step(
+    def step_greedy(
         self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of every sequence, as `model.batched.decode_batch`: token i appended
-        to caches[i] at its own position -> (logits (B, vocab) fp32, greedy tokens (B,) int64),
-        on the device, nothing read back. feed: device-side sampling, row i's input is the
-        previous step's greedy token of its row feed[i] where feed[i] >= 0 (tokens[i] is then
-        ignored); the previous step's tokens stay in `last` until the next step."""
+        """`step` -> (logits (B, vocab) fp32, greedy tokens (B,) int64), on the device, nothing
+        read back. feed: device-side sampling, row i's input is the previous step's greedy
+        token of its row feed[i] where feed[i] >= 0 (tokens[i] is then ignored); a step's
+        tokens stay in `last` until the next step."""
         check_step(caches, tokens)
         if caches[0].fp8 != self.kv_fp8:
             raise ValueError(f"this decoder's graphs read {'fp8' if self.kv_fp8 else 'model-dtype'} caches")

@@ -116,7 +116,7 @@ class ModelRunner:
                     log.warning("decoding without CUDA graphs: %s", e)
         if self._graphs is not None:
             try:
-                return self._graphs.step(caches, tokens, feed)
+                return self._graphs.step_greedy(caches, tokens, feed)
             except CaptureError as e:  # nothing was written to the requests' caches
                 log.warning("decoding without CUDA graphs from now on: %s", e)
                 self._graphs = None
