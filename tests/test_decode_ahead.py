@@ -85,7 +85,12 @@ def _requests(stops: dict[int, str]):
         (
             f"Which document mentions word{i}x{i + 2}?",
             DOCS[i % 4 :] + DOCS[: i % 4],
-            dict(method="qcfuse" if i % 2 else "full", ratio=0.3, max_new_tokens=n, stop=(stops[i],) if i in stops else ()),
+            dict(
+                method="qcfuse" if i % 2 else "full",
+                ratio=0.3,
+                max_new_tokens=n,
+                stop=(stops[i],) if i in stops else (),
+            ),
         )
         for i, n in enumerate(lengths)
     ]
@@ -134,7 +139,9 @@ def test_deterministic_mode_answers_ahead_as_alone(tiny, monkeypatch):
 def test_sampling_requests_stay_on_the_host_path(tiny, monkeypatch):
     """A batch with a temperature request runs plainly (its row sampled on the host) and every
     answer is the one-at-a-time answer."""
-    reqs = [(q, d, {**kw, "temperature": 0.8 if i == 2 else 0.0, "seed": 5}) for i, (q, d, kw) in enumerate(_requests({}))]
+    reqs = [
+        (q, d, {**kw, "temperature": 0.8 if i == 2 else 0.0, "seed": 5}) for i, (q, d, kw) in enumerate(_requests({}))
+    ]
     want = _run(docs_engine(tiny, DOCS, decode_ahead=False), reqs, together=False)
     eng = docs_engine(tiny, DOCS, decode_ahead=True)
     assert _run(eng, reqs, together=True) == want

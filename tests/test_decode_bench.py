@@ -10,8 +10,27 @@ from qcfuse_core.eval import decode
 def test_decode_bench_writes_every_row(tmp_path, capsys):
     out, md = tmp_path / "d.json", tmp_path / "d.md"
     rc = decode.main(
-        ["--shape", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--context", "16", "--streams", "1", "3",
-         "--steps", "2", "--warmup", "1", "--json", str(out), "--markdown", str(md)]
+        [
+            "--shape",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--context",
+            "16",
+            "--streams",
+            "1",
+            "3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
     )
     assert rc == 0
     res = json.loads(out.read_text())
@@ -29,9 +48,33 @@ def test_decode_bench_times_fp8_caches_against_their_roofline(tmp_path):
     """--kv-dtype auto fp8: rows of both, the fp8 floor reading the codes and their scales
     (less than the model dtype's), the roofline fraction beside each figure."""
     out, md = tmp_path / "d.json", tmp_path / "d.md"
-    args = ["--shape", "tiny-llama", "--device", "cpu", "--dtype", "bf16", "--context", "4000", "--streams", "2",
-            "--steps", "1", "--warmup", "0", "--deterministic", "off", "--modes", "ahead", "--kv-dtype", "auto", "fp8",
-            "--json", str(out), "--markdown", str(md)]
+    args = [
+        "--shape",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--context",
+        "4000",
+        "--streams",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--deterministic",
+        "off",
+        "--modes",
+        "ahead",
+        "--kv-dtype",
+        "auto",
+        "fp8",
+        "--json",
+        str(out),
+        "--markdown",
+        str(md),
+    ]
     assert decode.main(args) == 0
     auto, fp8 = json.loads(out.read_text())["rows"]
     assert (auto["kv_dtype"], fp8["kv_dtype"]) == ("auto", "fp8")

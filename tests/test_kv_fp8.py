@@ -22,7 +22,7 @@ from qcfuse_core.model.graphs import GraphDecoder, cache_tables, decode_rows
 from qcfuse_core.model.runner import ModelRunner
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_kernels import reference as ref
-from tests.qc_fixtures import TOL, assert_close, docs_engine, needs_cuda, needs_interpreter, use_backend  # noqa: F401
+from tests.qc_fixtures import TOL, assert_close, docs_engine, needs_cuda, needs_interpreter, use_backend  # noqa: F401, F811
 
 pytestmark = pytest.mark.kernels
 
@@ -89,8 +89,16 @@ def _attention_case(dtype, heads, window, device):
     ks, kss, vs, vss = _fp8_caches(caps, Hkv, D, 10, device)
     want = ref.decode_attention_ref(q, ks, vs, lens, 0.3, window, kss, vss)
     got = K.decode_attention_ptrs(
-        q, _addr(ks), _addr(vs), lens, 0.3, num_kv_heads=Hkv, window=window, splits=4,
-        k_scale_ptrs=_addr(kss), v_scale_ptrs=_addr(vss),
+        q,
+        _addr(ks),
+        _addr(vs),
+        lens,
+        0.3,
+        num_kv_heads=Hkv,
+        window=window,
+        splits=4,
+        k_scale_ptrs=_addr(kss),
+        v_scale_ptrs=_addr(vss),
     )
     return got, want
 
@@ -119,8 +127,16 @@ def _writes_case(dtype, heads, device):
     ks, kss, vs, vss = _fp8_caches(caps, Hkv, D, 20, device)
     before = [t.clone() for t in ks + kss]
     q = K.rope_append_ptrs(
-        qkv, cos, sin, _addr(ks), _addr(vs), pos, num_heads=H, num_kv_heads=Hkv,
-        k_scale_ptrs=_addr(kss), v_scale_ptrs=_addr(vss),
+        qkv,
+        cos,
+        sin,
+        _addr(ks),
+        _addr(vs),
+        pos,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        k_scale_ptrs=_addr(kss),
+        v_scale_ptrs=_addr(vss),
     )
     # the reference: rotate in the model's dtype, then quantize the rows
     rk = [torch.zeros(c, Hkv, D, dtype=dtype, device=device) for c in caps]
@@ -182,8 +198,15 @@ def _rows_step(adapter, caches, tokens):
     dev = adapter.device
     t = cache_tables(caches).to(dev)
     L = adapter.num_layers
-    out = decode_rows(adapter, torch.tensor(tokens).to(dev), pos.to(dev), (pos + 1).to(dev), t[:L], t[L : 2 * L],
-                      scale_ptrs=(t[2 * L : 3 * L], t[3 * L :]))
+    out = decode_rows(
+        adapter,
+        torch.tensor(tokens).to(dev),
+        pos.to(dev),
+        (pos + 1).to(dev),
+        t[:L],
+        t[L : 2 * L],
+        scale_ptrs=(t[2 * L : 3 * L], t[3 * L :]),
+    )
     for c in caches:
         c.length += 1
     return out

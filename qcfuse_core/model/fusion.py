@@ -387,8 +387,8 @@ def fused_prefill(
         else:
             k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
             cached = (k_cached, v_cached)
-            into = kv_out is not None and not kv_out.fp8  # the kernel writes the cache in place
-            dst = (kv_out.k[layer, : st.T], kv_out.v[layer, : st.T]) if into else None
+            # the kernel writes a model-dtype cache in place; fp8 rows are quantized below
+            dst = None if kv_out is None or kv_out.fp8 else (kv_out.k[layer, : st.T], kv_out.v[layer, : st.T])
             cos_all, sin_all = st.ropes[layer]
             k_rot, v_all = K.rerotate_scatter(
                 k_cached,
@@ -401,7 +401,7 @@ def fused_prefill(
                 inv=st.inv,
                 out=dst,
             )
-            if kv_out is not None and not into:  # fp8: the rows quantized into the cache
+            if kv_out is not None and dst is None:  # fp8: the rows quantized into the cache
                 kv_out.write(layer, slice(0, st.T), k_rot, v_all)
             if st.captured is not None:
                 kp = k_cached.clone()

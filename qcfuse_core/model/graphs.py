@@ -148,7 +148,9 @@ def layer_addresses(tensors: Sequence[torch.Tensor], align: int = 16) -> torch.T
     base = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
     step = torch.tensor([t.stride(0) * t.element_size() for t in tensors], dtype=torch.int64)
     if bool((base % align).any()) or bool((step % align).any()):
-        raise ValueError(f"a layer of the KV cache is not a whole number of {align}-byte units (head_dim * Hkv too odd)")
+        raise ValueError(
+            f"a layer of the KV cache is not a whole number of {align}-byte units (head_dim * Hkv too odd)"
+        )
     layers = torch.arange(tensors[0].shape[0], dtype=torch.int64)[:, None]
     return base[None, :] + layers * step[None, :]
 
@@ -158,7 +160,8 @@ def cache_tables(caches: Sequence[KVCache]) -> torch.Tensor:
     values, and fp8 key and value scales (`decode_rows`' k_ptrs, v_ptrs, scale_ptrs)."""
     parts = [layer_addresses([c.k for c in caches]), layer_addresses([c.v for c in caches])]
     if caches[0].fp8:
-        parts += [layer_addresses([c.k_scale for c in caches], 4), layer_addresses([c.v_scale for c in caches], 4)]
+        for scales in ([c.k_scale for c in caches], [c.v_scale for c in caches]):
+            parts.append(layer_addresses([t for t in scales if t is not None], 4))
     return torch.cat(parts)
 
 

@@ -87,9 +87,7 @@ class ModelRunner:
         fp32; raises what the step raised."""
         return self._step(caches, tokens, None)[0]
 
-    def launch(
-        self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None = None
-    ) -> Launched:
+    def launch(self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None = None) -> Launched:
         """One decode step with device-side sampling (module docstring): row i's input is
         tokens[i], or where feed[i] >= 0 the greedy token of row feed[i] of the previous step,
         which must have been a `launch` of this runner. -> the step, its tokens' read-back
@@ -102,7 +100,7 @@ class ModelRunner:
 
     def _step(
         self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, greedy tokens where a launch needs them) of one step; `_last` cleared (a
         step that is not a launch feeds nobody)."""
         adapter, last = self.adapter, self._last
