@@ -170,8 +170,8 @@ if has crowd; then
   # first the GPU tests of issue 64's paths (fp8 KV kernels, graphs on fp8 caches, device-side
   # sampling against the host's argmax), PASS or FAIL; the decode step of 1/8/32 sequences at
   # 10K, model-dtype and fp8 KV, host read-back and device-side sampling, plain and
-  # deterministic, with the roofline fraction beside each figure and where a step of 1/8/32
-  # sequences goes; one request end to end (128 new tokens), whose runs also measure the
+  # deterministic, with the roofline fraction beside each figure, where a step of 1/8/32
+  # sequences goes and the 32-sequence step under other tiles of the attention's partial pass; one request end to end (128 new tokens), whose runs also measure the
   # planner's rates; 1/8/32 closed-loop clients on bf16 KV; 8/32 clients on fp8 KV (about 9
   # minutes on an H100)
   # the floor's bandwidth: the H100's 3.35 TB/s, else the H200's 4.8 (PEAK_TBPS overrides)
@@ -184,10 +184,11 @@ if has crowd; then
   if [ $RC -eq 0 ] && grep -q " passed" "$OUT/crowd_tests.log"; then echo "crowd GPU tests: PASS"
   else echo "crowd GPU tests: FAIL (rc=$RC; $OUT/crowd_tests.log)"; fi
   step "crowd: decode step, 1/8/32 sequences at 10,440 tokens, bf16 and fp8 KV, host and device-side sampling"
-  timeout 330 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
+  timeout 360 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
       --streams 1 8 32 --kv-dtype auto fp8 --modes host ahead --profile --profile-streams 1 8 32 \
+      --attention-tiles 32:4:2 64:4:2 64:4:3 64:8:3 128:8:2 \
       --peak-tbps "$PEAK" --json "$OUT/decode.json" --markdown "$OUT/decode.md" > "$OUT/decode.log" 2>&1
-  echo "rc=$?" >> "$OUT/decode.log"; grep -E "roofline|^rc=|Error" "$OUT/decode.log" | head -30
+  echo "rc=$?" >> "$OUT/decode.log"; grep -E "roofline|tile|^rc=|Error" "$OUT/decode.log" | head -40
   $PY - "$OUT/decode.json" <<'PYEOF' || echo "crowd decode check: FAIL (no decode.json rows)"
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]

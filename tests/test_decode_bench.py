@@ -99,3 +99,24 @@ def test_kernel_names_map_to_what_they_do():
 def test_decode_bench_refuses_bad_arguments():
     with pytest.raises(SystemExit):
         decode.parse_args(["--streams", "0"])
+
+
+def test_attention_tiles_parse_and_show_in_the_table():
+    a = decode.parse_args(["--attention-tiles", "64:4:3", "32:8:2"])
+    assert a.attention_tiles == [
+        {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    ]
+    for bad in ("64:4", "a:b:c", "0:4:2"):
+        with pytest.raises(SystemExit):
+            decode.parse_args(["--attention-tiles", bad])
+    res = {
+        "rows": [],
+        "attention_tiles": [
+            {"kv_dtype": "fp8", "streams": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "ms_per_step": 12.5,
+             "roofline_fraction": 0.81},
+            {"kv_dtype": "fp8", "streams": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4, "error": "out of resource"},
+        ],
+    }
+    md = decode.markdown(res)
+    assert "| 64, 4, 3 | fp8 | 32 | 12.50 | 81% |" in md and "| 128, 8, 4 | fp8 | 32 | failed | - |" in md

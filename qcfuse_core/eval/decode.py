@@ -87,6 +87,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-graphs", action="store_true", help="eager decode_batch even on CUDA")
     p.add_argument("--profile", action="store_true", help="CUDA: where a step's time goes")
     p.add_argument("--profile-streams", type=int, nargs="+", default=[1], help="with --profile: these step sizes")
+    p.add_argument(
+        "--attention-tiles",
+        nargs="*",
+        default=[],
+        metavar="BLOCK_N:WARPS:STAGES",
+        help="CUDA: also time the largest step (host mode) with these launches of the decode attention's partial "
+        "pass (`qcfuse_kernels.ops.DECODE_CONFIG`), for each KV dtype",
+    )
     p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200 4.8, H100 3.35)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
@@ -96,6 +104,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--context, --steps and --streams must be positive, --warmup >= 0")
     if a.profile and max(a.profile_streams) > max(a.streams):
         p.error("--profile-streams must not exceed the largest of --streams")
+    try:
+        a.attention_tiles = [
+            dict(zip(("BLOCK_N", "num_warps", "num_stages"), map(int, t.split(":")))) for t in a.attention_tiles
+        ]
+    except ValueError:
+        p.error("--attention-tiles takes BLOCK_N:WARPS:STAGES, e.g. 64:4:3")
+    if any(len(t) != 3 or min(t.values()) < 1 for t in a.attention_tiles):
+        p.error("--attention-tiles takes BLOCK_N:WARPS:STAGES, e.g. 64:4:3")
     return a
 
 
@@ -236,6 +252,8 @@ def _rows_of_one_dtype(args: argparse.Namespace, adapter, kv_dtype: str, out: di
                     f"floor {fl:.3f} ms  {100 * fl / ms:5.1f}% of roofline",
                     flush=True,
                 )
+    if args.attention_tiles and adapter.device.type == "cuda":
+        out.setdefault("attention_tiles", []).extend(_tiles(args, adapter, caches_all, kv_dtype))
     if args.profile and adapter.device.type == "cuda":
         runner = ModelRunner(adapter, cuda_graphs=not args.no_graphs)
         for n in args.profile_streams:
@@ -247,6 +265,43 @@ def _rows_of_one_dtype(args: argparse.Namespace, adapter, kv_dtype: str, out: di
     del caches_all
     if adapter.device.type == "cuda":
         torch.cuda.empty_cache()
+    return rows
+
+
+def _tiles(args: argparse.Namespace, adapter, caches, kv_dtype: str) -> list[dict]:
+    """The largest step (host mode) with each `--attention-tiles` launch of the attention's
+    partial pass, the default restored after."""
+    from qcfuse_core.model.runner import ModelRunner
+    from qcfuse_kernels import ops
+
+    default, rows, n = dict(ops.DECODE_CONFIG), [], max(args.streams)
+    try:
+        for tile in args.attention_tiles:
+            ops.DECODE_CONFIG.clear()
+            ops.DECODE_CONFIG.update(tile)
+            try:
+                ms = time_steps(ModelRunner(adapter), caches[:n], args.steps, args.warmup)
+            except Exception as e:  # a tile the card cannot run (shared memory): reported, not fatal
+                print(f"attention tile {tile}: failed: {str(e)[:200]}", flush=True)
+                rows.append({"kv_dtype": kv_dtype, "streams": n, **tile, "error": str(e)[:200]})
+                continue
+            fl = floor_ms(adapter, n, args.context, args.peak_tbps, kv_dtype)
+            rows.append(
+                {
+                    "kv_dtype": kv_dtype,
+                    "streams": n,
+                    **tile,
+                    "ms_per_step": round(ms, 3),
+                    "roofline_fraction": round(fl / ms, 4),
+                }
+            )
+            print(
+                f"attention tile {tile}: kv {kv_dtype}, {n} sequences {ms:.3f} ms/step, {100 * fl / ms:.1f}% of roofline",
+                flush=True,
+            )
+    finally:
+        ops.DECODE_CONFIG.clear()
+        ops.DECODE_CONFIG.update(default)
     return rows
 
 
@@ -284,6 +339,18 @@ def markdown(res: dict) -> str:
             f"| {r['streams']} | {r['kv_dtype']} | {r['mode']} | {det} | {r['ms_per_step']:.2f} | "
             f"{r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% | {r['ms_per_token']:.2f} |"
         )
+    if res.get("attention_tiles"):
+        lines += [
+            "",
+            "| attention's partial pass (BLOCK_N, warps, stages) | KV | sequences | ms per step | of roofline |",
+        ]
+        lines += ["|---|---|---:|---:|---:|"]
+        for t in res["attention_tiles"]:
+            tile = f"| {t['BLOCK_N']}, {t['num_warps']}, {t['num_stages']} | {t['kv_dtype']} | {t['streams']} "
+            if "error" in t:
+                lines.append(tile + "| failed | - |")
+            else:
+                lines.append(tile + f"| {t['ms_per_step']:.2f} | {100 * t['roofline_fraction']:.0f}% |")
     for name, prof in res.get("profiles", {}).items():
         kv, n = name.split()
         lines += ["", f"| a step of {n} sequences ({kv} KV), GPU time by kind | ms |", "|---|---:|"]
