@@ -358,10 +358,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    res = run(args)
-    md = markdown(res)
+def write_outputs(args: argparse.Namespace, res: dict, md: str) -> None:
+    """The table on stdout, the results to --json and the table to --markdown where given."""
     print(md)
     if args.json:
         with open(args.json, "w") as f:
@@ -369,6 +367,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    write_outputs(args, res, markdown(res))
     return 0
 
 

@@ -18,7 +18,6 @@ only where its agreement is at least 98% of that self-agreement.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -151,6 +150,7 @@ def markdown(rows: list[dict], max_new: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from qcfuse_core.eval.decode import write_outputs
     from qcfuse_core.model.adapter import load_model
 
     args = parse_args(argv)
@@ -158,8 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     adapter = load_model(args.model, dtype=args.dtype, device=args.device)
     records = answers(args, adapter)
     rows = summarize(records)
-    md = markdown(rows, args.max_new_tokens)
-    print(md)
     out = {
         "rows": rows,
         "records": records,
@@ -173,12 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": " ".join(sys.argv),
         },
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    write_outputs(args, out, markdown(rows, args.max_new_tokens))
     return 0
 
 
