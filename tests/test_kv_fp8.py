@@ -330,7 +330,8 @@ def test_fp8_graph_steps_match_the_reference_path_on_cuda(use_backend):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_device_sampling_in_graphs_gives_the_host_argmax_on_cuda(use_backend, kv_dtype):
     """ModelRunner.launch on CUDA graphs (argmax in the graph, fed on the device, read one step
-    late): the same logits bit for bit and the same tokens as decode + the host's argmax."""
+    late): the same tokens as decode + the host's argmax, the logits as close as two captures
+    of one step."""
     m = tiny_model("llama")
     m.model.to("cuda")
     with torch.inference_mode():
@@ -347,7 +348,7 @@ def test_device_sampling_in_graphs_gives_the_host_argmax_on_cuda(use_backend, kv
             nxt = ahead.launch(mine, [0, 0, 0], [0, 1, 2])
             assert launched.tokens() == want
             logits = host.decode(theirs, want)
-            assert torch.equal(nxt.logits, logits)
+            assert_close(nxt.logits, logits, 1e-5, 1e-5, "fed on the device vs from the host")  # two graphs
             want = host.argmax(list(logits))
             launched = nxt
         assert launched.tokens() == want
