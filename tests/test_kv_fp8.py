@@ -214,11 +214,13 @@ def _rows_step(adapter, caches, tokens):
 
 @needs_interpreter
 @pytest.mark.parametrize("use_backend", ["interpret"], indirect=True)
-def test_graph_step_body_on_fp8_caches_matches_the_reference_path(use_backend):
-    """Three sequences, three steps on fp8 caches: decode_rows' kernels (packed projections)
-    against decode_batch, which writes through `KVCache.write` and reads the dequantized rows:
-    logits within fp8's rounding, the same greedy tokens, the codes written within a step."""
-    m = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_graph_step_body_on_fp8_caches_matches_the_reference_path(use_backend, arch):
+    """Three sequences, three steps on fp8 caches: decode_rows' kernels (packed projections;
+    Gemma 3: the adapter's own steps, `kv_append_ptrs`, sliding windows) against decode_batch,
+    which writes through `KVCache.write` and reads the dequantized rows: logits within fp8's
+    rounding, the same greedy tokens, the codes written within a step."""
+    m = tiny_model(arch)
     with torch.inference_mode():
         mine = _fp8_copy(m, (5, 23, 14), room=4)
         theirs = [c.clone() for c in mine]
