@@ -393,3 +393,49 @@ def test_engine_answers_ahead_as_the_host_path_on_cuda(kv_dtype):
     assert eng.config.scheduler.decode_ahead is None
     assert run(eng) == want
     assert eng._sched is not None and eng._sched.runner.graphs
+
+
+class _Opened(Exception):
+    pass
+
+
+def test_serve_kv_dtype_reaches_the_engines_config(tmp_path, monkeypatch):
+    """`qcfuse serve --kv-dtype fp8` opens its engine with CacheConfig(kv_dtype="fp8"); a bad
+    value is refused when the command line is parsed."""
+    from qcfuse_core.cli.commands import main
+
+    seen = {}
+
+    def opened(*args, config=None, **kw):
+        seen["config"] = config
+        raise _Opened
+
+    monkeypatch.setattr("qcfuse_core.engine.api.open_engine", opened)
+    with pytest.raises(_Opened):
+        main(["serve", "--kv-dtype", "fp8", "--port", "0", "--store", str(tmp_path / "s")])
+    assert seen["config"].cache.kv_dtype == "fp8" and seen["config"].cache.promote_disk_reads
+    with pytest.raises(SystemExit):
+        main(["serve", "--kv-dtype", "fp4", "--store", str(tmp_path / "s")])
+
+
+@pytest.mark.parametrize("use_backend", ["torch"], indirect=True)
+def test_bench_load_runs_on_an_fp8_pool(use_backend, tmp_path, monkeypatch):
+    """`qcfuse bench load --kv-dtype fp8`: every request's buffer is fp8, every request
+    finishes its answer, and the rows say which KV dtype ran."""
+    import json
+
+    from qcfuse_core.cli.commands import main
+
+    made = []
+    real = KVCache.__init__
+    monkeypatch.setattr(KVCache, "__init__", lambda self, *a, **k: made.append(self) or real(self, *a, **k))
+    out = tmp_path / "load.json"
+    small = ["--shape", "tiny-llama", "--dtype", "fp32", "--pool-chunks", "6", "--chunk-tokens", "24",
+             "--chunks-per-request", "3", "--query-tokens", "4", "--prefix-tokens", "4"]
+    rc = main(["bench", "load", *small, "--max-new-tokens", "6", "--clients", "2", "--requests-per-client", "1",
+               "--methods", "qcfuse", "--kv-dtype", "fp8", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["kv_dtype"] == "fp8" and r["finished"] == 2 and r["errors"] == 0 for r in rows)
+    served = [c for c in made if c.capacity > 24]  # the requests' buffers (prompt + new tokens)
+    assert served and all(c.fp8 for c in served)
