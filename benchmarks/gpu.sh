@@ -172,8 +172,9 @@ if has crowd; then
   # 10K, model-dtype and fp8 KV, host read-back and device-side sampling, plain and
   # deterministic, with the roofline fraction beside each figure, where a step of 1/8/32
   # sequences goes and the 32-sequence step under other tiles of the attention's partial pass; one request end to end (128 new tokens), whose runs also measure the
-  # planner's rates; 1/8/32 closed-loop clients on bf16 KV; 8/32 clients on fp8 KV (about 9
-  # minutes on an H100)
+  # planner's rates; fp8 KV's answers against bf16 KV on the embedded model where it is
+  # installed; 1/8/32 closed-loop clients on bf16 KV; 8/32 clients on fp8 KV (about 10 minutes
+  # on an H100)
   # the floor's bandwidth: the H100's 3.35 TB/s, else the H200's 4.8 (PEAK_TBPS overrides)
   if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then PEAK=3.35; else PEAK=4.8; fi
   PEAK=${PEAK_TBPS:-$PEAK}
@@ -185,7 +186,7 @@ if has crowd; then
   else echo "crowd GPU tests: FAIL (rc=$RC; $OUT/crowd_tests.log)"; fi
   step "crowd: decode step, 1/8/32 sequences at 10,440 tokens, bf16 and fp8 KV, host and device-side sampling"
   timeout 360 $PY -m qcfuse_core.eval.decode --shape llama-3.1-8b --device cuda --dtype bf16 --context 10440 \
-      --streams 1 8 32 --kv-dtype auto fp8 --modes host ahead --profile --profile-streams 1 8 32 \
+      --streams 1 8 32 --steps 12 --warmup 2 --kv-dtype auto fp8 --modes host ahead --profile --profile-streams 1 8 32 \
       --attention-tiles 32:4:2 64:4:2 64:4:3 64:8:3 128:8:2 \
       --peak-tbps "$PEAK" --json "$OUT/decode.json" --markdown "$OUT/decode.md" > "$OUT/decode.log" 2>&1
   echo "rc=$?" >> "$OUT/decode.log"; grep -E "roofline|tile|^rc=|Error" "$OUT/decode.log" | head -40
@@ -201,6 +202,14 @@ for kv in ("auto", "fp8"):
 ok = all(r["graphs"] for r in rows) and len(rows) == 24
 print("crowd decode check:", "PASS" if ok else "FAIL", f"({len(rows)} rows, graphs {'on' if ok else 'off somewhere'})")
 PYEOF
+  step "crowd: fp8 KV's answers against bf16 KV, the embedded model (skipped where it or the dev sets are missing)"
+  DEV=${DEV_DATA:-../shared/data}
+  if [ -f "$DEV/hotpotqa/hotpotqa_train.json" ]; then
+    timeout 120 $PY -m qcfuse_core.eval.kv_agreement --device cuda --dtype bf16 --limit 8 \
+        --data "$DEV/hotpotqa/hotpotqa_train.json" "$DEV/musique/musique_train.json" \
+        --json "$OUT/kv_agreement.json" --markdown "$OUT/kv_agreement.md" > "$OUT/kv_agreement.log" 2>&1
+    echo "rc=$?" >> "$OUT/kv_agreement.log"; grep -E "^\||^rc=|Error" "$OUT/kv_agreement.log" | tail -8
+  else echo "kv agreement: SKIP (no dev sets at $DEV; set DEV_DATA)"; fi
   CROWD=$SCRATCH/crowd; RATES=$SCRATCH/crowd_rates.json; rm -rf "$CROWD"
   step "crowd: one request end to end, 10 x 1024, 128 new tokens (gpu and host tiers)"
   timeout 300 $BENCH --context-sizes 10x1024 --tier gpu host --methods full qcfuse --ratios 0.15 \
@@ -215,7 +224,7 @@ PYEOF
       --markdown "$OUT/crowd_load.md" --plot "$OUT/crowd_load.png" > "$OUT/crowd_load.log" 2>&1
   echo "rc=$?" >> "$OUT/crowd_load.log"; tail -10 "$OUT/crowd_load.log"; rm -rf "$CROWD"
   step "crowd: 8/32 clients, fp8 KV (--kv-dtype fp8)"
-  timeout 300 $LOAD --clients 8 32 --duration-s 40 --kv-dtype fp8 --json "$OUT/crowd_load_fp8.json" \
+  timeout 300 $LOAD --clients 8 32 --duration-s 30 --kv-dtype fp8 --json "$OUT/crowd_load_fp8.json" \
       --markdown "$OUT/crowd_load_fp8.md" > "$OUT/crowd_load_fp8.log" 2>&1
   echo "rc=$?" >> "$OUT/crowd_load_fp8.log"; tail -8 "$OUT/crowd_load_fp8.log"; rm -rf "$CROWD"
 fi
