@@ -120,3 +120,25 @@ def test_attention_tiles_parse_and_show_in_the_table():
     }
     md = decode.markdown(res)
     assert "| 64, 4, 3 | fp8 | 32 | 12.50 | 81% |" in md and "| 128, 8, 4 | fp8 | 32 | failed | - |" in md
+
+
+def test_a_tile_that_does_not_run_from_graphs_is_reported_not_timed():
+    """A tile whose graphs cannot be captured would time the eager step instead: its row says
+    so; one that runs from graphs gets its time and roofline fraction."""
+    from qcfuse_core.model.runner import ModelRunner
+
+    args = decode.parse_args(["--shape", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--context", "8",
+                              "--steps", "1", "--warmup", "0"])
+    adapter = decode._model(args)
+    caches = decode._caches(adapter, 2, 8, 0)
+    tile = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    row = decode._tile_row(args, adapter, caches, "auto", tile, ModelRunner(adapter))
+    assert row["error"].startswith("its graphs could not be captured") and "ms_per_step" not in row
+
+    class Graphed(ModelRunner):
+        graphs = True
+
+    row = decode._tile_row(args, adapter, caches, "auto", tile, Graphed(adapter))
+    assert row["ms_per_step"] > 0 and row["BLOCK_N"] == 64 and row["streams"] == 2 and "error" not in row
+    fl = decode.floor_ms(adapter, 2, 8, args.peak_tbps)
+    assert row["roofline_fraction"] == pytest.approx(round(fl / row["ms_per_step"], 4))

@@ -92,7 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         metavar="BLOCK_N:WARPS:STAGES",
-        help="CUDA: also time the largest step (host mode) with these launches of the decode attention's partial "
+        help="CUDA: also time the smallest and largest step (host mode) with these launches of the attention's partial "
         "pass (`qcfuse_kernels.ops.DECODE_CONFIG`), for each KV dtype",
     )
     p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200 4.8, H100 3.35)")
@@ -269,40 +269,46 @@ def _rows_of_one_dtype(args: argparse.Namespace, adapter, kv_dtype: str, out: di
 
 
 def _tiles(args: argparse.Namespace, adapter, caches, kv_dtype: str) -> list[dict]:
-    """The largest step (host mode) with each `--attention-tiles` launch of the attention's
-    partial pass, the default restored after."""
+    """The smallest and the largest step (host mode) with each `--attention-tiles` launch of
+    the attention's partial pass, the default restored after."""
     from qcfuse_core.model.runner import ModelRunner
     from qcfuse_kernels import ops
 
-    default, rows, n = dict(ops.DECODE_CONFIG), [], max(args.streams)
+    default, rows = dict(ops.DECODE_CONFIG), []
     try:
         for tile in args.attention_tiles:
             ops.DECODE_CONFIG.clear()
             ops.DECODE_CONFIG.update(tile)
-            try:
-                ms = time_steps(ModelRunner(adapter), caches[:n], args.steps, args.warmup)
-            except Exception as e:  # a tile the card cannot run (shared memory): reported, not fatal
-                print(f"attention tile {tile}: failed: {str(e)[:200]}", flush=True)
-                rows.append({"kv_dtype": kv_dtype, "streams": n, **tile, "error": str(e)[:200]})
-                continue
-            fl = floor_ms(adapter, n, args.context, args.peak_tbps, kv_dtype)
-            rows.append(
-                {
-                    "kv_dtype": kv_dtype,
-                    "streams": n,
-                    **tile,
-                    "ms_per_step": round(ms, 3),
-                    "roofline_fraction": round(fl / ms, 4),
-                }
-            )
-            print(
-                f"attention tile {tile}: kv {kv_dtype}, {n} sequences {ms:.3f} ms/step, {100 * fl / ms:.1f}% of roofline",
-                flush=True,
-            )
+            for n in sorted({min(args.streams), max(args.streams)}):
+                rows.append(_tile_row(args, adapter, caches[:n], kv_dtype, tile, ModelRunner(adapter)))
     finally:
         ops.DECODE_CONFIG.clear()
         ops.DECODE_CONFIG.update(default)
     return rows
+
+
+def _tile_row(args: argparse.Namespace, adapter, caches, kv_dtype: str, tile: dict, runner) -> dict:
+    """One tile's row: its step time and roofline fraction, or why it did not run from graphs
+    (a tile the card cannot run - shared memory - fails its capture; reported, not fatal)."""
+    n = len(caches)
+    row: dict = {"kv_dtype": kv_dtype, "streams": n, **tile}
+    try:
+        ms = time_steps(runner, caches, args.steps, args.warmup)
+    except Exception as e:
+        row["error"] = str(e)[:200]
+    else:
+        if not runner.graphs:
+            row["error"] = "its graphs could not be captured (the step ran eagerly)"
+    if "error" in row:
+        print(f"attention tile {tile}, {n} sequences: failed: {row['error']}", flush=True)
+        return row
+    fl = floor_ms(adapter, n, args.context, args.peak_tbps, kv_dtype)
+    row.update(ms_per_step=round(ms, 3), roofline_fraction=round(fl / ms, 4))
+    print(
+        f"attention tile {tile}: kv {kv_dtype}, {n} sequences {ms:.3f} ms/step, {100 * fl / ms:.1f}% of roofline",
+        flush=True,
+    )
+    return row
 
 
 def run(args: argparse.Namespace) -> dict:
