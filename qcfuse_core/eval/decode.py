@@ -318,6 +318,9 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"rows": []}
     for kv_dtype in args.kv_dtype:
         out["rows"] += _rows_of_one_dtype(args, adapter, kv_dtype, out)
+        if args.json:  # what is measured so far, should a later dtype not finish
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
     if "profiles" in out and "auto 1" in out["profiles"]:
         out["profile_1_stream_ms"] = out["profiles"]["auto 1"]
     out["env"] = {
