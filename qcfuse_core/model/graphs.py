@@ -227,8 +227,8 @@ class GraphDecoder:
         self._positions = 0  # the RoPE table size the graphs were captured with
         # padding rows write position 0 of this one-token cache and read its one key
         self._pad = KVCache(adapter, 1, "fp8" if kv_fp8 else "auto")
-        for t in (self._pad.k, self._pad.v):
-            t.zero_()
+        for t in (self._pad.k, self._pad.v):  # a cast copy: fp8 codes too
+            t.copy_(torch.zeros(t.shape, device=adapter.device))
         # the previous step's greedy tokens, row by row (device-side sampling feeds them; the
         # graphs read this tensor, so it is never replaced)
         self.last = torch.zeros(FEED_ROWS, dtype=torch.int64, device=adapter.device)
