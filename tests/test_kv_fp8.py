@@ -277,6 +277,13 @@ def test_an_fp8_engine_prefills_into_fp8_and_answers_near_the_bf16_one(use_backe
         b = plain.answer(q, DOCS, method=method, ratio=0.3, max_new_tokens=6)
         assert a.token_ids[0] == b.token_ids[0] and len(a.token_ids) == 6
     assert fp8.kv_budget.kv_dtype == "fp8" and any(c.fp8 for c in made)
+    # a prompt prefilled in slices: the later slices write their rows into the fp8 cache by
+    # index and read the codes back
+    sliced = docs_engine(tiny, DOCS, kv_dtype="fp8", step_prefill_tokens=24)
+    q = "Which document mentions word2x3?"
+    a = sliced.answer(q, DOCS, method="full", max_new_tokens=4)
+    assert a.token_ids[0] == fp8.answer(q, DOCS, method="full", max_new_tokens=4).token_ids[0]
+    assert sliced.stats().scheduler.prefill_slices > 1
     r = fp8.kv_budget.reserve(40)
     assert r is not None and r.nbytes == KVCache.bytes_for(tiny, 40, "fp8") and r.kv().fp8
     fp8.kv_budget.release(r)

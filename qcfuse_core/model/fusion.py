@@ -203,7 +203,7 @@ class KVCache:
         assert self.k_scale is not None and self.v_scale is not None
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, sc = K.quantize_fp8_rows(x)
-            codes[layer, at] = q
+            codes.view(torch.uint8)[layer, at] = q.view(torch.uint8)  # bytes: every indexing kernel has them
             scales[layer, at] = sc
 
     def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
