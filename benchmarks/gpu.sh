@@ -171,7 +171,8 @@ if has crowd; then
   # sampling against the host's argmax), PASS or FAIL; the decode step of 1/8/32 sequences at
   # 10K, model-dtype and fp8 KV, host read-back and device-side sampling, plain and
   # deterministic, with the roofline fraction beside each figure, where a step of 1/8/32
-  # sequences goes and the 32-sequence step under other tiles of the attention's partial pass; one request end to end (128 new tokens), whose runs also measure the
+  # sequences goes and the 1- and 32-sequence steps under other tiles of the attention's
+  # partial pass; one request end to end (128 new tokens), whose runs also measure the
   # planner's rates; fp8 KV's answers against bf16 KV on the embedded model where it is
   # installed; 1/8/32 closed-loop clients on bf16 KV; 8/32 clients on fp8 KV (about 10 minutes
   # on an H100)
@@ -197,8 +198,9 @@ for kv in ("auto", "fp8"):
     for mode in ("host", "ahead"):
         got = {r["streams"]: r for r in rows if r["kv_dtype"] == kv and r["mode"] == mode and not r["deterministic"]}
         line = " / ".join(f"{got[n]['ms_per_step']:.2f} ms {100 * got[n]['roofline_fraction']:.0f}%" for n in sorted(got))
-        print(f"decode {kv:4s} {mode:5s} 1/8/32: {line}  (target >= 85% of its roofline:",
-              "met)" if all(r["roofline_fraction"] >= 0.85 for r in got.values()) else "not met)")
+        met = len(got) == 3 and all(r["roofline_fraction"] >= 0.85 for r in got.values())
+        print(f"decode {kv:4s} {mode:5s} 1/8/32: {line or 'not measured'}  (target >= 85% of its roofline:",
+              "met)" if met else "not met)")
 ok = all(r["graphs"] for r in rows) and len(rows) == 24
 print("crowd decode check:", "PASS" if ok else "FAIL", f"({len(rows)} rows, graphs {'on' if ok else 'off somewhere'})")
 PYEOF
