@@ -164,3 +164,22 @@ def test_embedded_model_answers_ahead_as_the_host_path(smol, monkeypatch):
         ]
 
     _answers_agree(smol, docs, make, monkeypatch)
+
+
+def test_plan_feeds_only_the_jobs_of_the_step_ahead():
+    """plan_ahead: a job of the step ahead is fed its row, a new one gives its host token, one
+    whose pending token is its last sits out; with no job of the step ahead, no feed at all."""
+    from types import SimpleNamespace as NS
+
+    from qcfuse_core.engine.ahead import Ahead, plan_ahead
+
+    def job(n_ids, max_new, token):
+        return NS(decoding=NS(ids=[0] * n_ids, max_new=max_new, token=token))
+
+    a, b, c, new = job(2, 9, 11), job(8, 9, 12), job(3, 9, 13), job(1, 9, 14)
+    prev = Ahead([c, a, b], launched=None)  # type: ignore[arg-type]
+    go, tokens, feed = plan_ahead([a, b, c, new], prev)
+    assert go == [a, c, new] and feed == [1, 0, -1] and tokens[2] == 14  # b: 8 + 1 = its 9th token
+    go, tokens, feed = plan_ahead([new], prev)
+    assert go == [new] and tokens == [14] and feed is None
+    assert plan_ahead([a], None)[2] is None

@@ -53,7 +53,8 @@ def plan_ahead(batch: Sequence[Any], prev: Ahead | None) -> tuple[list[Any], lis
     """The jobs of the next step and their inputs -> (jobs, tokens, feed): a job of the step
     before is fed its row's token on the device (feed = the row, its host token a
     placeholder), any other gives its host token (feed -1). A job whose pending token is its
-    last (`max_new_tokens`) sits out; feed is None when no step is ahead."""
+    last (`max_new_tokens`) sits out; feed is None when no row is fed (no step ahead, or
+    none of its jobs in this one: a step ahead whose jobs all left)."""
     rows = {id(j): r for r, j in enumerate(prev.jobs)} if prev is not None else {}
     go, tokens, feed = [], [], []
     for job in batch:
@@ -64,4 +65,4 @@ def plan_ahead(batch: Sequence[Any], prev: Ahead | None) -> tuple[list[Any], lis
         go.append(job)
         tokens.append(0 if r >= 0 else dec.token)
         feed.append(r)
-    return go, tokens, (feed if prev is not None else None)
+    return go, tokens, (feed if any(f >= 0 for f in feed) else None)
