@@ -107,8 +107,9 @@ class CacheConfig:
     kv_dtype: the running requests' KV caches - "auto", the model's dtype (bf16 on a GPU), or
     "fp8": float8_e4m3fn with one fp32 scale per token and KV head, about half the bytes, so
     a decode step reads half the K and V and twice the requests fit (model/fusion.py
-    `KVCache`; its answers against bf16 KV: docs/benchmarks.md, "fp8 KV"). The fused
-    prefill writes the codes, the decode step reads them (`qcfuse serve --kv-dtype fp8`).
+    `KVCache`). The fused prefill writes the codes, the decode step reads them (`qcfuse serve
+    --kv-dtype fp8`). Its answers against bf16 KV, and why it is not the default:
+    docs/benchmarks.md, "Decode at the card's limit".
     """
 
     kv_cache_bytes: int | None = None

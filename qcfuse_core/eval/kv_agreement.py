@@ -11,8 +11,8 @@ head: the fused prefill writes the codes, every decode step reads them; on a CPU
 PyTorch reference path, which quantizes exactly as the GPU kernels do). Per dataset and
 method it reports first-token agreement and whole-answer agreement (every token the same)
 of fp8 against the first model-dtype run, and of the second model-dtype run against the
-first - the noise floor. The issue's rule (docs/design.md, "fp8 KV"): fp8 becomes a default
-only where its agreement is at least 98% of that self-agreement.
+first - the noise floor. The rule (docs/design.md, "fp8 KV in the running pool"): fp8
+becomes a default only where its agreement is at least 98% of that self-agreement.
 """
 
 from __future__ import annotations
