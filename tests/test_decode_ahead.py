@@ -110,7 +110,8 @@ def _answers_agree(adapter, docs, make_reqs, monkeypatch, **cfg):
     monkeypatch.setattr(pipeline, "eos_ids", lambda a: set(real_eos(a)) | eos)
     reqs = make_reqs(stops)
     want = _run(docs_engine(adapter, docs, decode_ahead=False, **cfg), reqs, together=False)
-    assert want[0][2] == "length" and (not stops or want[1][2] == "stop") and (not eos or want[3][2] == "stop")
+    finishes = [f for _, _, f in want]
+    assert (not stops or finishes[1] == "stop") and (not eos or finishes[3] == "stop")
     launches = []
     real_launch = ModelRunner.launch
     monkeypatch.setattr(ModelRunner, "launch", lambda self, *a: launches.append(len(a[0])) or real_launch(self, *a))
@@ -123,12 +124,15 @@ def _answers_agree(adapter, docs, make_reqs, monkeypatch, **cfg):
     # rows computed ahead and dropped: at most one per request that stopped before its length
     extra = sum(launches[alone:]) - sum(len(t) - 1 + (f == "stop") for t, _, f in want)
     assert 0 <= extra <= sum(f == "stop" for _, _, f in want)
+    return finishes
 
 
 def test_answers_ahead_equal_the_host_path(tiny, monkeypatch):
     """Five greedy requests of different lengths (one stopped by a stop string, one by an end-
-    of-sequence token), alone and batched: token for token the host-argmax answers."""
-    _answers_agree(tiny, DOCS, _requests, monkeypatch)
+    of-sequence token, the rest by their lengths), alone and batched: token for token the
+    host-argmax answers."""
+    finishes = _answers_agree(tiny, DOCS, _requests, monkeypatch)
+    assert finishes.count("stop") >= 2 and "length" in finishes  # the planted EOS may end others too
 
 
 def test_deterministic_mode_answers_ahead_as_alone(tiny, monkeypatch):
@@ -148,8 +152,8 @@ def test_sampling_requests_stay_on_the_host_path(tiny, monkeypatch):
 
 
 def test_embedded_model_answers_ahead_as_the_host_path(smol, monkeypatch):
-    """The embedded SmolLM2-135M: greedy answers of different lengths, alone and batched,
-    token for token the host path's."""
+    """The embedded SmolLM2-135M: greedy answers of different lengths (its own end of sequence
+    ends most), alone and batched, token for token the host path's."""
     docs = [
         "The harbour of Velmora opens at dawn; its lighthouse keeper is Ana Ruiz.",
         "Velmora exports salt herring and tar; its bells ring at noon.",
