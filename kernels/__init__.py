@@ -13,11 +13,13 @@ Public operations, each with a plain PyTorch reference in `reference.py`:
     kv_append(ks, vs, pos, k, v)                               -> each row's new key/value written
     add_rms_norm(x, d, weight, eps)                            -> (x + d, its RMSNorm), one pass
     silu_mul_packed(gu)                                        -> silu(gate) * up of one (rows, 2I) product
+    quantize_fp8_rows(x) / dequantize_fp8_rows(q, scale)       -> e4m3 codes, one scale per row of D (fp8 KV)
 
 `decode_attention_ptrs` / `kv_append_ptrs` / `rope_append_ptrs` (RoPE of a decode step's
 packed q, k, v and the cache write, one pass) take the caches by address
 (`cache_addresses`): the form a CUDA graph captures; `decode_splits` picks the attention's
-key ranges for a batch size.
+key ranges for a batch size. With scale tables (`k_scale_ptrs`, `v_scale_ptrs`) they read
+and write fp8 caches (float8_e4m3fn rows, one fp32 scale per token and KV head).
 
 `ops.py` holds the launchers: they validate inputs and pick the Triton kernel or the
 reference once per process (see `ops.backend()`), with an override for tests. The jitted
@@ -46,7 +48,7 @@ from qcfuse_kernels.ops import (
     silu_mul_packed,
     sparse_attention,
 )
-from qcfuse_kernels.reference import rotate_half
+from qcfuse_kernels.reference import dequantize_fp8_rows, quantize_fp8_rows, rotate_half
 
 __all__ = [
     "add_rms_norm",
@@ -57,9 +59,11 @@ __all__ = [
     "decode_attention",
     "decode_attention_ptrs",
     "decode_splits",
+    "dequantize_fp8_rows",
     "inverse_rows",
     "kv_append",
     "kv_append_ptrs",
+    "quantize_fp8_rows",
     "rerotate_scatter",
     "rms_norm",
     "rope_append_ptrs",

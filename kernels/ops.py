@@ -757,12 +757,16 @@ def decode_attention_ptrs(
     num_kv_heads: int,
     window: int | None = None,
     splits: int = DECODE_SPLITS,
+    k_scale_ptrs: torch.Tensor | None = None,
+    v_scale_ptrs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` with the caches given by address (`cache_addresses`, on q's device):
     nothing is read back to the host and every buffer is allocated here, so a CUDA graph can
     capture the call. Preconditions (not checked): each address is a live, 16-byte aligned
-    (capacity, Hkv, D) contiguous tensor of q's dtype with lens[b] <= capacity. Kernel
-    backends only."""
+    (capacity, Hkv, D) contiguous tensor of q's dtype with lens[b] <= capacity. fp8 caches:
+    k_scale_ptrs / v_scale_ptrs (B,) the addresses of each sequence's (capacity, Hkv) fp32
+    scales, the caches then float8_e4m3fn (`reference.quantize_fp8_rows`). Kernel backends
+    only."""
     if not _use_kernels(q.device):
         raise RuntimeError(f"decode_attention_ptrs needs a kernel backend for {q.device} tensors (backend {backend()})")
     from qcfuse_kernels.triton_decode_attention import decode_combine_kernel, decode_partial_kernel
@@ -779,11 +783,14 @@ def decode_attention_ptrs(
     m = torch.empty((programs, splits, block_g), device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     acc = torch.empty((programs, splits, block_g, block_d), device=q.device, dtype=torch.float32)
+    fp8 = _fp8_tables(k_scale_ptrs, v_scale_ptrs)
     decode_partial_kernel[(programs, splits)](
         q,
         k_ptrs,
         v_ptrs,
         lens,
+        k_ptrs if k_scale_ptrs is None else k_scale_ptrs,
+        v_ptrs if v_scale_ptrs is None else v_scale_ptrs,
         m,
         lsum,
         acc,
@@ -796,7 +803,8 @@ def decode_attention_ptrs(
         BLOCK_D=block_d,
         SPLITS=splits,
         PRECISION=_dot_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16,
+        UPCAST=interpret and (q.dtype == torch.bfloat16 or fp8),
+        KV_FP8=fp8,
         **({"BLOCK_N": 16} if interpret else DECODE_CONFIG),
     )
     out = torch.empty_like(q)
@@ -804,6 +812,13 @@ def decode_attention_ptrs(
         m, lsum, acc, out, GROUP=group, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, num_warps=4
     )
     return out
+
+
+def _fp8_tables(k_scale_ptrs: torch.Tensor | None, v_scale_ptrs: torch.Tensor | None) -> bool:
+    """Whether a `*_ptrs` launch reads / writes fp8 caches: both scale tables given, or none."""
+    if (k_scale_ptrs is None) != (v_scale_ptrs is None):
+        raise ValueError("fp8 caches need both k_scale_ptrs and v_scale_ptrs (or neither)")
+    return k_scale_ptrs is not None
 
 
 def kv_append(ks, vs, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -837,12 +852,15 @@ def rope_append_ptrs(
     *,
     num_heads: int,
     num_kv_heads: int,
+    k_scale_ptrs: torch.Tensor | None = None,
+    v_scale_ptrs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step's RoPE and cache write in one pass: qkv (B, (H + 2 Hkv) D) each row's
     query, key and value projections (pre-RoPE), cos/sin (B, D) its position's -> the rotated
     queries (B, H, D); row b's rotated key and its value written at pos[b] of the caches at
     k_ptrs[b] / v_ptrs[b] (`apply_rope` then `kv_append_ptrs`, the same arithmetic; the
-    preconditions of `kv_append_ptrs`). Kernel backends only (graph-capturable)."""
+    preconditions of `kv_append_ptrs`; fp8 caches with scale tables as there). Kernel
+    backends only (graph-capturable)."""
     if not _use_kernels(qkv.device):
         raise RuntimeError(f"rope_append_ptrs needs a kernel backend for {qkv.device} tensors (backend {backend()})")
     from qcfuse_kernels.triton_decode_attention import rope_append_kernel
@@ -860,8 +878,12 @@ def rope_append_ptrs(
         _rows_of(sin),
         k_ptrs,
         v_ptrs,
+        k_ptrs if k_scale_ptrs is None else k_scale_ptrs,
+        v_ptrs if v_scale_ptrs is None else v_scale_ptrs,
         pos,
         q,
+        KV_FP8=_fp8_tables(k_scale_ptrs, v_scale_ptrs),
+        ROUND_FP8=backend() == "interpret",
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=D,
@@ -875,14 +897,35 @@ def rope_append_ptrs(
 
 
 def kv_append_ptrs(
-    k_ptrs: torch.Tensor, v_ptrs: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_ptrs: torch.Tensor,
+    v_ptrs: torch.Tensor,
+    pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale_ptrs: torch.Tensor | None = None,
+    v_scale_ptrs: torch.Tensor | None = None,
 ) -> None:
     """`kv_append` with the caches given by address (graph-capturable; the preconditions of
-    `decode_attention_ptrs`, and 0 <= pos[b] < capacity). Kernel backends only."""
+    `decode_attention_ptrs`, and 0 <= pos[b] < capacity; fp8 caches with scale tables as
+    there). Kernel backends only."""
     if not _use_kernels(k.device):
         raise RuntimeError(f"kv_append_ptrs needs a kernel backend for {k.device} tensors (backend {backend()})")
     from qcfuse_kernels.triton_decode_attention import kv_append_kernel
 
     B, Hkv, D = k.shape
-    row = Hkv * D
-    kv_append_kernel[(B,)](k_ptrs, v_ptrs, pos, _rows_of(k), _rows_of(v), ROW=row, BLOCK=_next_pow2(row), num_warps=4)
+    kv_append_kernel[(B,)](
+        k_ptrs,
+        v_ptrs,
+        k_ptrs if k_scale_ptrs is None else k_scale_ptrs,
+        v_ptrs if v_scale_ptrs is None else v_scale_ptrs,
+        pos,
+        _rows_of(k),
+        _rows_of(v),
+        NUM_KV_HEADS=Hkv,
+        HEAD_DIM=D,
+        BLOCK_H=_next_pow2(Hkv),
+        BLOCK_D=_next_pow2(D),
+        KV_FP8=_fp8_tables(k_scale_ptrs, v_scale_ptrs),
+        ROUND_FP8=backend() == "interpret",
+        num_warps=4,
+    )

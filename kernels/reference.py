@@ -148,6 +148,26 @@ def rerotate_scatter_ref(
     return apply_rope(k_all, cos, sin), v_out
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (q (..., D) float8_e4m3fn, scale (...) fp32): one scale per row of D
+    (a token's key or value of one KV head), amax / 448, 1.0 where the row is all zero; the
+    row decodes as q * scale (`dequantize_fp8_rows`), each element within |x| / 16 plus
+    scale / 1024 (e4m3: 3 mantissa bits, subnormal step 2^-9)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q (..., D) float8_e4m3fn, scale (...) -> (..., D) in `dtype`."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     ks: Sequence[torch.Tensor],
@@ -155,16 +175,21 @@ def decode_attention_ref(
     lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    k_scales: Sequence[torch.Tensor] | None = None,
+    v_scales: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode step's attention, each sequence over its own cache.
 
     q (B, H, D); ks[b], vs[b] (capacity_b, Hkv, D); lens (B,): sequence b sees keys
     [lo, lens[b]) of its cache, lo = max(0, lens[b] - window) on a sliding layer, else 0
-    -> (B, H, D) in q's dtype; fp32 softmax and accumulation."""
+    -> (B, H, D) in q's dtype; fp32 softmax and accumulation. fp8 caches: k_scales[b],
+    v_scales[b] (capacity_b, Hkv) the rows' scales (`quantize_fp8_rows`)."""
     out = torch.empty_like(q)
     for b, n in enumerate(lens.tolist()):
         lo = 0 if window is None else max(0, n - window)
         k, v = ks[b][lo:n].float(), vs[b][lo:n].float()  # (n, Hkv, D)
+        if k_scales is not None and v_scales is not None:
+            k, v = k * k_scales[b][lo:n, :, None].float(), v * v_scales[b][lo:n, :, None].float()
         Hkv, H = k.shape[1], q.shape[1]
         qg = q[b].float().reshape(Hkv, H // Hkv, -1)  # query heads grouped by KV head
         probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # (Hkv, G, n)

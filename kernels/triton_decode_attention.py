@@ -11,6 +11,13 @@ whose addresses are written into the same table.
 `rope_append_kernel` is the step before: one row's projections in, its rotated queries out,
 its rotated key and its value written into its caches.
 
+fp8 caches (KV_FP8, `CacheConfig.kv_dtype="fp8"`): K and V rows are float8_e4m3fn, one fp32
+scale per (token, KV head) beside them (KSP[b] / VSP[b] point at sequence b's (capacity, Hkv)
+scales of one layer): a row of D values is amax / 448 times its e4m3 codes
+(`reference.quantize_fp8_rows`). The writers quantize; the attention reads the codes, widens
+them to the queries' dtype (exact) and applies each key's scale to its score and each value's
+scale to its probability - the bytes read per key are half of bf16's plus 8 bytes of scales.
+
 Split-KV, two passes, no atomics (the same bits every run, and a row's bits do not depend on
 the other rows of the batch):
 
@@ -38,6 +45,8 @@ def decode_partial_kernel(
     KP,  # (B,) int64: address of sequence b's keys of this layer, (capacity, Hkv, D) contiguous
     VP,  # (B,) int64: the same for values
     LENS,  # (B,) int: visible keys of sequence b (>= 1)
+    KSP,  # KV_FP8: (B,) int64 address of sequence b's key scales of this layer, (capacity, Hkv) fp32
+    VSP,  # KV_FP8: the same for values
     M_OUT,  # (B * Hkv, SPLITS, BLOCK_G) fp32
     L_OUT,  # (B * Hkv, SPLITS, BLOCK_G) fp32
     ACC_OUT,  # (B * Hkv, SPLITS, BLOCK_G, BLOCK_D) fp32
@@ -52,6 +61,7 @@ def decode_partial_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,  # the caches hold float8_e4m3fn rows with one fp32 scale each
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,8 +87,14 @@ def decode_partial_kernel(
         q = q.to(tl.float32)
 
     # the launcher guarantees 16-byte aligned addresses: the hint lets loads be vectorised
-    kbase = tl.multiple_of(tl.load(KP + b), 16).to(tl.pointer_type(Q.dtype.element_ty))
-    vbase = tl.multiple_of(tl.load(VP + b), 16).to(tl.pointer_type(Q.dtype.element_ty))
+    if KV_FP8:
+        kbase = tl.multiple_of(tl.load(KP + b), 16).to(tl.pointer_type(tl.float8e4nv))
+        vbase = tl.multiple_of(tl.load(VP + b), 16).to(tl.pointer_type(tl.float8e4nv))
+        ksbase = tl.load(KSP + b).to(tl.pointer_type(tl.float32))
+        vsbase = tl.load(VSP + b).to(tl.pointer_type(tl.float32))
+    else:
+        kbase = tl.multiple_of(tl.load(KP + b), 16).to(tl.pointer_type(Q.dtype.element_ty))
+        vbase = tl.multiple_of(tl.load(VP + b), 16).to(tl.pointer_type(Q.dtype.element_ty))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -92,13 +108,22 @@ def decode_partial_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:  # e4m3 is exact in bf16 / fp16: the products run in the queries' dtype
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        if KV_FP8:  # each key's scale; each value's scale folded into its probability
+            sc_off = t * NUM_KV_HEADS + kvh
+            qk = qk * tl.load(ksbase + sc_off, mask=t_ok, other=0.0)[None, :]
         qk = tl.where(t_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = p
+        if KV_FP8:
+            pv = p * tl.load(vsbase + sc_off, mask=t_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     part = pid * SPLITS + split
@@ -135,23 +160,77 @@ def decode_combine_kernel(
 
 
 @triton.jit
+def _fp8(x, ROUND: tl.constexpr):
+    """fp32 -> float8_e4m3fn, to nearest. ROUND (Triton's interpreter, whose cast drops a
+    rounding that carries into the exponent: 125.4 became 64): rounded here to an e4m3 value
+    first, which the cast then keeps."""
+    if ROUND:
+        e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.exp2((tl.maximum(e, -6) - 3).to(tl.float32))
+        x = tl.floor(x / step + 0.5) * step
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows(x, scales, sc_off, sc_ok):
+    """(heads, D) fp32 rows -> each divided by its scale (amax / 448, 1 for an all-zero row;
+    clamped to +-448), the scales stored at scales + sc_off: `reference.quantize_fp8_rows`."""
+    amax = tl.max(tl.abs(x), 1)
+    sc = tl.where(amax > 0, amax / 448.0, 1.0)
+    tl.store(scales + sc_off, sc, mask=sc_ok)
+    return tl.clamp(x / sc[:, None], -448.0, 448.0)
+
+
+@triton.jit
 def kv_append_kernel(
     KP,  # (B,) int64 addresses as in decode_partial_kernel
     VP,
+    KSP,  # KV_FP8: (B,) int64 addresses of the scales, as in decode_partial_kernel
+    VSP,
     POS,  # (B,) int: where sequence b's new key and value go
-    K_NEW,  # (B, Hkv * D) contiguous, the caches' dtype
+    K_NEW,  # (B, Hkv * D) contiguous, the model's dtype
     V_NEW,
-    ROW: tl.constexpr,  # Hkv * D
-    BLOCK: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # the interpreter: `_fp8`
 ):
     b = tl.program_id(0)
     pos = tl.load(POS + b).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < ROW
-    kbase = tl.load(KP + b).to(tl.pointer_type(K_NEW.dtype.element_ty))
-    vbase = tl.load(VP + b).to(tl.pointer_type(K_NEW.dtype.element_ty))
-    tl.store(kbase + pos * ROW + offs, tl.load(K_NEW + b * ROW + offs, mask=ok), mask=ok)
-    tl.store(vbase + pos * ROW + offs, tl.load(V_NEW + b * ROW + offs, mask=ok), mask=ok)
+    hk = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    ok = (hk < NUM_KV_HEADS)[:, None] & (dd < HEAD_DIM)[None, :]
+    off = hk[:, None] * HEAD_DIM + dd[None, :]
+    ROW = NUM_KV_HEADS * HEAD_DIM
+    k = tl.load(K_NEW + b * ROW + off, mask=ok, other=0.0)
+    v = tl.load(V_NEW + b * ROW + off, mask=ok, other=0.0)
+    if KV_FP8:
+        ptr_ty = tl.pointer_type(tl.float8e4nv)
+    else:
+        ptr_ty = tl.pointer_type(K_NEW.dtype.element_ty)
+    kbase = tl.load(KP + b).to(ptr_ty) + pos * ROW
+    vbase = tl.load(VP + b).to(ptr_ty) + pos * ROW
+    if KV_FP8:
+        sc_off = pos * NUM_KV_HEADS + hk
+        sc_ok = hk < NUM_KV_HEADS
+        kq = _quantize_rows(k.to(tl.float32), tl.load(KSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
+        vq = _quantize_rows(v.to(tl.float32), tl.load(VSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
+        tl.store(kbase + off, _fp8(kq, ROUND_FP8), mask=ok)
+        tl.store(vbase + off, _fp8(vq, ROUND_FP8), mask=ok)
+    else:
+        tl.store(kbase + off, k, mask=ok)
+        tl.store(vbase + off, v, mask=ok)
+
+
+@triton.jit
+def _quantize_halves(x1, x2, scales, sc_off, sc_ok):
+    """`_quantize_rows` of rows given as their two halves (heads, half) each."""
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    sc = tl.where(amax > 0, amax / 448.0, 1.0)
+    tl.store(scales + sc_off, sc, mask=sc_ok)
+    return tl.clamp(x1 / sc[:, None], -448.0, 448.0), tl.clamp(x2 / sc[:, None], -448.0, 448.0)
 
 
 @triton.jit
@@ -161,6 +240,8 @@ def rope_append_kernel(
     SIN,
     KP,  # (B,) int64 addresses as in decode_partial_kernel
     VP,
+    KSP,  # KV_FP8: (B,) int64 addresses of the scales, as in decode_partial_kernel
+    VSP,
     POS,  # (B,) int: where sequence b's new key and value go
     Q_OUT,  # (B, H, D) rotated queries
     NUM_HEADS: tl.constexpr,
@@ -170,9 +251,13 @@ def rope_append_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # the interpreter: `_fp8`
 ):
     """Grid (B,): RoPE of row b's queries and key (rope_kernel's arithmetic), the rotated key
-    and the value written at the row's position of its caches (kv_append_kernel's)."""
+    and the value written at the row's position of its caches (kv_append_kernel's; KV_FP8:
+    the rotated key rounded to the model's dtype first, as the reference rotates then
+    quantizes)."""
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_HALF)
@@ -194,16 +279,34 @@ def rope_append_kernel(
     tl.store(dst + off, (x1 * cos1 - x2 * sin1).to(Q_OUT.dtype.element_ty), mask=ok)
     tl.store(dst + off + HALF, (x2 * cos2 + x1 * sin2).to(Q_OUT.dtype.element_ty), mask=ok)
 
-    kbase = tl.load(KP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
-    vbase = tl.load(VP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
     hk = tl.arange(0, BLOCK_HKV)
     ok = (hk < NUM_KV_HEADS)[:, None] & c_ok[None, :]
     off = hk[:, None] * HEAD_DIM + offs_c[None, :]
     k_src = src + NUM_HEADS * HEAD_DIM
     x1 = tl.load(k_src + off, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(k_src + off + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(kbase + off, (x1 * cos1 - x2 * sin1).to(QKV.dtype.element_ty), mask=ok)
-    tl.store(kbase + off + HALF, (x2 * cos2 + x1 * sin2).to(QKV.dtype.element_ty), mask=ok)
+    k1 = x1 * cos1 - x2 * sin1
+    k2 = x2 * cos2 + x1 * sin2
     v_src = k_src + KV_ROW
-    tl.store(vbase + off, tl.load(v_src + off, mask=ok), mask=ok)
-    tl.store(vbase + off + HALF, tl.load(v_src + off + HALF, mask=ok), mask=ok)
+    if KV_FP8:
+        kbase = tl.load(KP + b).to(tl.pointer_type(tl.float8e4nv)) + pos * KV_ROW
+        vbase = tl.load(VP + b).to(tl.pointer_type(tl.float8e4nv)) + pos * KV_ROW
+        sc_off = pos * NUM_KV_HEADS + hk
+        sc_ok = hk < NUM_KV_HEADS
+        k1 = k1.to(QKV.dtype.element_ty).to(tl.float32)
+        k2 = k2.to(QKV.dtype.element_ty).to(tl.float32)
+        k1, k2 = _quantize_halves(k1, k2, tl.load(KSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
+        v1 = tl.load(v_src + off, mask=ok, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + off + HALF, mask=ok, other=0.0).to(tl.float32)
+        v1, v2 = _quantize_halves(v1, v2, tl.load(VSP + b).to(tl.pointer_type(tl.float32)), sc_off, sc_ok)
+        tl.store(kbase + off, _fp8(k1, ROUND_FP8), mask=ok)
+        tl.store(kbase + off + HALF, _fp8(k2, ROUND_FP8), mask=ok)
+        tl.store(vbase + off, _fp8(v1, ROUND_FP8), mask=ok)
+        tl.store(vbase + off + HALF, _fp8(v2, ROUND_FP8), mask=ok)
+    else:
+        kbase = tl.load(KP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
+        vbase = tl.load(VP + b).to(tl.pointer_type(QKV.dtype.element_ty)) + pos * KV_ROW
+        tl.store(kbase + off, k1.to(QKV.dtype.element_ty), mask=ok)
+        tl.store(kbase + off + HALF, k2.to(QKV.dtype.element_ty), mask=ok)
+        tl.store(vbase + off, tl.load(v_src + off, mask=ok), mask=ok)
+        tl.store(vbase + off + HALF, tl.load(v_src + off + HALF, mask=ok), mask=ok)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qcfuse_core.model.adapter import ModelAdapter
-from qcfuse_core.model.fusion import KVCache
+from qcfuse_core.model.fusion import KVCache, check_kv_dtype
 from qcfuse_core.store import ChunkStore
 from qcfuse_core.store.sizing import gpu_budget_bytes
 
@@ -51,6 +51,7 @@ class Reservation:
     nbytes: int
     _adapter: ModelAdapter = field(repr=False)
     _cache: KVCache | None = field(default=None, repr=False)
+    kv_dtype: str = "auto"  # the buffer's (`CacheConfig.kv_dtype`)
     _released: bool = field(default=False, repr=False)
 
     def kv(self) -> KVCache:
@@ -60,12 +61,12 @@ class Reservation:
         if self._released:
             raise RuntimeError("this reservation was released: its KV buffer is no longer the request's")
         if self._cache is None:
-            self._cache = KVCache(self._adapter, self.tokens)
+            self._cache = KVCache(self._adapter, self.tokens, self.kv_dtype)
         return self._cache
 
 
 def _nbytes(cache: KVCache) -> int:
-    return cache.k.nbytes + cache.v.nbytes
+    return cache.nbytes
 
 
 def _size(n: int) -> str:
@@ -77,7 +78,8 @@ class KVBudget:
     (`engine.kv_budget`; the module docstring).
 
     store: its chunk tier on the adapter's device is sized here (`ChunkStore.device_tier`,
-    `fit_device_tier`). kv_cache_bytes / kv_memory_share: `CacheConfig`'s. pool: idle
+    `fit_device_tier`). kv_cache_bytes / kv_memory_share / kv_dtype: `CacheConfig`'s (fp8:
+    a request's buffer is e4m3 codes and their scales, about half of bf16's). pool: idle
     buffers kept for reuse (default: KV_POOL on CUDA; none on a CPU, whose allocator is
     cheap)."""
 
@@ -89,12 +91,14 @@ class KVBudget:
         kv_cache_bytes: int | None = None,
         kv_memory_share: float = 0.8,
         pool: int | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         if pool is not None and pool < 0:
             raise ValueError(f"pool must be >= 0 idle buffers, got {pool}")
         self.adapter, self.store = adapter, store
         self.pool_size = pool if pool is not None else KV_POOL if adapter.device.type == "cuda" else 0
         self.kv_cache_bytes, self.kv_memory_share = kv_cache_bytes, kv_memory_share
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self._total: int | None = None  # bytes (0: no limit); sized at the first reservation
         self._reserved: list[Reservation] = []  # those of the running requests
         self._pool: list[KVCache] = []  # idle buffers, the most recently given back first
@@ -110,7 +114,7 @@ class KVBudget:
         fit (the reservation then counts them); else the reservation counts `tokens` rows."""
         if tokens <= 0:
             raise ValueError(f"a KV reservation needs a positive token count, got {tokens}")
-        need = self.adapter.shape.kv_bytes(tokens, self.adapter.dtype)
+        need = KVCache.bytes_for(self.adapter, tokens, self.kv_dtype)
         with self._lock:
             total = self._size()
             if total and need > total:
@@ -129,7 +133,7 @@ class KVBudget:
                     return None
             if cache is not None:
                 cache.length = 0
-            reservation = Reservation(tokens, nbytes, self.adapter, cache)
+            reservation = Reservation(tokens, nbytes, self.adapter, cache, kv_dtype=self.kv_dtype)
             self._reserved.append(reservation)
             return reservation
 

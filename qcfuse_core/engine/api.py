@@ -117,7 +117,11 @@ class QCFuseEngine:
         prefetch = PrefetchConfig(promote_disk_reads=cfg.cache.promote_disk_reads)
         self._lookup = ChunkLookup(adapter, store, self._builder, sink, prefetch)
         self._kv_budget = KVBudget(
-            adapter, store, kv_cache_bytes=cfg.cache.kv_cache_bytes, kv_memory_share=cfg.cache.kv_memory_share
+            adapter,
+            store,
+            kv_cache_bytes=cfg.cache.kv_cache_bytes,
+            kv_memory_share=cfg.cache.kv_memory_share,
+            kv_dtype=cfg.cache.kv_dtype,
         )
         self._texts = text_index if text_index is not None else ChunkTextIndex()
         self._caches = ChunkCaches(self._lookup, self._texts)

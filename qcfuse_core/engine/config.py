@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qcfuse_core.engine.guard import GuardConfig
+from qcfuse_core.model.fusion import check_kv_dtype
 from qcfuse_core.selection.options import OTHER_OPTIONS, QCFuseOptions
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided."
@@ -74,6 +75,10 @@ class SchedulerConfig:
     over the weights per prompt.
     cuda_graphs: on a CUDA device the scheduler replays its decode steps from CUDA graphs
     (`model.graphs.GraphDecoder`); off, or where a step cannot be captured, it decodes eagerly.
+    decode_ahead: device-side sampling - plain greedy decode steps choose their tokens on the
+    device, feed them to the next step there and are read back one step late, so the host
+    does not wait between steps (engine/ahead.py; answers token for token the same). None:
+    on where the steps replay from CUDA graphs (elsewhere the host waits for each step anyway).
     """
 
     max_queue: int = 256
@@ -81,9 +86,12 @@ class SchedulerConfig:
     step_prefill_tokens: int | None = None
     step_prefill_ms: float | None = None
     cuda_graphs: bool = True
+    decode_ahead: bool | None = None
 
     def __post_init__(self) -> None:
         _check_bools(self, "cuda_graphs")
+        if self.decode_ahead is not None and not isinstance(self.decode_ahead, bool):
+            raise ValueError(f"decode_ahead must be True, False or None, got {self.decode_ahead!r}")
         for name in ("max_queue", "max_running", "step_prefill_tokens"):
             v = getattr(self, name)
             if not _positive_int(v) and not (name == "step_prefill_tokens" and v is None):
@@ -113,14 +121,22 @@ class CacheConfig:
     each time (what a benchmark of the disk tier wants).
     chunk_sink: cache every chunk after the tokenizer's BOS token (dropped from the cache),
     under its own key fingerprint; off by default (docs/design.md, "Why these defaults").
+    kv_dtype: the running requests' KV caches - "auto", the model's dtype (bf16 on a GPU), or
+    "fp8": float8_e4m3fn with one fp32 scale per token and KV head, about half the bytes, so
+    a decode step reads half the K and V and twice the requests fit (model/fusion.py
+    `KVCache`). The fused prefill writes the codes, the decode step reads them (`qcfuse serve
+    --kv-dtype fp8`). Its answers against bf16 KV, and why it is not the default:
+    docs/benchmarks.md, "Decode at the card's limit".
     """
 
     kv_cache_bytes: int | None = None
     kv_memory_share: float = 0.8
     promote_disk_reads: bool = True
     chunk_sink: bool = False
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_dtype(self.kv_dtype)
         if not isinstance(self.chunk_sink, bool):
             raise ValueError(f"chunk_sink must be True or False, got {self.chunk_sink!r}")
         _check_bools(self, "promote_disk_reads")

@@ -195,7 +195,7 @@ class Prefill:
             if req is not None and req.cache is not None and req.cache.capacity >= need:
                 self.cache = req.cache
             else:
-                self.cache = KVCache(self.engine.adapter, need)
+                self.cache = KVCache(self.engine.adapter, need, self.engine.config.cache.kv_dtype)
                 if req is not None:
                     req.cache = self.cache
         return self.cache

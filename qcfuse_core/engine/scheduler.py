@@ -97,6 +97,7 @@ import torch
 
 from qcfuse_core.cache.budget import KVBudgetError as KVBudgetError
 from qcfuse_core.cache.budget import Reservation
+from qcfuse_core.engine.ahead import Ahead, ahead_ready, decoding_now, plan_ahead
 from qcfuse_core.engine.generation import GenerationConfig
 from qcfuse_core.engine.pipeline import Decoding, Steps, fusion_result
 from qcfuse_core.engine.prefill import Prefill, Unreadable
@@ -214,6 +215,7 @@ class Scheduler:
         self.runner = ModelRunner(
             self.engine.adapter, cuda_graphs=cfg.scheduler.cuda_graphs, deterministic=cfg.deterministic
         )
+        self._ahead: Ahead | None = None  # the decode step launched and not yet read (`_decode`)
 
     # ------------------------------------------------------------------ callers' side
     def submit(
@@ -373,8 +375,8 @@ class Scheduler:
             if pre is not None:
                 self._postprocess(job, pre)
         batch = [j for j in self._running if j.request.status is Status.DECODING and not j.abort.is_set()]
-        if batch:
-            self._take_tokens(batch, self._run_decode(batch))
+        if batch or self._ahead is not None:
+            self._decode(batch)
         with self._cv:
             self._counts["steps"] += 1
             self._counts["max_batch_seen"] = max(self._counts["max_batch_seen"], len(batch))
@@ -604,6 +606,56 @@ class Scheduler:
                 self._release(job, Status.FAILED, e1)
                 out.append(None)
         return out
+
+    # ------------------------------------------------------------------ decode one step ahead (t64)
+    def _decode(self, batch: list[Job]) -> None:
+        """One decode step of `batch`. Device-side sampling (`SchedulerConfig.decode_ahead`)
+        when every job is plain greedy: the step is launched with each job of the step before
+        fed its token there, on the device; then the step before is read and its tokens taken
+        (`engine.ahead`). Otherwise the step before is read first and the step runs and is
+        read at once."""
+        prev, self._ahead = self._ahead, None
+        if not (self._decode_ahead and batch and ahead_ready(batch)):
+            if prev is not None:
+                self._take_ahead(prev)
+            batch = [j for j in batch if decoding_now(j)]  # the step before may have finished some
+            if batch:
+                self._take_tokens(batch, self._run_decode(batch))
+            return
+        go, tokens, feed = plan_ahead(batch, prev)
+        try:
+            launched = self.runner.launch([j.request.cache for j in go], tokens, feed) if go else None  # type: ignore[misc]
+        except Exception as e:  # read the step before, then run this one the plain way
+            log.debug("a decode step launched ahead failed (%s); running it again plainly", e)
+            if prev is not None:
+                self._take_ahead(prev)
+            batch = [j for j in batch if decoding_now(j)]
+            if batch:
+                self._take_tokens(batch, self._run_decode(batch))
+            return
+        if prev is not None:
+            self._take_ahead(prev)
+        if launched is not None:
+            self._ahead = Ahead(go, launched)
+
+    @property
+    def _decode_ahead(self) -> bool:
+        on = self.engine.config.scheduler.decode_ahead
+        return self.runner.graphs if on is None else on
+
+    def _take_ahead(self, ahead: Ahead) -> None:
+        """The tokens of a step launched ahead, each taken by its job; a job that finished or
+        left since it was launched has its row dropped."""
+        for job, token in zip(ahead.jobs, ahead.launched.tokens()):
+            if not decoding_now(job):
+                continue
+            try:
+                assert job.decoding is not None
+                delta = job.decoding.take_token(token)
+            except Exception as e:
+                self._release(job, Status.FAILED, e)
+                continue
+            self._advance(job, delta)
 
     # ------------------------------------------------------------------ postprocess
     def _postprocess(self, job: Job, pre: Prefilled) -> None:

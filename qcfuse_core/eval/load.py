@@ -630,7 +630,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
     """Every load point x (method, ratio) -> rows (written to --json as they come)."""
     from qcfuse_core.cache.planner import load_rates
     from qcfuse_core.engine.api import QCFuseEngine
-    from qcfuse_core.engine.config import EngineConfig, FrameConfig, SchedulerConfig
+    from qcfuse_core.engine.config import CacheConfig, EngineConfig, FrameConfig, SchedulerConfig
 
     methods = methods_of(args)
     points = load_points(args)
@@ -653,6 +653,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
         threads=args.threads or None,
         frame=FrameConfig(system_prompt=pool.system),
         scheduler=SchedulerConfig(**sched_kw),
+        cache=CacheConfig(kv_dtype=getattr(args, "kv_dtype", "auto")),
     )
     rates = load_rates(Path(args.rates)) if args.rates else None
     if args.rates and rates is None:
@@ -673,6 +674,7 @@ def run(args, progress: Callable[[str], None] = lambda line: None) -> list[dict]
         device=str(adapter.device),
         model=adapter.name,
         dtype=str(adapter.dtype).replace("torch.", ""),
+        kv_dtype=getattr(args, "kv_dtype", "auto"),
         pool_chunks=args.pool_chunks,
         chunk_tokens=args.chunk_tokens,
         kv_bytes_per_token=kv_bytes_per_token(adapter),

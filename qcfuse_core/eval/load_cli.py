@@ -119,6 +119,12 @@ def add_load_parser(bench_sub) -> None:
         "prefill rate (0: the device's default)",
     )
     p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="CacheConfig.kv_dtype: the running requests' KV caches in the model's dtype (auto) or fp8",
+    )
+    p.add_argument(
         "--rates", default=None, help="planner rates JSON (from `bench ttft`); None: every stored chunk is loaded"
     )
     p.add_argument("--store", default=None, help="store folder (None: a new temp folder)")

@@ -99,12 +99,9 @@ def decode_batch(
         attn = torch.zeros_like(q)  # padding rows attend to nothing
         w = adapter.windows[layer]
         for b, (cache, p) in enumerate(zip(caches, pos)):
-            cache.k[layer, p] = k[b]
-            cache.v[layer, p] = v[b]
+            cache.write(layer, p, k[b], v[b])
             lo = 0 if w is None else max(0, p + 1 - w)
-            attn[b] = decode_attention(
-                q[b : b + 1], cache.k[layer, lo : p + 1], cache.v[layer, lo : p + 1], adapter.scale
-            )[0]
+            attn[b] = decode_attention(q[b : b + 1], *cache.read(layer, lo, p + 1), adapter.scale)[0]
         h = rowwise(lambda x, a, layer=layer: adapter.mlp(layer, adapter.attn_out(layer, x, a)), h, attn)
     for c, p in zip(caches, pos):
         c.length = p + 1
@@ -136,11 +133,10 @@ def decode_steps(adapter: ModelAdapter, caches: Sequence[KVCache], tokens: Seque
         outs = []
         for b, (cache, p, (q, k, v)) in enumerate(zip(caches, pos, qkv)):
             cos, sin = ropes[b][layer]
-            cache.k[layer, p] = K.apply_rope(k, cos, sin)[0]
-            cache.v[layer, p] = v[0]
+            cache.write(layer, p, K.apply_rope(k, cos, sin)[0], v[0])
             q = K.apply_rope(q, cos, sin)
             lo = 0 if w is None else max(0, p + 1 - w)
-            outs.append(decode_attention(q, cache.k[layer, lo : p + 1], cache.v[layer, lo : p + 1], adapter.scale))
+            outs.append(decode_attention(q, *cache.read(layer, lo, p + 1), adapter.scale))
         hs = [adapter.attn_out(layer, h, o) for h, o in zip(hs, outs)]
         if split_mlp:  # adapter.mlp's own steps, each matrix once for every sequence
             lyr = adapter.layers[layer]

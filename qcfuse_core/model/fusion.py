@@ -133,19 +133,90 @@ class FusedPrompt:
         return torch.cat(ks), torch.cat(vs)
 
 
-class KVCache:
-    """Rotated K and V of a fused prompt plus decoded tokens: (L, Tmax, Hkv, D), filled to `length`."""
+KV_DTYPES = ("auto", "fp8")  # CacheConfig.kv_dtype: the model's own dtype, or e4m3 with scales
 
-    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return kv_dtype
+
+
+class KVCache:
+    """Rotated K and V of a fused prompt plus decoded tokens: (L, Tmax, Hkv, D), filled to `length`.
+
+    kv_dtype "auto": k, v in the model's dtype. "fp8": k, v float8_e4m3fn with one fp32 scale
+    per (layer, token, KV head) in k_scale, v_scale (L, Tmax, Hkv): a token's key of one head
+    is its D codes times its scale (`qcfuse_kernels.reference.quantize_fp8_rows`; per token,
+    not per head over a chunk as the store's fp8 images are, because a running cache grows a
+    token at a time). Write rows with `write`, read them in the model's dtype with `read`;
+    the decode kernels read the codes and scales where they are."""
+
+    fp8 = False
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def __init__(self, adapter: ModelAdapter, capacity: int, kv_dtype: str = "auto") -> None:
         s = adapter.shape
         shape = (s.num_layers, capacity, s.num_kv_heads, s.head_dim)
-        self.k = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
-        self.v = torch.empty(shape, device=adapter.device, dtype=adapter.dtype)
+        self.dtype = adapter.dtype  # what `read` gives
+        self.fp8 = check_kv_dtype(kv_dtype) == "fp8"
+        store = torch.float8_e4m3fn if self.fp8 else adapter.dtype
+        self.k = torch.empty(shape, device=adapter.device, dtype=store)
+        self.v = torch.empty(shape, device=adapter.device, dtype=store)
+        if self.fp8:
+            self.k_scale = torch.ones(shape[:3], device=adapter.device, dtype=torch.float32)
+            self.v_scale = torch.ones(shape[:3], device=adapter.device, dtype=torch.float32)
         self.length = 0
 
     @property
     def capacity(self) -> int:
         return self.k.shape[1]
+
+    @staticmethod
+    def bytes_for(adapter: ModelAdapter, tokens: int, kv_dtype: str = "auto") -> int:
+        """Bytes of a cache of `tokens` rows (`nbytes` of one made now): K and V in the model's
+        dtype, or fp8 codes plus their fp32 scales (one per token and KV head)."""
+        s = adapter.shape
+        if check_kv_dtype(kv_dtype) == "auto":
+            return s.kv_bytes(tokens, adapter.dtype)
+        return s.kv_bytes(tokens, torch.float8_e4m3fn) + 2 * s.num_layers * tokens * s.num_kv_heads * 4
+
+    def clone(self) -> KVCache:
+        """A copy of the cache (its own tensors, the same length)."""
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's tensors (codes and scales)."""
+        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    def write(self, layer: int, at, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows `at` (a position, a slice or an index tensor) of layer `layer` = k, v (..., Hkv, D)
+        in the model's dtype (quantized here in fp8)."""
+        if not self.fp8:
+            self.k[layer, at] = k.to(self.k.dtype)
+            self.v[layer, at] = v.to(self.v.dtype)
+            return
+        assert self.k_scale is not None and self.v_scale is not None
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, sc = K.quantize_fp8_rows(x)
+            codes.view(torch.uint8)[layer, at] = q.view(torch.uint8)  # bytes: every indexing kernel has them
+            scales[layer, at] = sc
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [lo, hi) of layer `layer`: (k, v) (hi - lo, Hkv, D) in the model's dtype (views
+        of the cache, or dequantized copies in fp8)."""
+        if not self.fp8:
+            return self.k[layer, lo:hi], self.v[layer, lo:hi]
+        assert self.k_scale is not None and self.v_scale is not None
+        deq = K.dequantize_fp8_rows
+        return (
+            deq(self.k[layer, lo:hi], self.k_scale[layer, lo:hi], self.dtype),
+            deq(self.v[layer, lo:hi], self.v_scale[layer, lo:hi], self.dtype),
+        )
 
 
 class LayerSource(Protocol):
@@ -316,7 +387,8 @@ def fused_prefill(
         else:
             k_cached, v_cached = (source or prompt).layer(layer, k_new)  # (T, Hkv, D) each
             cached = (k_cached, v_cached)
-            dst = (kv_out.k[layer, : st.T], kv_out.v[layer, : st.T]) if kv_out is not None else None
+            # the kernel writes a model-dtype cache in place; fp8 rows are quantized below
+            dst = None if kv_out is None or kv_out.fp8 else (kv_out.k[layer, : st.T], kv_out.v[layer, : st.T])
             cos_all, sin_all = st.ropes[layer]
             k_rot, v_all = K.rerotate_scatter(
                 k_cached,
@@ -329,6 +401,8 @@ def fused_prefill(
                 inv=st.inv,
                 out=dst,
             )
+            if kv_out is not None and dst is None:  # fp8: the rows quantized into the cache
+                kv_out.write(layer, slice(0, st.T), k_rot, v_all)
             if st.captured is not None:
                 kp = k_cached.clone()
                 kp[st.cur_dev] = k_new
@@ -424,12 +498,10 @@ def _later_slice(
     kv = st.kv_out
     assert kv is not None
     cos, sin = st.ropes_cur[layer]
-    kv.k[layer].index_copy_(0, st.cur_dev, K.apply_rope(k_new, cos, sin).to(kv.k.dtype))
-    kv.v[layer].index_copy_(0, st.cur_dev, v_new.to(kv.v.dtype))
+    kv.write(layer, st.cur_dev, K.apply_rope(k_new, cos, sin), v_new)
     q = K.apply_rope(q_pre, cos, sin)
     masks = None if st.masks is None else st.masks[window]
-    n = st.b
-    return attend(q, kv.k[layer, :n], kv.v[layer, :n], st.cur_dev, adapter.scale, masks, window)
+    return attend(q, *kv.read(layer, 0, st.b), st.cur_dev, adapter.scale, masks, window)
 
 
 def _rows_of(
@@ -509,12 +581,11 @@ def decode_step(adapter: ModelAdapter, cache: KVCache, token_id: int) -> torch.T
     for layer in range(adapter.num_layers):
         cos, sin = ropes[layer]
         q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
-        cache.k[layer, pos] = K.apply_rope(k, cos, sin)[0]
-        cache.v[layer, pos] = v[0]
+        cache.write(layer, pos, K.apply_rope(k, cos, sin)[0], v[0])
         q = K.apply_rope(q, cos, sin)
         w = adapter.windows[layer]
         lo = 0 if w is None else max(0, pos + 1 - w)  # a sliding layer sees its last W keys
-        out = decode_attention(q, cache.k[layer, lo : pos + 1], cache.v[layer, lo : pos + 1], adapter.scale)
+        out = decode_attention(q, *cache.read(layer, lo, pos + 1), adapter.scale)
         h = adapter.mlp(layer, adapter.attn_out(layer, h, out))
     cache.length = pos + 1
     return adapter.logits(h)[0]
@@ -524,6 +595,5 @@ def fill_from_hf(cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) ->
     """Copy HF's per-layer (post-RoPE k, v) (T, Hkv, D) into our cache."""
     T = kv[0][0].shape[0]
     for layer, (k, v) in enumerate(kv):
-        cache.k[layer, :T] = k
-        cache.v[layer, :T] = v
+        cache.write(layer, slice(0, T), k, v)
     cache.length = T

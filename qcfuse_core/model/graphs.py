@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_POSITIONS = 4096  # the smallest RoPE table the graphs are captured with
+FEED_ROWS = 4096  # rows of a step whose greedy tokens can feed the next step on the device
 
 
 def decode_rows(
@@ -62,12 +63,14 @@ def decode_rows(
     v_ptrs: torch.Tensor,
     max_position: int | None = None,
     splits: int | None = None,
+    scale_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode step of B rows, each on its own cache given by address: ids, pos (B,) the
     input token and its position, lens (B,) = pos + 1, k_ptrs / v_ptrs (L, B) int64 the
     address of row b's layer-l keys / values (`layer_addresses`) -> logits (B, vocab) fp32.
     Writes each row's key and value at its position. No host sync (graph-capturable).
-    splits: the attention's key ranges (None: `decode_splits` of B rows).
+    splits: the attention's key ranges (None: `decode_splits` of B rows). scale_ptrs: fp8
+    caches (`KVCache` with kv_dtype "fp8"), the (L, B) addresses of their key and value scales.
 
     Where the adapter packs its projections (`ModelAdapter.packed_projections`: Llama,
     Mistral, Qwen2), a layer is nine launches: q/k/v as one product, RoPE and the cache
@@ -81,6 +84,11 @@ def decode_rows(
     ropes = adapter.rope_layers(pos, max_position=max_position)
     h = adapter.embed(ids)
 
+    def scales(layer: int) -> dict[str, torch.Tensor]:
+        if scale_ptrs is None:
+            return {}
+        return {"k_scale_ptrs": scale_ptrs[0][layer], "v_scale_ptrs": scale_ptrs[1][layer]}
+
     def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
         window = adapter.windows[layer]
         return K.decode_attention_ptrs(
@@ -92,6 +100,7 @@ def decode_rows(
             num_kv_heads=s.num_kv_heads,
             window=window,
             splits=splits,
+            **scales(layer),
         )
 
     if packed is None:
@@ -99,7 +108,7 @@ def decode_rows(
             q, k, v = adapter.qkv(layer, adapter.attn_norm(layer, h))
             cos, sin = ropes[layer]
             q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
-            K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v)
+            K.kv_append_ptrs(k_ptrs[layer], v_ptrs[layer], pos, k, v, **scales(layer))
             h = adapter.mlp(layer, adapter.attn_out(layer, h, attend(layer, q)))
         return adapter.logits(h)
     layers = adapter.layers
@@ -110,7 +119,15 @@ def decode_rows(
         cos, sin = ropes[layer]
         qkv = F.linear(x, p.qkv, p.qkv_bias)
         q = K.rope_append_ptrs(
-            qkv, cos, sin, k_ptrs[layer], v_ptrs[layer], pos, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads
+            qkv,
+            cos,
+            sin,
+            k_ptrs[layer],
+            v_ptrs[layer],
+            pos,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            **scales(layer),
         )
         post = lyr.post_attention_layernorm
         h, x = K.add_rms_norm(
@@ -125,23 +142,45 @@ def decode_rows(
     return out
 
 
-def layer_addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(L, B) int64: the address of layer l of each (L, capacity, Hkv, D) contiguous tensor
-    (16-byte aligned, as the kernels need)."""
-    base = K.cache_addresses(tensors)
+def layer_addresses(tensors: Sequence[torch.Tensor], align: int = 16) -> torch.Tensor:
+    """(L, B) int64: the address of layer l of each (L, capacity, ...) contiguous tensor
+    (`align`-byte aligned: 16 for K and V, as the kernels need; 4 for fp8 scales)."""
+    base = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
     step = torch.tensor([t.stride(0) * t.element_size() for t in tensors], dtype=torch.int64)
-    if bool((step % 16).any()):
-        raise ValueError("a layer of the KV cache is not a whole number of 16-byte units (head_dim * Hkv too odd)")
+    if bool((base % align).any()) or bool((step % align).any()):
+        raise ValueError(
+            f"a layer of the KV cache is not a whole number of {align}-byte units (head_dim * Hkv too odd)"
+        )
     layers = torch.arange(tensors[0].shape[0], dtype=torch.int64)[:, None]
     return base[None, :] + layers * step[None, :]
 
 
+def cache_tables(caches: Sequence[KVCache]) -> torch.Tensor:
+    """(2 L, B) or, fp8 caches, (4 L, B) int64: the layer addresses of every cache's keys,
+    values, and fp8 key and value scales (`decode_rows`' k_ptrs, v_ptrs, scale_ptrs)."""
+    parts = [layer_addresses([c.k for c in caches]), layer_addresses([c.v for c in caches])]
+    if caches[0].fp8:
+        for scales in ([c.k_scale for c in caches], [c.v_scale for c in caches]):
+            parts.append(layer_addresses([t for t in scales if t is not None], 4))
+    return torch.cat(parts)
+
+
+def feed_ids(ids: torch.Tensor, feed: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """A step's input tokens with device-side sampling: row b takes last[feed[b]] - the token
+    the previous step chose on the device for its row feed[b] - where feed[b] >= 0, else ids[b]
+    (a token the host chose). No host sync."""
+    return torch.where(feed >= 0, last[feed.clamp(min=0)], ids)
+
+
 def check_step(caches: Sequence[KVCache], tokens: Sequence[int]) -> None:
-    """The arguments of one decode step: one token per cache, distinct caches, room in each."""
+    """The arguments of one decode step: one token per cache, distinct caches, room in each,
+    every cache of one KV dtype."""
     if len(caches) != len(tokens) or not caches:
         raise ValueError(f"{len(caches)} caches but {len(tokens)} tokens (need one token per cache, at least one)")
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("each sequence needs its own cache")
+    if len({c.fp8 for c in caches}) != 1:
+        raise ValueError("a decode step's caches must share one KV dtype (fp8 and not fp8 mixed)")
     for c in caches:
         if c.length >= c.capacity:
             raise ValueError(f"KV cache full ({c.capacity} tokens)")
@@ -154,24 +193,30 @@ class CaptureError(RuntimeError):
 
 
 class _Graph:
-    """One captured step of `rows` rows: its input tensor, host staging and output."""
+    """One captured step of `rows` rows: its input tensor, output logits and greedy tokens."""
 
-    def __init__(self, rows: int, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
-        self.rows, self.inputs, self.graph, self.logits = rows, inputs, graph, logits
+    def __init__(
+        self, rows: int, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        self.rows, self.inputs, self.graph, self.logits, self.tokens = rows, inputs, graph, logits, tokens
         self.blank = inputs.cpu()  # every row padding
-        self.host = torch.empty(inputs.shape, dtype=torch.int64, pin_memory=True)
+
+
+# rows of a graph's input tensor before the per-layer address tables
+IDS, POS, LENS, FEED, TABLES = 0, 1, 2, 3, 4
 
 
 class GraphDecoder:
     """Batched decode steps replayed from CUDA graphs (module docstring). Used from one thread
-    at a time (the scheduler's worker); graphs are captured on first use of a bucket."""
+    at a time (the scheduler's worker); graphs are captured on first use of a bucket.
+    kv_fp8: the caches it decodes are fp8 (`KVCache` kv_dtype "fp8"), every step's alike."""
 
-    def __init__(self, adapter: ModelAdapter, *, deterministic: bool = False) -> None:
+    def __init__(self, adapter: ModelAdapter, *, deterministic: bool = False, kv_fp8: bool = False) -> None:
         if adapter.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {adapter.device}")
         if K.backend() != "triton":
             raise ValueError(f"CUDA graph decode needs the Triton kernels (kernel backend: {K.backend()})")
-        self.adapter = adapter
+        self.adapter, self.kv_fp8 = adapter, kv_fp8
         self.buckets = (CUDA_TILE,) if deterministic else BUCKETS
         # the attention's key ranges: per bucket (`decode_splits`), or one count in the
         # deterministic mode, so that a row's bits do not depend on its batch
@@ -180,35 +225,55 @@ class GraphDecoder:
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None  # the graphs share one memory pool
         self._positions = 0  # the RoPE table size the graphs were captured with
-        s = adapter.shape
-        shape = (s.num_layers, 1, s.num_kv_heads, s.head_dim)
         # padding rows write position 0 of this one-token cache and read its one key
-        self._pad_k = torch.zeros(shape, device=adapter.device, dtype=adapter.dtype)
-        self._pad_v = torch.zeros(shape, device=adapter.device, dtype=adapter.dtype)
+        self._pad = KVCache(adapter, 1, "fp8" if kv_fp8 else "auto")
+        for t in (self._pad.k, self._pad.v):  # a cast copy: fp8 codes too
+            t.copy_(torch.zeros(t.shape, device=adapter.device))
+        # the previous step's greedy tokens, row by row (device-side sampling feeds them; the
+        # graphs read this tensor, so it is never replaced)
+        self.last = torch.zeros(FEED_ROWS, dtype=torch.int64, device=adapter.device)
         self.captures = 0  # graphs captured so far (statistics, tests)
 
     @property
     def max_rows(self) -> int:
         return self.buckets[-1]
 
-    @torch.inference_mode()
     def step(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
         """One decode step of every sequence, as `model.batched.decode_batch`: token i appended
         to caches[i] at its own position -> logits (B, vocab) fp32."""
+        return self.step_greedy(caches, tokens)[0]
+
+    @torch.inference_mode()
+    def step_greedy(
+        self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` -> (logits (B, vocab) fp32, greedy tokens (B,) int64), on the device, nothing
+        read back. feed: device-side sampling, row i's input is the previous step's greedy
+        token of its row feed[i] where feed[i] >= 0 (tokens[i] is then ignored); a step's
+        tokens stay in `last` until the next step."""
         check_step(caches, tokens)
+        if caches[0].fp8 != self.kv_fp8:
+            raise ValueError(f"this decoder's graphs read {'fp8' if self.kv_fp8 else 'model-dtype'} caches")
+        if feed is not None and (len(feed) != len(caches) or max(feed) >= self.last.numel()):
+            raise ValueError(f"feed needs one entry per cache, each < {self.last.numel()} (the last step's rows)")
         need = max(c.capacity for c in caches)
         if need > self._positions:
             self._reset(max(MIN_POSITIONS, 1 << (need - 1).bit_length()))
         if not self._graphs:  # every bucket now, the largest first (the others reuse its pool)
             for rows in sorted(self.buckets, reverse=True):
                 self._capture(rows)
+        n = self.max_rows
         outs = [
-            self._run(caches[a : a + self.max_rows], tokens[a : a + self.max_rows])
-            for a in range(0, len(caches), self.max_rows)
+            self._run(caches[a : a + n], tokens[a : a + n], None if feed is None else feed[a : a + n])
+            for a in range(0, len(caches), n)
         ]
         for c in caches:
             c.length += 1
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        logits = outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs])
+        greedy = outs[0][1] if len(outs) == 1 else torch.cat([o[1] for o in outs])
+        kept = min(greedy.numel(), self.last.numel())
+        self.last[:kept].copy_(greedy[:kept])  # after every replay has read the old ones
+        return logits, greedy
 
     def _reset(self, positions: int) -> None:
         """Drop the graphs; the next ones are captured with a RoPE table of `positions`."""
@@ -216,49 +281,57 @@ class GraphDecoder:
         self._positions = positions
         torch.cuda.synchronize(self.adapter.device)
 
-    def _run(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+    def _run(
+        self, caches: Sequence[KVCache], tokens: Sequence[int], feed: Sequence[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(caches)
         rows = next(b for b in self.buckets if b >= n)
         g = self._graphs.get(rows) or self._capture(rows)
-        L = self.adapter.num_layers
-        host = g.host
+        # a fresh pinned buffer per step: the copy below is asynchronous and the caching host
+        # allocator reuses a buffer only once its copy has run
+        host = torch.empty(g.blank.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(g.blank)
-        host[0, :n] = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
+        host[IDS, :n] = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
         pos = torch.tensor([c.length for c in caches], dtype=torch.int64)
-        host[1, :n] = pos
-        host[2, :n] = pos + 1
-        host[3 : 3 + L, :n] = layer_addresses([c.k for c in caches])
-        host[3 + L :, :n] = layer_addresses([c.v for c in caches])
-        g.inputs.copy_(host)
+        host[POS, :n] = pos
+        host[LENS, :n] = pos + 1
+        if feed is not None:
+            host[FEED, :n] = torch.tensor(list(feed), dtype=torch.int64)
+        host[TABLES:, :n] = cache_tables(caches)
+        g.inputs.copy_(host, non_blocking=True)
         g.graph.replay()
-        return g.logits[:n].clone()
+        return g.logits[:n].clone(), g.tokens[:n].clone()
 
     def _padding(self, rows: int) -> torch.Tensor:
         """The input tensor's content for `rows` padding rows: token 0 at position 0 of the
-        scratch cache. Rows: ids, positions, lengths, L key addresses, L value addresses."""
-        L = self.adapter.num_layers
-        x = torch.zeros((3 + 2 * L, rows), dtype=torch.int64)
-        x[2] = 1
-        x[3 : 3 + L] = layer_addresses([self._pad_k])
-        x[3 + L :] = layer_addresses([self._pad_v])
+        scratch cache, fed by nobody. Rows: ids, positions, lengths, feed, then the cache
+        tables (`cache_tables`: L key addresses, L value addresses, fp8: 2 L scale addresses)."""
+        tables = cache_tables([self._pad])
+        x = torch.zeros((TABLES + tables.shape[0], rows), dtype=torch.int64)
+        x[LENS] = 1
+        x[FEED] = -1
+        x[TABLES:] = tables
         return x
 
     def _capture(self, rows: int) -> _Graph:
         adapter, dev = self.adapter, self.adapter.device
         L = adapter.num_layers
         inputs = self._padding(rows).to(dev)
+        t = inputs[TABLES:]
 
-        def body() -> torch.Tensor:
-            return decode_rows(
+        def body() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = decode_rows(
                 adapter,
-                inputs[0],
-                inputs[1],
-                inputs[2],
-                inputs[3 : 3 + L],
-                inputs[3 + L :],
+                feed_ids(inputs[IDS], inputs[FEED], self.last),
+                inputs[POS],
+                inputs[LENS],
+                t[:L],
+                t[L : 2 * L],
                 self._positions - 1,
                 self._splits,
+                (t[2 * L : 3 * L], t[3 * L :]) if self.kv_fp8 else None,
             )
+            return logits, logits.argmax(-1)
 
         try:
             side = torch.cuda.Stream(dev)
@@ -269,11 +342,11 @@ class GraphDecoder:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = body()
+                logits, tokens = body()
         except Exception as e:
             raise CaptureError(f"capturing a decode step of {rows} rows failed: {e}") from e
         self._pool = graph.pool()
-        self._graphs[rows] = g = _Graph(rows, inputs, graph, logits)
+        self._graphs[rows] = g = _Graph(rows, inputs, graph, logits, tokens)
         self.captures += 1
         log.info("captured a decode graph of %d rows (RoPE positions < %d)", rows, self._positions)
         return g

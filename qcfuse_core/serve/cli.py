@@ -72,6 +72,13 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="the running requests' KV caches: auto, the model's dtype; fp8, e4m3 with a scale per token and KV "
+        "head (half the bytes a decode step reads; CacheConfig.kv_dtype)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=port, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
     p.add_argument("--max-tokens", type=at_least(1), default=4096, help="the most tokens a request may ask for")
@@ -305,7 +312,8 @@ def cmd_serve(args) -> int:
     sock = listen(args.host, args.port)
     what = f"a random {args.shape}" if args.shape else args.model or "the embedded model"
     print(f"qcfuse serve: loading {what} and opening {args.store}", flush=True)
-    engine_config = EngineConfig(cache=CacheConfig(promote_disk_reads=True))  # a chunk read from disk stays in memory
+    # a chunk read from disk stays in memory
+    engine_config = EngineConfig(cache=CacheConfig(promote_disk_reads=True, kv_dtype=args.kv_dtype))
     if args.shape:
         engine = _shaped_engine(args, engine_config)
     else:
@@ -377,6 +385,7 @@ def serve_replicas(args, api_key: tuple[str, ...] | None) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        kv_dtype=args.kv_dtype,
         memory_bytes=(  # the replicas share the host's RAM: each sizes its host tier from 1/N of the share
             host_tier_bytes(share=HOST_SHARE / args.replicas) if args.memory_mb is None else args.memory_mb << 20
         ),

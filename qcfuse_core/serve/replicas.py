@@ -117,6 +117,7 @@ class ReplicaOptions:
     model: str | None = None
     dtype: str = "bf16"
     device: str = "cpu"
+    kv_dtype: str = "auto"  # CacheConfig.kv_dtype
     memory_bytes: int | None = None  # each replica's memory tiers (None: the store's default)
     model_name: str | None = None
     host: str = "127.0.0.1"  # where the server listens: Ray's sockets in each replica bind there too
@@ -279,7 +280,7 @@ class EngineReplica:
             device=options.device,
             memory_bytes=options.memory_bytes,
             config=EngineConfig(
-                cache=CacheConfig(promote_disk_reads=True)
+                cache=CacheConfig(promote_disk_reads=True, kv_dtype=options.kv_dtype)
             ),  # chunks read from disk stay in this replica's memory
         )
         self.app = create_app(
