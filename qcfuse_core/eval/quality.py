@@ -43,6 +43,7 @@ from qcfuse_core.engine.frame import eos_ids
 from qcfuse_core.engine.guard import GUARDED_LABEL as GUARDED_LABEL
 from qcfuse_core.engine.guard import escalate, first_token_margin
 from qcfuse_core.engine.request import Loading, Planned, Selected
+from qcfuse_core.eval import fidelity as F
 from qcfuse_core.eval import metrics as M
 from qcfuse_core.eval import oracle as _oracle  # noqa: F401  (registers the `oracle` bound for --methods)
 from qcfuse_core.eval.datasets import Example, dataset_name, load_dataset
@@ -71,6 +72,8 @@ ROW_KEYS = (
     "recompute_share",
     "ttft_ms",
     "first_agree",
+    "answer_agree",
+    "answer_prefix",
 )
 DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
 # fused-prompt caches kept at once per question to decode their answers together (they are
@@ -330,6 +333,8 @@ def run_example(
             ratio=None,
             first_margin=first_token_margin(ref["first_logits"]),
             first_agree=1.0,
+            answer_agree=1.0,
+            answer_prefix=len(full_seq) - int(len(full_seq) > 0 and full_seq[-1] in eos_ids(engine.adapter)),
             kl_first_token=0.0,
             answer_kl=0.0,
             answer_tokens=len(full_seq),
@@ -365,12 +370,12 @@ def run_example(
         del tail, cache
         if len(pending) == group:
             records += _finish(
-                engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new
+                engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new, prompt
             )
             pending = []
     if pending:
         records += _finish(
-            engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new
+            engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new, prompt
         )
     return records
 
@@ -390,20 +395,26 @@ def _finish(
     suffix: str,
     storage: str,
     max_new: int,
+    prompt: FusedPrompt,
 ) -> list[dict]:
     """The records of fused variants: each one's greedy answer and answer-level KL, all decoded
-    at once (`decode_answers`)."""
+    at once (`decode_answers`), and its answer-level fidelity to full prefill (eval/fidelity.py:
+    one teacher-forced full-prefill forward over the prompt and the variant's answer)."""
     answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new)
     records = []
     for (label, method, ratio, opts, sel, sc, _, _), ids, rows in zip(group, answers, forced):
         per_token = answer_kl(full_seq_logits, rows)
         answer = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        fid = F.measure(engine.adapter, prompt.token_ids, ids)
         rec = dict(
             common,
             method=method + suffix,
             ratio=ratio,
             first_margin=sc["first_margin"],
             first_agree=sc["first_agree"],
+            answer_agree=fid.agree,
+            answer_prefix=fid.prefix,
+            split_margin=fid.split_margin,
             kl_first_token=sc["kl_first_token"],
             answer_kl=float(per_token.mean()),
             answer_tokens=len(full_seq),
@@ -763,6 +774,7 @@ def format_table(rows: list[dict]) -> str:
         "kl_first_token",
         "answer_kl",
         "gold_nll",
+        "answer_agree",
         "agree_exact",
         "agree_rouge_l",
         "contains",
@@ -788,7 +800,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_KEYS = ("kl_first_token", "answer_kl", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
+SUMMARY_KEYS = ("kl_first_token", "answer_kl", "gold_nll", "answer_agree", "agree_exact", "agree_rouge_l", "contains")
 
 
 def summarize(rows: list[dict], records: list[dict] | None = None, n_boot: int = 2000, seed: int = 0) -> dict:
