@@ -400,9 +400,11 @@ def _finish(
     """The records of fused variants: each one's greedy answer and answer-level KL, all decoded
     at once (`decode_answers`), and its answer-level fidelity to full prefill (eval/fidelity.py:
     one teacher-forced full-prefill forward over the prompt and the variant's answer)."""
-    answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new)
+    own: list[list[float]] = []
+    answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new, own)
+    question = set(prompt.segments[-1].token_ids.tolist())  # the suffix: the question and the answer cue
     records = []
-    for (label, method, ratio, opts, sel, sc, _, _), ids, rows in zip(group, answers, forced):
+    for (label, method, ratio, opts, sel, sc, _, _), ids, rows, mine in zip(group, answers, forced, own):
         per_token = answer_kl(full_seq_logits, rows)
         answer = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
         fid = F.measure(engine.adapter, prompt.token_ids, ids)
@@ -415,6 +417,10 @@ def _finish(
             answer_agree=fid.agree,
             answer_prefix=fid.prefix,
             split_margin=fid.split_margin,
+            # the answer's own greedy margins, and which of its tokens are not in the question
+            # (the content tokens: an answer that restates the question first has few early on)
+            answer_margins=[round(m, 5) for m in mine],
+            content_mask=[int(t not in question) for t in ids],
             kl_first_token=sc["kl_first_token"],
             answer_kl=float(per_token.mean()),
             answer_tokens=len(full_seq),
@@ -440,7 +446,12 @@ def _finish(
 
 
 def decode_answers(
-    engine: QCFuseEngine, caches: list[KVCache], firsts: list[torch.Tensor], seq: list[int], max_new: int
+    engine: QCFuseEngine,
+    caches: list[KVCache],
+    firsts: list[torch.Tensor],
+    seq: list[int],
+    max_new: int,
+    margins: list[list[float]] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Per prompt cache (its first-token logits beside it): the greedy answer ids as `_greedy`
     decodes them, and the teacher forcing of `seq` as `forced_logits` computes it - the same
@@ -453,7 +464,9 @@ def decode_answers(
       sequence's arithmetic unchanged, the weights read once for all of them).
 
     -> (answer ids per cache, forced logits (len(seq) or 1, vocab) per cache). Each cache is
-    left at a length past its prompt (decode from it again only after resetting length)."""
+    left at a length past its prompt (decode from it again only after resetting length).
+    margins: a list that gets, per cache, the p1 - p2 margin of every greedy choice (the
+    answer's own confidence, token by token: the guard's candidate signals)."""
     eos = eos_ids(engine.adapter)
     B, n = len(caches), len(seq)
     need = 1 + max(0, n - 1)  # forced rows: the first token's, then one per seq token but the last
@@ -462,6 +475,7 @@ def decode_answers(
     rows: list[list[torch.Tensor]] = [[f.float()] for f in firsts]
     match = [True] * B  # ids[b] == seq[:len(ids[b])] so far
     token = [int(torch.argmax(f)) for f in firsts]
+    own = [[first_token_margin(f)] for f in firsts]
     active = [b for b in range(B) if token[b] not in eos and max_new > 0]
     while active:  # greedy, as _greedy_seq
         stepping = []
@@ -479,6 +493,7 @@ def decode_answers(
             if match[b] and len(rows[b]) == len(ids[b]) and len(rows[b]) < need:  # prefix seq[:len(ids)]
                 rows[b].append(logits.float())
             token[b] = int(torch.argmax(logits))
+            own[b].append(first_token_margin(logits))
         active = [b for b in stepping if token[b] not in eos]
     # the forced pass from where each answer left seq: row i decodes seq[i - 1] after seq[:i - 1]
     for b in range(B):
@@ -491,6 +506,8 @@ def decode_answers(
         todo = [b for b in todo if len(rows[b]) < need]
     for c, s in zip(caches, start):
         c.length = s
+    if margins is not None:
+        margins.extend(m[: max(1, len(i))] for m, i in zip(own, ids))
     return ids, [torch.stack(r) for r in rows]
 
 
