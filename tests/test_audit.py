@@ -5,6 +5,9 @@ conservative and speeds up as evidence accrues."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import threading
 
 import pytest
@@ -22,6 +25,16 @@ from qcfuse_core.engine.audit import (
 )
 from qcfuse_core.eval.fidelity import AnswerFidelity
 from qcfuse_core.store import MemoryStore
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    from qcfuse_core.cli.commands import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(argv)
+    return code, buf.getvalue()
+
 
 QUESTIONS = [f"Which document mentions word{i % 4}x{i % 10}?" for i in range(12)]
 
@@ -115,6 +128,12 @@ def test_the_share_after_warm_up_and_a_restart_keeps_the_ledger(tiny, tmp_path):
         assert again.stats().fidelity["configs"]["qcfuse@0.15"]["n"] == 4
     finally:
         again.close()
+    code, out = _cli(["fidelity", "--dir", str(tmp_path / "fid")])
+    assert code == 0 and f"({tiny.fingerprint()}): 4 live answers audited" in out
+    assert "| qcfuse@0.15 | 4 |" in out and "by chunk-length band" in out
+    code, out = _cli(["fidelity", "--dir", str(tmp_path / "fid"), "--json"])
+    assert json.loads(out)[0]["configs"]["qcfuse@0.15"]["n"] == 4
+    assert _cli(["fidelity", "--dir", str(tmp_path / "none")])[1].startswith("no audited answers yet")
     path.write_text("{not json")
     damaged = make(tiny, tmp_path, audit=cfg)
     try:
@@ -192,3 +211,22 @@ def test_settings_are_checked():
     led = Ledger("x", "m", None)
     led.add("qcfuse@0.15", "<=80", _fid(0.5), shadow=True)
     assert led.samples == 0 and led.to_dict()["configs"]["qcfuse@0.15"]["n"] == 1  # shadows: not live samples
+
+
+def test_a_model_calibrated_nowhere_gets_its_guard_threshold_from_its_audit(tiny, tmp_path):  # noqa: F811
+    eng = make(tiny, tmp_path, audit=AuditConfig(directory=str(tmp_path / "f"), min_samples=3))
+    try:
+        first = eng.answer(QUESTIONS[0], SERVE_DOCS[:3], max_new_tokens=4)
+        assert first.guard is not None and first.guard.code == "uncalibrated"  # the tiny model has no calibration
+        for q in QUESTIONS[1:4]:
+            eng.audit.wait(60)
+            eng.answer(q, SERVE_DOCS[:3], max_new_tokens=4)
+        eng.audit.wait(60)
+        pairs = eng.audit.ledger.configs["qcfuse@0.15"]["margins"]
+        assert len(pairs) == 4 and not all(a for _, a in pairs)  # some fused first tokens parted
+        threshold = eng.audit.guard_threshold("qcfuse", 0.15)
+        assert threshold is not None and threshold > min(m for m, a in pairs if not a)
+        got = eng.answer(QUESTIONS[5], SERVE_DOCS[:3], max_new_tokens=4)
+        assert got.guard.threshold == threshold and "self-calibration" in got.guard.source
+    finally:
+        eng.close()

@@ -139,6 +139,7 @@ class QCFuseEngine:
             lambda work: self._scheduler.submit_idle(work),
             shadow=self._shadow,
         )
+        self._steps.guard.self_calibration = self._audit.guard_threshold  # a model calibrated nowhere
         self._lock = threading.Lock()
         self._closed = False
         self._texts_at_close: int | None = None  # the chunk-text index's size when it closed

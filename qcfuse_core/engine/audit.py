@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qcfuse_core.engine.guard import first_token_margin
 from qcfuse_core.eval.fidelity import AnswerFidelity, measure
 from qcfuse_core.paths import cache_dir
 from qcfuse_core.selection import get_selector
@@ -64,6 +65,7 @@ CANDIDATE_RATIOS = (0.15, 0.3, 0.5)  # what the fidelity target chooses among, c
 CONSERVATIVE_RATIO = 0.5  # the target's choice until the audit has evidence
 KEPT_VALUES = 2000  # per configuration: the most recent per-request agreements kept for intervals
 Z95 = 1.96
+GUARD_CATCH = 0.9  # the self-calibrated guard's catch rate of first-token divergences (calibrate-guard's default)
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,10 @@ class Ledger:
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("fidelity ledger %s is unreadable (%s); starting a new one", path, e)
 
-    def add(self, label: str, band_name: str, fid: AnswerFidelity, shadow: bool) -> None:
+    def add(self, label: str, band_name: str, fid: AnswerFidelity, shadow: bool, margin: float | None = None) -> None:
         entry = self.configs.setdefault(label, {"all": _group(), "bands": {}})
+        if margin is not None:  # (the fused first-token margin, first token agreed): the guard's calibration
+            entry["margins"] = (entry.get("margins", []) + [[round(margin, 6), int(fid.first_agree)]])[-KEPT_VALUES:]
         _add(entry["all"], fid, keep=True)
         _add(entry["bands"].setdefault(band_name, _group()), fid, keep=True)
         if not shadow:
@@ -268,6 +272,7 @@ class Sample:
     method: str
     ratio: float | None
     generation: GenerationConfig
+    margin: float | None = None  # the fused first-token margin the guard read (None: unknown)
 
 
 def eligible(result: FusionResult, generation: GenerationConfig) -> bool:
@@ -284,9 +289,13 @@ def sample_of(result: FusionResult, pieces: Sequence[Piece], generation: Generat
     ratio = result.requested_ratio if result.requested_method is not None else result.ratio
     lengths = [s.end - s.start for s in result.spans if s.kind == "chunk"]
     assert result.prompt_ids is not None
+    g = result.guard
+    margin = g.value if g is not None and g.value is not None else None
+    if margin is None and result.first_logits is not None and not (g is not None and g.rungs):
+        margin = first_token_margin(result.first_logits)
     return Sample(
         result.prompt_ids, list(result.token_ids), config_label(method, ratio), band(lengths), tuple(pieces),
-        method, ratio, generation,
+        method, ratio, generation, margin,
     )  # fmt: skip
 
 
@@ -371,7 +380,7 @@ class Audit:
             raise
         led = self.ledger
         with self._lock:
-            led.add(sample.label, sample.band, fid, shadow)
+            led.add(sample.label, sample.band, fid, shadow, sample.margin)
             self.counts["shadow" if shadow else "audited"] += 1
             self._summaries = {}
         try:
@@ -399,8 +408,9 @@ class Audit:
         got = self._shadow(sample.pieces, sample.method, ratio, sample.generation)
         if got.prompt_ids is None or not got.token_ids:
             return None
+        margin = got.guard.value if got.guard is not None else None
         again = Sample(got.prompt_ids, list(got.token_ids), config_label(sample.method, ratio), sample.band,
-                       sample.pieces, sample.method, ratio, sample.generation)  # fmt: skip
+                       sample.pieces, sample.method, ratio, sample.generation, margin)  # fmt: skip
         return self.check(again, shadow=True)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -470,3 +480,21 @@ class Audit:
         have = ", ".join(f"{r:g}: {s['n']}" for r, s in rows)
         why = f"not enough evidence yet (samples per ratio {have}; {need} needed): conservative {CONSERVATIVE_RATIO:g}"
         return Choice(method, CONSERVATIVE_RATIO, "conservative", why)
+
+    # ------------------------------------------------------------------ the guard's self-calibration
+    def guard_threshold(self, method: str, ratio: float) -> float | None:
+        """For a model the guard has no calibration for: the threshold its audit samples at
+        this configuration give - the smallest fused first-token margin that escalates at
+        least GUARD_CATCH of the answers whose first token parted from full prefill's
+        (`calibrate-guard`'s rule) - once `min_samples` of them hold a margin and at least
+        one parted; None before."""
+        need = self._config().min_samples
+        led = self.ledger
+        with self._lock:
+            entry = led.configs.get(config_label(method, ratio), {})
+            pairs = [(float(m), bool(a)) for m, a in entry.get("margins", [])]
+        if len(pairs) < need or all(a for _, a in pairs):
+            return None
+        from qcfuse_core.eval.guard_calibration import pick_threshold  # (it imports the engine)
+
+        return pick_threshold(pairs, GUARD_CATCH)

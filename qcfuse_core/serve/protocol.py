@@ -322,6 +322,8 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
         "context_tokens": result.context_tokens,
         "recompute_share": round(result.recompute_share, 4),
         "guard": result.guard.to_dict() if result.guard is not None else None,
+        # the configuration used and this deployment's measured fidelity of it (engine/audit.py)
+        "fidelity": result.fidelity,
     }
 
 
