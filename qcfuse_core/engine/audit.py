@@ -63,7 +63,7 @@ VERSION = 1
 BANDS = ((80, "<=80"), (256, "81-256"), (1024, "257-1024"), (None, ">1024"))  # shortest chunk, tokens
 CANDIDATE_RATIOS = (0.15, 0.3, 0.5)  # what the fidelity target chooses among, cheapest first
 CONSERVATIVE_RATIO = 0.5  # the target's choice until the audit has evidence
-KEPT_VALUES = 2000  # per configuration: the most recent per-request agreements kept for intervals
+KEPT_VALUES = 1000  # per configuration: the most recent per-request agreements kept for intervals
 Z95 = 1.96
 GUARD_CATCH = 0.9  # the self-calibrated guard's catch rate of first-token divergences (calibrate-guard's default)
 
@@ -131,7 +131,7 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float] | None:
     return round(max(0.0, mid - half), 4), round(min(1.0, mid + half), 4)
 
 
-def bootstrap(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple[float, float] | None:
+def bootstrap(values: Sequence[float], n_boot: int = 500, seed: int = 0) -> tuple[float, float] | None:
     """A 95% bootstrap interval of the mean of `values` (fixed seed: the same ledger gives the
     same interval)."""
     if not values:
@@ -378,20 +378,28 @@ class Audit:
             with self._lock:
                 self.counts["failed"] += 1
             raise
-        led = self.ledger
-        with self._lock:
-            led.add(sample.label, sample.band, fid, shadow, sample.margin)
-            self.counts["shadow" if shadow else "audited"] += 1
-            self._summaries = {}
-        try:
-            led.save()
-        except OSError as e:
-            log.warning("the fidelity ledger could not be written (%s); kept in memory", e)
+        self.add(sample.label, sample.band, fid, shadow, sample.margin)
         if not shadow and self._target() is not None and self._shadow is not None:
             ratio = self._wanted(sample)
             if ratio is not None:
                 self._queue(lambda: self.run_shadow(sample, ratio))
         return fid
+
+    def add(
+        self, label: str, band_name: str, fid: AnswerFidelity, shadow: bool = False, margin: float | None = None
+    ) -> None:
+        """Record one measured answer (`check`'s; a caller's own measurement too) and save the ledger."""
+        led = self.ledger
+        with self._lock:
+            led.add(label, band_name, fid, shadow, margin)
+            self.counts["shadow" if shadow else "audited"] += 1
+        summary = led.to_dict()  # its intervals computed here, in idle time, not as requests finish
+        with self._lock:
+            self._summaries = {"ledger": summary}
+        try:
+            led.save()
+        except OSError as e:
+            log.warning("the fidelity ledger could not be written (%s); kept in memory", e)
 
     def _wanted(self, sample: Sample) -> float | None:
         """The candidate ratio with the fewest samples under `min_samples` (not the sample's own)."""
@@ -424,7 +432,8 @@ class Audit:
 
     # ------------------------------------------------------------------ what it knows
     def summary(self) -> dict[str, Any]:
-        """The ledger's `to_dict()` (kept until the next check: intervals are not free)."""
+        """The ledger's `to_dict()`: made by each check, in idle time (intervals are not free),
+        and once when the ledger is first read."""
         led = self.ledger
         with self._lock:
             if "ledger" not in self._summaries:
