@@ -227,3 +227,15 @@ def test_a_model_calibrated_nowhere_gets_its_guard_threshold_from_its_audit(tiny
         assert got.guard.threshold == threshold and "self-calibration" in got.guard.source
     finally:
         eng.close()
+
+
+def test_serve_takes_a_fidelity_target():
+    from qcfuse_core.cli.commands import build_parser
+    from qcfuse_core.engine.audit import DEFAULT_FIDELITY
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).fidelity is None
+    assert parse(["serve", "--fidelity"]).fidelity == DEFAULT_FIDELITY
+    assert parse(["serve", "--fidelity", "0.9"]).fidelity == 0.9
+    with pytest.raises(SystemExit):
+        parse(["serve", "--fidelity", "1.5"])

@@ -63,6 +63,9 @@ VERSION = 1
 BANDS = ((80, "<=80"), (256, "81-256"), (1024, "257-1024"), (None, ">1024"))  # shortest chunk, tokens
 CANDIDATE_RATIOS = (0.15, 0.3, 0.5)  # what the fidelity target chooses among, cheapest first
 CONSERVATIVE_RATIO = 0.5  # the target's choice until the audit has evidence
+# the recommended target (`qcfuse serve --fidelity` alone): the mean answer-token agreement a
+# fixed ratio of 0.5 reaches on the dev sets, SmolLM2-135M (docs/benchmarks.md, "Fidelity")
+DEFAULT_FIDELITY = 0.97
 KEPT_VALUES = 1000  # per configuration: the most recent per-request agreements kept for intervals
 Z95 = 1.96
 GUARD_CATCH = 0.9  # the self-calibrated guard's catch rate of first-token divergences (calibrate-guard's default)

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from qcfuse_core.cli.flags import above, at_least, port, share
+from qcfuse_core.engine.audit import DEFAULT_FIDELITY
 
 DEFAULT_PORT = 8000
 BACKLOG = 2048  # uvicorn's default
@@ -104,11 +105,15 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--fidelity",
         type=share,
+        nargs="?",
+        const=DEFAULT_FIDELITY,
         default=None,
         metavar="AGREEMENT",
-        help="the answer-token agreement with full prefill wanted (e.g. 0.9): requests that name no "
-        "ratio get the cheapest configuration this deployment's audit shows meets it, a conservative "
-        "one until it has evidence, full prefill where none does (engine/audit.py; default: the fixed ratio)",
+        help="the answer-token agreement with full prefill wanted: requests that name no ratio get the "
+        "cheapest configuration this deployment's audit shows meets it, a conservative one until it has "
+        f"evidence, full prefill where none does (engine/audit.py); --fidelity alone: {DEFAULT_FIDELITY:g}, "
+        'what a fixed ratio of 0.5 reaches on the dev sets (docs/benchmarks.md, "Fidelity") '
+        "(default: none, the fixed ratio)",
     )
     _learning_options(p)
     _replica_options(p)
