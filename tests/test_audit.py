@@ -239,3 +239,27 @@ def test_serve_takes_a_fidelity_target():
     assert parse(["serve", "--fidelity", "0.9"]).fidelity == 0.9
     with pytest.raises(SystemExit):
         parse(["serve", "--fidelity", "1.5"])
+
+
+def test_the_target_decides_by_the_requests_chunk_length_band_before_its_fused_pass(tiny, tmp_path):  # noqa: F811
+    eng = make(tiny, tmp_path, fidelity=0.8, audit=AuditConfig(directory=str(tmp_path / "f"), min_samples=4))
+    try:
+        for _ in range(4):  # short chunks lose more at 0.15 than long ones; 0.3 holds them
+            eng.audit.add("qcfuse@0.15", "<=80", _fid(0.5))
+            eng.audit.add("qcfuse@0.3", "<=80", _fid(0.9))
+        for _ in range(8):
+            eng.audit.add("qcfuse@0.15", ">1024", _fid(1.0))
+        assert eng.audit.summary()["configs"]["qcfuse@0.15"]["agree"] >= 0.8  # over every band it meets 0.8
+        assert eng.audit.choose("qcfuse").ratio == 0.15
+        assert eng.audit.choose("qcfuse", ">1024").ratio == 0.15
+        short = eng.audit.choose("qcfuse", "<=80")
+        assert short.ratio == 0.3 and "on chunks of <=80 tokens" in short.reason
+        short_docs = [d[:40] for d in SERVE_DOCS[:3]]
+        assert band([len(eng.caches.tokenize(d)) for d in short_docs]) == "<=80"
+        got = eng.answer(QUESTIONS[0], short_docs, max_new_tokens=2)  # chosen before its fused pass
+        assert got.requested_ratio == 0.3 and "<=80" in got.fidelity["reason"]
+        long_docs = [" ".join([d] * 12) for d in SERVE_DOCS[:3]]
+        assert band([len(eng.caches.tokenize(d)) for d in long_docs]) == ">1024"
+        assert eng.answer(QUESTIONS[0], long_docs, max_new_tokens=2).requested_ratio == 0.15
+    finally:
+        eng.close()

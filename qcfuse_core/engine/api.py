@@ -53,7 +53,7 @@ from qcfuse_core.cache.builder import ChunkBuilder
 from qcfuse_core.cache.chunks import ChunkCaches, ChunkLookup
 from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path
 from qcfuse_core.cache.prefetch import PrefetchConfig
-from qcfuse_core.engine.audit import Audit, Choice
+from qcfuse_core.engine.audit import Audit, Choice, band
 from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import PromptFrame
 from qcfuse_core.engine.generation import GenerationConfig
@@ -426,7 +426,7 @@ class QCFuseEngine:
         if callable(prompt):
             raise TypeError("a request takes its prompt as data: pass the pieces (or a Prompt), not a function")
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(tuple(prompt))
-        choice = self._target_choice(method, ratio)
+        choice = self._target_choice(method, ratio, prompt.pieces)
         if choice is not None:
             method, ratio = choice.method, choice.ratio
         method = method or self._config.method
@@ -456,15 +456,17 @@ class QCFuseEngine:
             prompt, method, ratio, gen, emit_audited, sync_stages=sync_stages, started=started, guard=guard
         )
 
-    def _target_choice(self, method: str | None, ratio: float | None) -> Choice | None:
+    def _target_choice(self, method: str | None, ratio: float | None, pieces: Sequence[Piece]) -> Choice | None:
         """With a fidelity target (`EngineConfig.fidelity`), a request naming no ratio (and no
-        method but the engine's) gets the configuration the audit chooses; else None."""
+        method but the engine's) gets the configuration the audit chooses for its chunks'
+        length band (decided before any pass: their token counts are cached per text); else None."""
         cfg = self._config
         if cfg.fidelity is None or ratio is not None or method not in (None, cfg.method):
             return None
         if not SELECTORS[cfg.method].uses_ratio:
             return None
-        return self._audit.choose(cfg.method)
+        lengths = [int(self._lookup.chunk_tokens(p.text)[0].numel()) for p in pieces if p.kind == "chunk"]
+        return self._audit.choose(cfg.method, band(lengths))
 
     def _shadow(self, pieces: Sequence[Piece], method: str, ratio: float, gen: GenerationConfig) -> FusionResult:
         """A request answered alone at `ratio` in the calling thread (the scheduler's worker, in

@@ -473,23 +473,32 @@ class Audit:
             "samples": self.summary()["samples"],
         }
 
-    def choose(self, method: str) -> Choice:
+    def choose(self, method: str, band_name: str | None = None) -> Choice:
         """The cheapest candidate configuration of `method` the audit shows meets the target
         (module docstring); the conservative one until there is evidence; full prefill when
-        none does."""
+        none does. band_name: the request's chunk-length band (`band`), known before its
+        fused pass - where the audit has `min_samples` of that band at a ratio, the band's
+        agreement decides for it instead of the configuration's over every band (short
+        chunks lose more at a ratio than long ones)."""
         target, need = self._target(), self._config().min_samples
         assert target is not None
         configs = self.summary()["configs"]
-        rows = [(r, configs.get(config_label(method, r), {"n": 0, "agree": None})) for r in CANDIDATE_RATIOS]
-        for r, s in rows:
+        rows = []
+        for r in CANDIDATE_RATIOS:
+            s = configs.get(config_label(method, r), {"n": 0, "agree": None, "bands": {}})
+            b = s.get("bands", {}).get(band_name) if band_name is not None else None
+            rows.append((r, b if b is not None and b["n"] >= need else s, b is not None and b["n"] >= need))
+        for r, s, by_band in rows:
             if s["n"] >= need and s["agree"] >= target:
-                why = f"measured agreement {s['agree']:.3f} >= target {target:g} over {s['n']} requests"
+                where = f" on chunks of {band_name} tokens" if by_band else ""
+                why = f"measured agreement{where} {s['agree']:.3f} >= target {target:g} over {s['n']} requests"
                 return Choice(method, r, "measured", why)
-        cons = dict(rows)[CONSERVATIVE_RATIO]
-        if cons["n"] >= need or all(s["n"] >= need for _, s in rows):
+        plain = [(r, s) for r, s, _ in rows]
+        cons = dict(plain)[CONSERVATIVE_RATIO]
+        if cons["n"] >= need or all(s["n"] >= need for _, s in plain):
             why = f"no fused configuration meets target {target:g} (at {CONSERVATIVE_RATIO:g}: {cons['agree']:.3f})"
             return Choice("full", None, "full", why + ": full prefill")
-        have = ", ".join(f"{r:g}: {s['n']}" for r, s in rows)
+        have = ", ".join(f"{r:g}: {s['n']}" for r, s in plain)
         why = f"not enough evidence yet (samples per ratio {have}; {need} needed): conservative {CONSERVATIVE_RATIO:g}"
         return Choice(method, CONSERVATIVE_RATIO, "conservative", why)
 
