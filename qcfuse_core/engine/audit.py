@@ -64,7 +64,8 @@ BANDS = ((80, "<=80"), (256, "81-256"), (1024, "257-1024"), (None, ">1024"))  # 
 CANDIDATE_RATIOS = (0.15, 0.3, 0.5)  # what the fidelity target chooses among, cheapest first
 CONSERVATIVE_RATIO = 0.5  # the target's choice until the audit has evidence
 # the recommended target (`qcfuse serve --fidelity` alone): the mean answer-token agreement a
-# fixed ratio of 0.5 reaches on the dev sets, SmolLM2-135M (docs/benchmarks.md, "Fidelity")
+# fixed ratio of 0.5 reaches, rounded up (SmolLM2-135M, hotpotqa_train 0-4: 0.968; a small
+# sample - docs/benchmarks.md, "Fidelity")
 DEFAULT_FIDELITY = 0.97
 KEPT_VALUES = 1000  # per configuration: the most recent per-request agreements kept for intervals
 Z95 = 1.96

@@ -112,7 +112,7 @@ def add_commands(sub) -> None:
         help="the answer-token agreement with full prefill wanted: requests that name no ratio get the "
         "cheapest configuration this deployment's audit shows meets it, a conservative one until it has "
         f"evidence, full prefill where none does (engine/audit.py); --fidelity alone: {DEFAULT_FIDELITY:g}, "
-        'what a fixed ratio of 0.5 reaches on the dev sets (docs/benchmarks.md, "Fidelity") '
+        'what a fixed ratio of 0.5 reaches on a QA set (docs/benchmarks.md, "Fidelity") '
         "(default: none, the fixed ratio)",
     )
     _learning_options(p)
