@@ -15,7 +15,8 @@ integrations (`qcfuse_integrations`) use these names only.
     configuration      EngineConfig and its parts: FrameConfig (the prompt frame),
                        SchedulerConfig (queue and batch bounds), CacheConfig (KV budget,
                        tiers, chunk sink), QCFuseOptions (selection), GuardConfig (the
-                       quality guard); GenerationConfig (a request's decoding)
+                       quality guard), AuditConfig (the audit of live traffic; the fidelity
+                       target is EngineConfig.fidelity); GenerationConfig (a request's decoding)
     results and ids    FusionResult (its quality guard's GuardReport), ChunkKey, NodeId, Piece
     methods            SELECTORS: the recompute methods by name (`method=`), "qcfuse" and the
                        baselines
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports each n
     from qcfuse_core.engine.api import EngineStats as EngineStats
     from qcfuse_core.engine.api import QCFuseEngine as QCFuseEngine
     from qcfuse_core.engine.api import open_engine as open_engine
+    from qcfuse_core.engine.audit import AuditConfig as AuditConfig
     from qcfuse_core.engine.chat import TOOL_SYSTEM as TOOL_SYSTEM
     from qcfuse_core.engine.chat import ToolCall as ToolCall
     from qcfuse_core.engine.chat import forced_tools as forced_tools
@@ -104,6 +106,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "CacheConfig": ("qcfuse_core.engine.config", "CacheConfig"),
     "QCFuseOptions": ("qcfuse_core.selection.options", "QCFuseOptions"),
     "GuardConfig": ("qcfuse_core.engine.guard", "GuardConfig"),
+    "AuditConfig": ("qcfuse_core.engine.audit", "AuditConfig"),
     "GenerationConfig": ("qcfuse_core.engine.generation", "GenerationConfig"),
     # results and ids
     "FusionResult": ("qcfuse_core.types", "FusionResult"),

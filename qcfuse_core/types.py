@@ -240,6 +240,9 @@ class FusionResult:
     # (None: nothing escalated, or an engine that reports only what was asked)
     requested_method: str | None = None
     requested_ratio: float | None = None
+    # the configuration used and this deployment's measured fidelity of it (engine/audit.py:
+    # target, config, status, reason, measured {n, agree, agree_ci}, samples); None: not reported
+    fidelity: dict[str, Any] | None = None
 
     @property
     def recompute_share(self) -> float:
@@ -271,6 +274,7 @@ class FusionResult:
             "store": self.store_stats,
             **({"plan": self.plan} if self.plan else {}),
             **({"guard": self.guard.to_dict()} if self.guard is not None else {}),
+            **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 
     def what_answered(self) -> str:

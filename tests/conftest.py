@@ -40,6 +40,19 @@ def smol_engine(smol):
     return QCFuseEngine(smol)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fidelity_ledgers_in_tmp(tmp_path_factory):
+    """The engine's audit (engine/audit.py) keeps its ledgers in a temporary folder, never the
+    user's cache dir (subprocesses inherit it)."""
+    old = os.environ.get("QCFUSE_FIDELITY_DIR")
+    os.environ["QCFUSE_FIDELITY_DIR"] = str(tmp_path_factory.mktemp("fidelity"))
+    yield
+    if old is None:
+        os.environ.pop("QCFUSE_FIDELITY_DIR", None)
+    else:
+        os.environ["QCFUSE_FIDELITY_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -77,3 +77,43 @@ def test_the_shipped_guard_keeps_the_fact(short):
     got = engine.answer(QUESTION, docs, max_new_tokens=NEW)
     assert got.guard is not None and got.guard.threshold is not None  # the packaged calibration
     assert FACT in got.text
+
+
+QUESTIONS = [
+    QUESTION,
+    "Who was the engineer of the Varnholt Bridge?",
+    "Who led the team that installed the Aurora telescope?",
+    "In which year did Oskar Lind discover lindite?",
+    "Where does The Grey Harbour hang?",
+    "When was the lighthouse on Pell Point built?",
+]
+
+
+def test_the_default_fidelity_target_keeps_short_chunks_at_full_prefills_answers(smol_engine, tmp_path):
+    """The fidelity target (engine/audit.py) at its recommended value on these short chunks:
+    conservative (0.5) until the audit has evidence, which it gathers in idle time - the live
+    answers checked and the cheaper ratios answered and checked beside them - and then, since
+    no fused ratio reaches the target on chunks this short (docs/benchmarks.md, "Fidelity"),
+    full prefill: its answers agree with full prefill's at the target."""
+    from qcfuse_core.engine.audit import DEFAULT_FIDELITY, AuditConfig
+    from qcfuse_core.eval.fidelity import measure
+
+    docs = CHUNKS[:]
+    random.Random(0).shuffle(docs)
+    cfg = EngineConfig(fidelity=DEFAULT_FIDELITY, audit=AuditConfig(directory=str(tmp_path), min_samples=4))
+    engine = internals(smol_engine).replace(
+        store=MemoryStore(), config=cfg
+    )  # shares smol_engine's text index: not closed
+    engine.build_chunks(docs)
+    statuses = []
+    for q in QUESTIONS:
+        got = engine.answer(q, docs, max_new_tokens=NEW)
+        statuses.append(got.fidelity["status"])
+        engine.audit.wait(300)
+        engine.audit.wait(300)  # the live check, then its shadow answer and check
+    assert statuses[0] == "conservative"
+    final = [engine.answer(q, docs, max_new_tokens=NEW) for q in QUESTIONS[:3]]
+    assert all(r.fidelity["status"] == "full" for r in final), [r.fidelity for r in final]
+    agree = [measure(engine.adapter, r.prompt_ids, r.token_ids).agree for r in final]
+    assert sum(agree) / len(agree) >= DEFAULT_FIDELITY
+    assert "<=80" in engine.stats().fidelity["configs"]["qcfuse@0.5"]["bands"]

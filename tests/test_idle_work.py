@@ -11,9 +11,14 @@ import time
 import pytest
 
 from qcfuse_core.engine.api import QCFuseEngine
+from qcfuse_core.engine.audit import AuditConfig
+from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.model.testing import tiny_model
 from qcfuse_core.store import MemoryStore
 
+# the fidelity audit's checks are idle work too (engine/audit.py, tests/test_audit.py): these
+# tests count the chunk builds alone
+NO_AUDIT = EngineConfig(audit=AuditConfig(enabled=False))
 DOCS = [f"Document {i}: " + " ".join(f"note{i}z{j}" for j in range(10)) for i in range(4)]
 
 
@@ -31,7 +36,7 @@ def test_idle_work_never_runs_beside_a_request_and_requests_go_first(tiny):
     """Requests submitted while a backlog of idle work is under way are admitted after the
     piece running then, before the rest of the backlog; every piece sees no request waiting
     or running; the backlog is then worked through."""
-    eng = QCFuseEngine(tiny, store=MemoryStore())
+    eng = QCFuseEngine(tiny, store=MemoryStore(), config=NO_AUDIT)
     eng.build_chunks(DOCS)
     sched = eng._scheduler
     events: list[tuple[str, int]] = []
@@ -65,7 +70,7 @@ def test_idle_work_never_runs_beside_a_request_and_requests_go_first(tiny):
 def test_build_chunks_in_the_background_builds_them_in_idle_steps(tiny):
     """`build_chunks(background=True)`: one idle piece per new chunk; the caches are stored
     and the next request hits them; an error of a piece reaches the caller."""
-    eng = QCFuseEngine(tiny, store=MemoryStore())
+    eng = QCFuseEngine(tiny, store=MemoryStore(), config=NO_AUDIT)
     keys = eng.build_chunks(DOCS, register=False, background=True)
     assert all(eng.caches.store.contains(k) for k in keys)
     assert eng.stats().scheduler.idle_tasks == len(DOCS)
@@ -88,7 +93,7 @@ def test_build_chunks_in_the_background_builds_them_in_idle_steps(tiny):
 def test_idle_work_waits_for_a_quiet_spell_after_the_last_request(tiny):
     """Background work starts only once no request has waited or run for `idle_after_s`
     (IDLE_WORK_AFTER_S): a request sent right after another finds no piece under way."""
-    eng = QCFuseEngine(tiny, store=MemoryStore())
+    eng = QCFuseEngine(tiny, store=MemoryStore(), config=NO_AUDIT)
     sched = eng._scheduler
     sched.idle_after_s = 2.0
     eng.answer("Which note is 1?", DOCS, method="qcfuse", ratio=0.3, max_new_tokens=2)

@@ -96,6 +96,8 @@ def test_lcel_with_a_plain_retriever_and_no_builder_hits_on_the_second_call(tmp_
     assert stats(first)["chunks"] == 2 and None not in stats(first)["chunk_ids"]  # learned from the retriever
     assert stats(second)["cache_hits"] == 2 and stats(second)["cache_misses"] == 0
     assert stats(second)["guard"]["signal"] == "first_token_margin" and stats(second)["guard"]["action"]  # issue 53
+    assert stats(second)["fidelity"]["config"] == "qcfuse@0.15"  # the configuration and its audited fidelity
+    assert stats(second)["fidelity"]["status"] == "fixed" and "measured" in stats(second)["fidelity"]
     assert second.content == first.content  # greedy, same prompt
     assert chat.learner.counters()["unmatched_prompts"] == 0
 

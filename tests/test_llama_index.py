@@ -240,6 +240,7 @@ async def test_chat_through_the_chat_template(example, index):
     stats = reply.additional_kwargs["qcfuse"]
     assert stats["chunks"] == 1 and stats["cache_hits"] == 1  # the ingested chunk, found inside the message
     assert reply.raw["qcfuse"]["guard"]["signal"] == "first_token_margin" and stats["guard"]["action"]  # issue 53
+    assert stats["fidelity"]["config"] == "qcfuse@0.15" and "measured" in stats["fidelity"]  # the audit's report
     rendered = llm.engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": f"{chunk}\n\n{Q_FOUNDER}"}],
         tokenize=False, add_generation_prompt=True)

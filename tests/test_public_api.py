@@ -48,12 +48,12 @@ ENGINE_FACE = {
     "answer", "stream", "aanswer", "astream", "complete", "acomplete", "build_chunks", "stats", "close",
     "config", "adapter", "tokenizer", "frame", "caches",
 }
-ENGINE_PARTS = {"lookup", "builder", "kv_budget"}  # what its steps and scheduler use
+ENGINE_PARTS = {"lookup", "builder", "kv_budget", "audit"}  # what its steps and scheduler use; its audit
 
 
 def test_the_engine_face_is_the_verbs_users_need():
     """QCFuseEngine's public names: the request verbs, ingestion, stats and close, five
-    read-only properties, and its three parts (read-only); everything else is private, the
+    read-only properties, and its four parts (read-only); everything else is private, the
     parts' or the steps'."""
     from qcfuse_core import QCFuseEngine
 

@@ -219,8 +219,12 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
     path = bq.reference_path(ref_dir, "toy_s", first[0]["id"])
     assert path.is_file() and sorted(p.name for p in ref_dir.rglob("*")) == sorted(["toy_s", path.name])  # no temp file
 
-    def no_forward(*a, **k):
-        raise AssertionError("full prefill ran again")
+    ref_ids, real_forward = _prompt_g(smol_engine, ex).token_ids, smol_engine.adapter.hf_forward
+
+    def no_forward(ids, *a, **k):  # the reference's forward (prompt + gold) must not run again
+        if torch.equal(torch.as_tensor(ids).cpu(), ref_ids.cpu()):
+            raise AssertionError("full prefill ran again")
+        return real_forward(ids, *a, **k)  # the answer-level fidelity's: prompt + a fused answer
 
     monkeypatch.setattr(smol_engine.adapter, "hf_forward", no_forward)
     again = bq.run(smol_engine, str(data), ["full", "qcfuse", "naive"], [0.3], limit=None, max_new=6,
@@ -229,6 +233,7 @@ def test_full_prefill_reference_is_stored_and_reused(smol_engine, tmp_path, monk
     for k in ("answer", "gold_nll", "agree_exact", "contains", "ttft_ms"):
         assert again[0][k] == first[0][k]
     assert again[1]["kl_first_token"] > 0 and again[2]["kl_first_token"] > again[1]["kl_first_token"]
+    assert all(0.0 <= r["answer_agree"] <= 1.0 for r in again) and again[0]["answer_agree"] == 1.0
     # the same question with fewer new tokens is another reference: full prefill must run again
     with pytest.raises(AssertionError, match="ran again"):
         bq.run_example(smol_engine, ex, ["full"], [], {}, max_new=5, reference=path)

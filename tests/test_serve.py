@@ -76,6 +76,8 @@ def test_completions_are_engine_complete(client, engine):
     assert stats["cache_hits"] == 2 and stats["cache_misses"] == 0 and stats["chunk_ids"] == ["doc-0", "doc-1"]
     assert stats["context_tokens"] == want.context_tokens and stats["method"] == engine.config.method
     assert stats["guard"] == want.guard.to_dict() | {"added_ms": stats["guard"]["added_ms"]}  # the quality guard's report
+    label = f"{engine.config.method}@{engine.config.ratio:g}"
+    assert stats["fidelity"]["config"] == label and stats["fidelity"]["status"] == "fixed"  # the audit's report
 
 
 def test_chat_is_engine_complete_streamed_or_not(client, engine):
@@ -233,6 +235,9 @@ def test_models_health_metrics(client):
     assert _metric(text, "qcfuse_cache_hits_total") == hits + 2
     assert _metric(text, 'qcfuse_ttft_seconds_count{route="completions"}') >= 1
     assert client.get("/v1/nothing").status_code == 404
+    # the audit's checks (engine/audit.py): counted now, the agreement per configuration once one ran
+    for name in ("qcfuse_fidelity_audited_total", "qcfuse_fidelity_shadow_total", "qcfuse_fidelity_waiting"):
+        assert name in text, name
 
 
 

@@ -65,6 +65,13 @@ def _error(res, status: int, *words: str) -> str:
 # ---------------------------------------------------------------------------- reading
 
 
+def test_the_audit_of_answers_is_in_the_api(client, service):
+    """/api/fidelity: the engine's audit (engine/audit.py) - its ledger for this model and counters."""
+    f = client.get("/api/fidelity").json()
+    assert f["fingerprint"] == service.engine.adapter.fingerprint()
+    assert {"configs", "samples", "audited", "shadow", "waiting", "share", "target"} <= set(f)
+
+
 def test_status_and_models(client, service):
     st = client.get("/api/status").json()
     assert st["chunks"] == 12

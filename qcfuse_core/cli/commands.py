@@ -778,6 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qcfuse_core.studio.cli import add_commands as add_studio_commands
 
     add_studio_commands(sub)  # `studio` (the web page; FastAPI is imported only when it runs)
+    from qcfuse_core.cli.fidelity import add_commands as add_fidelity_commands
+
+    add_fidelity_commands(sub)  # `fidelity`: the audit's report (engine/audit.py)
     from qcfuse_core.serve.cli import add_commands as add_serve_commands
 
     add_serve_commands(sub)  # `serve` (the OpenAI-compatible server; FastAPI imported only when it runs)

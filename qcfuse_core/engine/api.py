@@ -53,6 +53,7 @@ from qcfuse_core.cache.builder import ChunkBuilder
 from qcfuse_core.cache.chunks import ChunkCaches, ChunkLookup
 from qcfuse_core.cache.planner import Rates, device_name, load_rates, rates_path
 from qcfuse_core.cache.prefetch import PrefetchConfig
+from qcfuse_core.engine.audit import Audit, Choice, band
 from qcfuse_core.engine.config import EngineConfig
 from qcfuse_core.engine.frame import PromptFrame
 from qcfuse_core.engine.generation import GenerationConfig
@@ -80,6 +81,10 @@ class EngineStats:
     chunk_texts: int  # texts in the chunk-text index: what `complete` finds inside a prompt
     kv_reserved_bytes: int  # the KV budget the running requests hold
     kv_pooled_bytes: int  # idle KV buffers kept for the next request (CUDA)
+    # the audit of live traffic (engine/audit.py): per configuration and chunk-length band, the
+    # answer-token agreement with full prefill measured on this model's requests, the audit's
+    # counters, and the fidelity target with its choice now
+    fidelity: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _CLOSED = "this engine is closed"
@@ -131,6 +136,14 @@ class QCFuseEngine:
         # count chosen now for the engine's life; else chosen per request (None)
         self._steps = Steps(self, rates, cfg.threads or (chosen if cfg.deterministic else None))
         self._sched: Scheduler | None = None  # started by the first request
+        self._audit = Audit(
+            adapter,
+            lambda: self._config.audit,
+            lambda: self._config.fidelity,
+            lambda work: self._scheduler.submit_idle(work),
+            shadow=self._shadow,
+        )
+        self._steps.guard.self_calibration = self._audit.guard_threshold  # a model calibrated nowhere
         self._lock = threading.Lock()
         self._closed = False
         self._texts_at_close: int | None = None  # the chunk-text index's size when it closed
@@ -166,6 +179,12 @@ class QCFuseEngine:
         index `texts`, `chunk_tokens(text)` (token ids and ChunkKey), `tokenize`,
         `fingerprint`, `is_stored(text)`."""
         return self._caches
+
+    @property
+    def audit(self) -> Audit:
+        """The audit of live traffic (engine/audit.py): `stats(method)`, `choose(method)`,
+        `wait()` for the queued checks (they run only while no request waits or runs)."""
+        return self._audit
 
     # ------------------------------------------------------------------ its parts
     @property
@@ -333,6 +352,7 @@ class QCFuseEngine:
             chunk_texts=texts,
             kv_reserved_bytes=self._kv_budget.reserved_bytes(),
             kv_pooled_bytes=self._kv_budget.pooled_bytes(),
+            fidelity=self._audit.stats(self._config.method),
         )
 
     def close(self) -> None:
@@ -413,6 +433,9 @@ class QCFuseEngine:
         if callable(prompt):
             raise TypeError("a request takes its prompt as data: pass the pieces (or a Prompt), not a function")
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(tuple(prompt))
+        choice = self._target_choice(method, ratio, prompt.pieces)
+        if choice is not None:
+            method, ratio = choice.method, choice.ratio
         method = method or self._config.method
         if method not in SELECTORS:
             raise ValueError(f"unknown method {method!r}; valid: {', '.join(sorted(SELECTORS))}")
@@ -431,9 +454,46 @@ class QCFuseEngine:
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         scheduler = self._scheduler
+        audit, pieces, asked = self._audit, prompt.pieces, gen
+
+        def emit_audited(item: object) -> object:  # the worker's: a finished request goes by the audit
+            if isinstance(item, FusionResult):
+                audit.finish(item, pieces, asked, choice)
+            return emit(item)
+
         return scheduler, scheduler.submit(
-            prompt, method, ratio, gen, emit, sync_stages=sync_stages, started=started, guard=guard, tenant=tenant
+            prompt,
+            method,
+            ratio,
+            gen,
+            emit_audited,
+            sync_stages=sync_stages,
+            started=started,
+            guard=guard,
+            tenant=tenant,
         )
+
+    def _target_choice(self, method: str | None, ratio: float | None, pieces: Sequence[Piece]) -> Choice | None:
+        """With a fidelity target (`EngineConfig.fidelity`), a request naming no ratio (and no
+        method but the engine's) gets the configuration the audit chooses for its chunks'
+        length band (decided before any pass: their token counts are cached per text); else None."""
+        cfg = self._config
+        if cfg.fidelity is None or ratio is not None or method not in (None, cfg.method):
+            return None
+        if not SELECTORS[cfg.method].uses_ratio:
+            return None
+        lengths = [int(self._lookup.chunk_tokens(p.text)[0].numel()) for p in pieces if p.kind == "chunk"]
+        return self._audit.choose(cfg.method, band(lengths))
+
+    def _shadow(self, pieces: Sequence[Piece], method: str, ratio: float, gen: GenerationConfig) -> FusionResult:
+        """A request answered alone at `ratio` in the calling thread (the scheduler's worker, in
+        an idle step): the audit's shadow sample of a configuration it has too little of."""
+        run = self._steps.run(pieces, method, ratio, gen, False)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
 
 
 def _drain(stream: TokenStream) -> FusionResult:

@@ -6,6 +6,8 @@
       cache             CacheConfig      the KV budget and how chunk caches are kept
       selection         QCFuseOptions    the query-aware selectors' options
       guard             GuardConfig      the quality guard (engine/guard.py)
+      audit             AuditConfig      the audit of live traffic (engine/audit.py)
+    fidelity            the answer-token agreement with full prefill wanted (None: the fixed ratio)
 
 Each is frozen and checked when it is made, so a bad value fails at construction, naming
 what is wrong. Per-request values (method, ratio, generation) are arguments of a request.
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qcfuse_core.engine.audit import AuditConfig, check_fidelity
 from qcfuse_core.engine.guard import GuardConfig
 from qcfuse_core.model.fusion import check_kv_dtype
 from qcfuse_core.selection.options import OTHER_OPTIONS, QCFuseOptions
@@ -177,6 +180,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     selection: QCFuseOptions = field(default_factory=QCFuseOptions)
     guard: GuardConfig = field(default_factory=GuardConfig)  # the quality guard (engine/guard.py)
+    audit: AuditConfig = field(default_factory=AuditConfig)  # the audit of live traffic (engine/audit.py)
+    # the answer-token agreement with full prefill wanted: a request that names no ratio gets
+    # the cheapest configuration the audit shows meets it (engine/audit.py); None: `ratio`
+    fidelity: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -189,10 +196,12 @@ class EngineConfig:
             ("scheduler", SchedulerConfig),
             ("cache", CacheConfig),
             ("guard", GuardConfig),
+            ("audit", AuditConfig),
         ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "selection", as_selection(self.selection))
+        object.__setattr__(self, "fidelity", check_fidelity(self.fidelity))
 
 
 def as_selection(options: QCFuseOptions | dict[str, Any]) -> QCFuseOptions:

@@ -12,8 +12,9 @@ the probe ranks low). After the fused prefill the guard reads one signal and act
                 chunk lengths and the selection's score margin separated them far worse.
     threshold   calibrated per model (`qcfuse calibrate-guard`): a user calibration
                 <cache_dir>/guard/<fingerprint>.json, else the packaged table
-                qcfuse_core/data/guard.json (by fingerprint, then by name), else the table's
-                nothing (the guard then only reports; logged).
+                qcfuse_core/data/guard.json (by fingerprint, then by name), else the model's
+                own audit samples once there are enough (engine/audit.py: the same rule over
+                the live answers it checked), else nothing (the guard then only reports; logged).
     ladder      margin < threshold: the request is answered again at each ratio of
                 `GuardConfig.ladder` in turn - a ratio below 1 fuses the prompt again with the
                 probe's scores re-ranked at the larger budget (nothing probed or tokenized
@@ -143,6 +144,9 @@ class Guard:
     def __init__(self, config: Callable[[], GuardConfig], adapter: ModelAdapter) -> None:
         self._config, self._adapter = config, adapter
         self._resolved: tuple[float | None, str] | None = None
+        # for a model calibrated nowhere: (method, ratio) -> the threshold its audit samples give,
+        # or None while they are too few (engine/audit.py `Audit.guard_threshold`)
+        self.self_calibration: Callable[[str, float], float | None] | None = None
 
     def threshold(self) -> tuple[float | None, str]:
         """The threshold and where it came from: the config's, else the model's calibration."""
@@ -174,6 +178,10 @@ class Guard:
             rep.reason = "turned off " + ("in EngineConfig.guard" if not cfg.enabled else "for this request")
             return KEEP
         threshold, rep.source = self.threshold()
+        if threshold is None and self.self_calibration is not None:
+            threshold = self.self_calibration(req.method, req.ratio)
+            if threshold is not None:
+                rep.source = "self-calibration from this deployment's audit (engine/audit.py)"
         if threshold is None:
             rep.code, rep.reason = "uncalibrated", "no calibration for this model: run `qcfuse calibrate-guard`"
             return KEEP

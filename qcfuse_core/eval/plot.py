@@ -127,15 +127,19 @@ def _num(x: float, panel: Panel) -> str:
 
 
 PARETO = (
+    ("answer_agree", "answer-token agreement with full prefill (teacher-forced, eval/fidelity.py)"),
     ("agree_exact", "answer agreement with full prefill (exact match)"),
     ("agree_rouge_l", "answer agreement with full prefill (ROUGE-L)"),
 )
 
 
-def plot_pareto(rows: list[dict], path: Path, methods: tuple[str, ...] = ("qcfuse", "qcfuse+guard")) -> Path:
+def plot_pareto(
+    rows: list[dict], path: Path, methods: tuple[str, ...] = ("qcfuse", "qcfuse+guard", "cacheblend", "epic")
+) -> Path:
     """`bench quality --pareto`: answer agreement with full prefill against the mean recompute
     share (the guard's: every pass it ran), averaged over the datasets in the rows - qcfuse's
-    fixed ratios as a line, the guard as a point beside them, full prefill at (1, 1)."""
+    fixed ratios as a line, the guard as a point beside them, CacheBlend's and EPIC's ratios as
+    lines, full prefill at (1, 1)."""
     xlabel = "mean share of context tokens recomputed"
     panels = []
     for metric, title in PARETO:

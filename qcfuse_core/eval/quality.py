@@ -43,6 +43,7 @@ from qcfuse_core.engine.frame import eos_ids
 from qcfuse_core.engine.guard import GUARDED_LABEL as GUARDED_LABEL
 from qcfuse_core.engine.guard import escalate, first_token_margin
 from qcfuse_core.engine.request import Loading, Planned, Selected
+from qcfuse_core.eval import fidelity as F
 from qcfuse_core.eval import metrics as M
 from qcfuse_core.eval import oracle as _oracle  # noqa: F401  (registers the `oracle` bound for --methods)
 from qcfuse_core.eval.datasets import Example, dataset_name, load_dataset
@@ -71,6 +72,8 @@ ROW_KEYS = (
     "recompute_share",
     "ttft_ms",
     "first_agree",
+    "answer_agree",
+    "answer_prefix",
 )
 DEFAULT_METHODS = ("full", "naive", "qcfuse", "cacheblend", "epic", "qcall", "qclast", "random")
 # fused-prompt caches kept at once per question to decode their answers together (they are
@@ -330,6 +333,8 @@ def run_example(
             ratio=None,
             first_margin=first_token_margin(ref["first_logits"]),
             first_agree=1.0,
+            answer_agree=1.0,
+            answer_prefix=len(full_seq) - int(len(full_seq) > 0 and full_seq[-1] in eos_ids(engine.adapter)),
             kl_first_token=0.0,
             answer_kl=0.0,
             answer_tokens=len(full_seq),
@@ -365,12 +370,12 @@ def run_example(
         del tail, cache
         if len(pending) == group:
             records += _finish(
-                engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new
+                engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new, prompt
             )
             pending = []
     if pending:
         records += _finish(
-            engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new
+            engine, pending, ex, full_answer, full_seq, full_seq_logits, common, suffix, storage, max_new, prompt
         )
     return records
 
@@ -390,20 +395,32 @@ def _finish(
     suffix: str,
     storage: str,
     max_new: int,
+    prompt: FusedPrompt,
 ) -> list[dict]:
     """The records of fused variants: each one's greedy answer and answer-level KL, all decoded
-    at once (`decode_answers`)."""
-    answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new)
+    at once (`decode_answers`), and its answer-level fidelity to full prefill (eval/fidelity.py:
+    one teacher-forced full-prefill forward over the prompt and the variant's answer)."""
+    own: list[list[float]] = []
+    answers, forced = decode_answers(engine, [g[6] for g in group], [g[7] for g in group], full_seq, max_new, own)
+    question = set(prompt.segments[-1].token_ids.tolist())  # the suffix: the question and the answer cue
     records = []
-    for (label, method, ratio, opts, sel, sc, _, _), ids, rows in zip(group, answers, forced):
+    for (label, method, ratio, opts, sel, sc, _, _), ids, rows, mine in zip(group, answers, forced, own):
         per_token = answer_kl(full_seq_logits, rows)
         answer = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        fid = F.measure(engine.adapter, prompt.token_ids, ids)
         rec = dict(
             common,
             method=method + suffix,
             ratio=ratio,
             first_margin=sc["first_margin"],
             first_agree=sc["first_agree"],
+            answer_agree=fid.agree,
+            answer_prefix=fid.prefix,
+            split_margin=fid.split_margin,
+            # the answer's own greedy margins, and which of its tokens are not in the question
+            # (the content tokens: an answer that restates the question first has few early on)
+            answer_margins=[round(m, 5) for m in mine],
+            content_mask=[int(t not in question) for t in ids],
             kl_first_token=sc["kl_first_token"],
             answer_kl=float(per_token.mean()),
             answer_tokens=len(full_seq),
@@ -429,7 +446,12 @@ def _finish(
 
 
 def decode_answers(
-    engine: QCFuseEngine, caches: list[KVCache], firsts: list[torch.Tensor], seq: list[int], max_new: int
+    engine: QCFuseEngine,
+    caches: list[KVCache],
+    firsts: list[torch.Tensor],
+    seq: list[int],
+    max_new: int,
+    margins: list[list[float]] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Per prompt cache (its first-token logits beside it): the greedy answer ids as `_greedy`
     decodes them, and the teacher forcing of `seq` as `forced_logits` computes it - the same
@@ -442,7 +464,9 @@ def decode_answers(
       sequence's arithmetic unchanged, the weights read once for all of them).
 
     -> (answer ids per cache, forced logits (len(seq) or 1, vocab) per cache). Each cache is
-    left at a length past its prompt (decode from it again only after resetting length)."""
+    left at a length past its prompt (decode from it again only after resetting length).
+    margins: a list that gets, per cache, the p1 - p2 margin of every greedy choice (the
+    answer's own confidence, token by token: the guard's candidate signals)."""
     eos = eos_ids(engine.adapter)
     B, n = len(caches), len(seq)
     need = 1 + max(0, n - 1)  # forced rows: the first token's, then one per seq token but the last
@@ -451,6 +475,7 @@ def decode_answers(
     rows: list[list[torch.Tensor]] = [[f.float()] for f in firsts]
     match = [True] * B  # ids[b] == seq[:len(ids[b])] so far
     token = [int(torch.argmax(f)) for f in firsts]
+    own = [[first_token_margin(f)] for f in firsts]
     active = [b for b in range(B) if token[b] not in eos and max_new > 0]
     while active:  # greedy, as _greedy_seq
         stepping = []
@@ -468,6 +493,7 @@ def decode_answers(
             if match[b] and len(rows[b]) == len(ids[b]) and len(rows[b]) < need:  # prefix seq[:len(ids)]
                 rows[b].append(logits.float())
             token[b] = int(torch.argmax(logits))
+            own[b].append(first_token_margin(logits))
         active = [b for b in stepping if token[b] not in eos]
     # the forced pass from where each answer left seq: row i decodes seq[i - 1] after seq[:i - 1]
     for b in range(B):
@@ -480,6 +506,8 @@ def decode_answers(
         todo = [b for b in todo if len(rows[b]) < need]
     for c, s in zip(caches, start):
         c.length = s
+    if margins is not None:
+        margins.extend(m[: max(1, len(i))] for m, i in zip(own, ids))
     return ids, [torch.stack(r) for r in rows]
 
 
@@ -763,6 +791,7 @@ def format_table(rows: list[dict]) -> str:
         "kl_first_token",
         "answer_kl",
         "gold_nll",
+        "answer_agree",
         "agree_exact",
         "agree_rouge_l",
         "contains",
@@ -788,7 +817,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_KEYS = ("kl_first_token", "answer_kl", "gold_nll", "agree_exact", "agree_rouge_l", "contains")
+SUMMARY_KEYS = ("kl_first_token", "answer_kl", "gold_nll", "answer_agree", "agree_exact", "agree_rouge_l", "contains")
 
 
 def summarize(rows: list[dict], records: list[dict] | None = None, n_boot: int = 2000, seed: int = 0) -> dict:

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from qcfuse_core.cli.flags import above, at_least, port
+from qcfuse_core.cli.flags import above, at_least, port, share
+from qcfuse_core.engine.audit import DEFAULT_FIDELITY
 
 DEFAULT_PORT = 8000
 BACKLOG = 2048  # uvicorn's default
@@ -121,6 +122,19 @@ def add_commands(sub) -> None:
         type=at_least(0),
         default=10,
         help="on SIGTERM, how long running requests may finish before they are cancelled (default: %(default)s)",
+    )
+    p.add_argument(
+        "--fidelity",
+        type=share,
+        nargs="?",
+        const=DEFAULT_FIDELITY,
+        default=None,
+        metavar="AGREEMENT",
+        help="the answer-token agreement with full prefill wanted: requests that name no ratio get the "
+        "cheapest configuration this deployment's audit shows meets it, a conservative one until it has "
+        f"evidence, full prefill where none does (engine/audit.py); --fidelity alone: {DEFAULT_FIDELITY:g}, "
+        'what a fixed ratio of 0.5 reaches on a QA set (docs/benchmarks.md, "Fidelity") '
+        "(default: none, the fixed ratio)",
     )
     _learning_options(p)
     _replica_options(p)
@@ -312,8 +326,9 @@ def cmd_serve(args) -> int:
     sock = listen(args.host, args.port)
     what = f"a random {args.shape}" if args.shape else args.model or "the embedded model"
     print(f"qcfuse serve: loading {what} and opening {args.store}", flush=True)
-    # a chunk read from disk stays in memory
-    engine_config = EngineConfig(cache=CacheConfig(promote_disk_reads=True, kv_dtype=args.kv_dtype))
+    engine_config = EngineConfig(  # a chunk read from disk stays in memory
+        cache=CacheConfig(promote_disk_reads=True, kv_dtype=args.kv_dtype), fidelity=args.fidelity or None
+    )
     if args.shape:
         engine = _shaped_engine(args, engine_config)
     else:

@@ -25,6 +25,16 @@ read at scrape time (a collector over `Scheduler.stats()`), so a gauge is never 
     qcfuse_learned_tenants                      tenants holding learned texts
     qcfuse_learned_{builds,hits,misses,evicted,dropped,failed}_total
                                                 the learner's counters (qcfuse_core/learn.py)
+    qcfuse_fidelity_agreement{fingerprint, config, bound}
+                                                the audit's answer-token agreement with full
+                                                prefill (engine/audit.py): bound = mean | low |
+                                                high (its 95% interval), per configuration
+    qcfuse_fidelity_first_token_agreement{fingerprint, config}
+    qcfuse_fidelity_samples_total{fingerprint, config}     answers checked, per configuration
+    qcfuse_fidelity_{audited,shadow,dropped,failed}_total  the audit's checks: live samples,
+                                                shadow samples, dropped from a full backlog, failed
+    qcfuse_fidelity_waiting                     checks waiting for idle capacity
+    qcfuse_fidelity_target                      EngineConfig.fidelity (absent: none)
 """
 
 from __future__ import annotations
@@ -102,6 +112,7 @@ class ServeMetrics:
             "qcfuse_recompute_share", "recomputed / context tokens per request", buckets=SHARE_BUCKETS, registry=r
         )
         r.register(_SchedulerCollector(engine))  # type: ignore[arg-type]
+        r.register(FidelityCollector(engine))  # type: ignore[arg-type]
 
     def outcome(self, route: str, outcome: str) -> None:
         self.requests.labels(route, outcome).inc()
@@ -160,3 +171,55 @@ class LearnedCollector:
             c = CounterMetricFamily(f"qcfuse_learned_{name}", doc)
             c.add_metric([], value)
             yield c
+
+
+class FidelityCollector:
+    """The audit's ledger and counters (`engine.stats().fidelity`), read at scrape time."""
+
+    def __init__(self, engine: QCFuseEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        f = self.engine.audit.stats(self.engine.config.method)
+        fp = f["fingerprint"]
+        agree = GaugeMetricFamily(
+            "qcfuse_fidelity_agreement",
+            "answer-token agreement with full prefill measured by the audit (mean, 95% interval)",
+            labels=["fingerprint", "config", "bound"],
+        )
+        first = GaugeMetricFamily(
+            "qcfuse_fidelity_first_token_agreement",
+            "first-token agreement with full prefill",
+            labels=["fingerprint", "config"],
+        )
+        samples = CounterMetricFamily(
+            "qcfuse_fidelity_samples", "answers the audit checked", labels=["fingerprint", "config"]
+        )
+        for label, c in f["configs"].items():
+            samples.add_metric([fp, label], c["n"])
+            if c["agree"] is None:
+                continue
+            agree.add_metric([fp, label, "mean"], c["agree"])
+            if c["agree_ci"] is not None:
+                agree.add_metric([fp, label, "low"], c["agree_ci"][0])
+                agree.add_metric([fp, label, "high"], c["agree_ci"][1])
+            first.add_metric([fp, label], c["first_agree"])
+        yield from (agree, first, samples)
+        for name, doc in (
+            ("audited", "live answers checked"),
+            ("shadow", "shadow answers checked (a candidate configuration measured in idle time)"),
+            ("dropped", "checks dropped from a full backlog"),
+            ("failed", "checks that failed"),
+        ):
+            c = CounterMetricFamily(f"qcfuse_fidelity_{name}", doc)
+            c.add_metric([], f[name])
+            yield c
+        waiting = GaugeMetricFamily("qcfuse_fidelity_waiting", "checks waiting for idle capacity")
+        waiting.add_metric([], f["waiting"])
+        yield waiting
+        if f["target"] is not None:
+            target = GaugeMetricFamily(
+                "qcfuse_fidelity_target", "the answer-token agreement wanted (EngineConfig.fidelity)"
+            )
+            target.add_metric([], f["target"])
+            yield target

@@ -326,6 +326,8 @@ def fusion_stats(result: FusionResult, chunk_ids: list[str | None]) -> dict[str,
         "recompute_share": round(result.recompute_share, 4),
         "chunk_sources": chunk_sources(result),
         "guard": result.guard.to_dict() if result.guard is not None else None,
+        # the configuration used and this deployment's measured fidelity of it (engine/audit.py)
+        "fidelity": result.fidelity,
     }
 
 

@@ -183,6 +183,10 @@ def create_app(service: StudioService, *, static: Path | None = None) -> FastAPI
     def store():  # a thread of the pool: the store's stats read its manifest
         return service.store_tiers()
 
+    @app.get("/api/fidelity")
+    def fidelity():  # a thread of the pool: the audit's intervals are computed once per check
+        return service.fidelity()
+
     @app.get("/api/models")
     async def models():
         return service.models()

@@ -267,6 +267,12 @@ class StudioService:
             },
         }
 
+    def fidelity(self) -> dict:
+        """The engine's audit of its answers (engine/audit.py; `engine.stats().fidelity`): the
+        answer-token agreement with full prefill per configuration and chunk-length band."""
+        engine = self.engine
+        return engine.audit.stats(engine.config.method)
+
     def store_tiers(self) -> dict:
         """The store's tiers now: entries, bytes used / capacity, hits, misses, hit rate and
         evictions per tier, counted since the studio started (store/tier_report.py)."""
