@@ -81,8 +81,8 @@ def add_commands(sub) -> None:
     )
     for flag, kind, default, what in NUMBERS:
         p.add_argument(flag, type=kind, default=default, help=what)
-    for flag, kind, what in IN_PROCESS:
-        p.add_argument(flag, type=kind, default=None, help="in process: " + what)
+    for flag, parse, what in IN_PROCESS:
+        p.add_argument(flag, type=parse, default=None, help="in process: " + what)
     p.add_argument(
         "--no-guard",
         action="store_true",
