@@ -136,6 +136,32 @@ def test_text_assembler_flushes_on_finish():
     assert asm.finish() == "ST" and asm.text == "hiST"
 
 
+class _ByteTokenizer:
+    """Token id = one byte; decode as a byte-level tokenizer does (invalid UTF-8 replaced)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_assembler_holds_an_unfinished_character_not_an_invalid_byte():
+    """A character split over tokens is never emitted half (no replacement character that
+    later turns into it), and an invalid byte holds the text back 3 tokens at most - not
+    until the next valid character (a byte-level model with random weights writes few)."""
+    asm = TextAssembler(_ByteTokenizer(), stop=())
+    out = [asm.push(b) for b in "né".encode()]  # é is two bytes
+    assert out == ["n", "", "é"]
+    pushed = [0xFF, 0xFE] + [0x80] * 6  # bytes that never make a character
+    out = [asm.push(b) for b in pushed]
+    # settled 3 tokens behind, less the last replacement character there (it may be the start
+    # of a character): from the 5th byte on, every byte lets one out
+    assert out == [""] * 4 + ["\ufffd"] * 4
+    assert asm.push(ord("x")) == "\ufffd" * 4 + "x" and asm.finish() == ""
+    assert asm.text == _ByteTokenizer().decode(list("né".encode()) + pushed + [ord("x")])
+    asm = TextAssembler(_ByteTokenizer(), stop=())
+    emitted = "".join(asm.push(b) for b in [0xFF] + list("日本".encode())) + asm.finish()
+    assert emitted == "\ufffd日本" and "\ufffd" not in asm.text[1:]  # 3-byte characters, never split
+
+
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1),
                                  dict(stop="x"), dict(stop=("",))])
 def test_generation_config_rejects_bad_values(bad):

@@ -169,6 +169,9 @@ class Sampler:
         return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+INCOMPLETE_UTF8_TOKENS = 3  # the most bytes an unfinished UTF-8 character has, so the most tokens it spans
+
+
 class TextAssembler:
     """Incremental detokenisation with stop strings.
 
@@ -193,10 +196,21 @@ class TextAssembler:
                 full = full[:cut]
         if self.stopped:
             return self._emit(full)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
+        if full.endswith("\ufffd"):
+            full = self._settled()
         hold = max((_overlap(full, s) for s in self.stop), default=0)
         return self._emit(full[: len(full) - hold])
+
+    def _settled(self) -> str:
+        """The text that no later token can change while the last ones end in a replacement
+        character: an incomplete UTF-8 sequence is at most 3 bytes, so it lies in the last 3
+        tokens, and what the tokens before them decode to is final - but for its last
+        replacement character, which may be a sequence the last tokens complete. An invalid
+        byte (a model that writes arbitrary bytes) so holds the text back 3 tokens at most,
+        not until the next valid character."""
+        return self.tokenizer.decode(self.ids[:-INCOMPLETE_UTF8_TOKENS], skip_special_tokens=True).removesuffix(
+            "\ufffd"
+        )
 
     def finish(self) -> str:
         """Flush what was held back (generation ended without a stop string)."""
