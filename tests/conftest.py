@@ -40,17 +40,22 @@ def smol_engine(smol):
     return QCFuseEngine(smol)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fidelity_ledgers_in_tmp(tmp_path_factory):
-    """The engine's audit (engine/audit.py) keeps its ledgers in a temporary folder, never the
-    user's cache dir (subprocesses inherit it)."""
-    old = os.environ.get("QCFUSE_FIDELITY_DIR")
-    os.environ["QCFUSE_FIDELITY_DIR"] = str(tmp_path_factory.mktemp("fidelity"))
-    yield
-    if old is None:
-        os.environ.pop("QCFUSE_FIDELITY_DIR", None)
-    else:
-        os.environ["QCFUSE_FIDELITY_DIR"] = old
+@pytest.fixture(scope="module", autouse=True)
+def _fidelity_ledgers_per_module(tmp_path_factory):
+    """The engine's audit (engine/audit.py) keeps its ledgers in a fresh temporary folder for
+    each test module, never the user's cache dir (subprocesses inherit it): what one module's
+    engines audited (and the guard calibrated itself from) never reaches another's. A
+    module's shared engines resolve their folder here, before any test of it runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QCFUSE_FIDELITY_DIR", str(tmp_path_factory.mktemp("fidelity")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fidelity_ledgers_per_test(tmp_path_factory, monkeypatch):
+    """... and for each test: an engine a test opens starts with no audit evidence, whatever
+    the tests before it answered."""
+    monkeypatch.setenv("QCFUSE_FIDELITY_DIR", str(tmp_path_factory.mktemp("fidelity")))
 
 
 @pytest.fixture(autouse=True)

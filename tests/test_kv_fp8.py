@@ -375,8 +375,8 @@ def _model_dtype(m, c):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_engine_answers_ahead_as_the_host_path_on_cuda(kv_dtype):
-    """The engine on CUDA (graphs, decode_ahead on by default) against decode_ahead off: five
-    greedy requests of different lengths, batched, token for token the same."""
+    """The engine on CUDA (graphs, decode_ahead on) against decode_ahead off: five greedy
+    requests of different lengths, batched, token for token the same."""
     from tests.qc_fixtures import hold_worker
 
     m = tiny_model("llama", tokenizer=True)
@@ -396,8 +396,7 @@ def test_engine_answers_ahead_as_the_host_path_on_cuda(kv_dtype):
         return out
 
     want = run(docs_engine(m, DOCS, decode_ahead=False, kv_dtype=kv_dtype))
-    eng = docs_engine(m, DOCS, kv_dtype=kv_dtype)
-    assert eng.config.scheduler.decode_ahead is None
+    eng = docs_engine(m, DOCS, decode_ahead=True, kv_dtype=kv_dtype)
     assert run(eng) == want
     assert eng._sched is not None and eng._sched.runner.graphs
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qcfuse_core.engine.guard import first_token_margin
+from qcfuse_core.engine.guard import first_token_margin, pick_threshold
 from qcfuse_core.eval.fidelity import AnswerFidelity, measure
 from qcfuse_core.paths import cache_dir
 from qcfuse_core.selection import get_selector
@@ -517,6 +517,4 @@ class Audit:
             pairs = [(float(m), bool(a)) for m, a in entry.get("margins", [])]
         if len(pairs) < need or all(a for _, a in pairs):
             return None
-        from qcfuse_core.eval.guard_calibration import pick_threshold  # (it imports the engine)
-
         return pick_threshold(pairs, GUARD_CATCH)

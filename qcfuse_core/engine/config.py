@@ -80,8 +80,11 @@ class SchedulerConfig:
     (`model.graphs.GraphDecoder`); off, or where a step cannot be captured, it decodes eagerly.
     decode_ahead: device-side sampling - plain greedy decode steps choose their tokens on the
     device, feed them to the next step there and are read back one step late, so the host
-    does not wait between steps (engine/ahead.py; answers token for token the same). None:
-    on where the steps replay from CUDA graphs (elsewhere the host waits for each step anyway).
+    does not wait between steps (engine/ahead.py; answers token for token the same). None
+    (the default): off. It saves about 2.5% of a step on the H100 (docs/benchmarks.md) and
+    its GPU test (tests/test_kv_fp8.py, benchmarks/gpu.sh `crowd`) has not yet run on a card,
+    so it is an option until it has. Useful only with CUDA graphs (elsewhere the host waits
+    for each step anyway).
     """
 
     max_queue: int = 256

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -279,3 +280,18 @@ def save_calibration(cal: dict, path: Path | None, fingerprint: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(cal, indent=1) + "\n")
     return target
+
+
+def pick_threshold(margins: list[tuple[float, bool]], catch: float) -> float:
+    """The smallest threshold escalating (margin < threshold) at least `catch` of the
+    disagreeing questions; 0.0 (never escalate) when none disagrees."""
+    if not 0 < catch <= 1:
+        raise ValueError(f"catch must be in (0, 1], got {catch!r}")
+    bad = sorted(m for m, agree in margins if not agree)
+    if not bad:
+        return 0.0
+    k = math.ceil(catch * len(bad))  # the k smallest margins must fall below the threshold
+    above = [m for m, _ in margins if m > bad[k - 1]]
+    # halfway to the next margin above the k-th: escalates the same questions, with slack
+    nxt = min(above) if above else bad[k - 1] + 1e-6
+    return min(1.0, round(0.5 * (bad[k - 1] + nxt), 6))

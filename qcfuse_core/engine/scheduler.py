@@ -640,8 +640,7 @@ class Scheduler:
 
     @property
     def _decode_ahead(self) -> bool:
-        on = self.engine.config.scheduler.decode_ahead
-        return self.runner.graphs if on is None else on
+        return bool(self.engine.config.scheduler.decode_ahead)  # None: off (SchedulerConfig)
 
     def _take_ahead(self, ahead: Ahead) -> None:
         """The tokens of a step launched ahead, each taken by its job; a job that finished or

@@ -11,14 +11,13 @@ on the split is reported beside it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from qcfuse_core.engine.guard import SIGNAL, first_token_margin
+from qcfuse_core.engine.guard import SIGNAL, first_token_margin, pick_threshold
 from qcfuse_core.engine.request import Planned
 from qcfuse_core.eval.datasets import load_dataset
 from qcfuse_core.eval.hooks import internals
@@ -53,21 +52,6 @@ def margins_from_records(records: list[dict], ratio: float = 0.15, method: str =
         for r in records
         if r.get("method") == method and r.get("ratio") == ratio and "first_margin" in r and r.get("variant") is None
     ]
-
-
-def pick_threshold(margins: list[tuple[float, bool]], catch: float) -> float:
-    """The smallest threshold escalating (margin < threshold) at least `catch` of the
-    disagreeing questions; 0.0 (never escalate) when none disagrees."""
-    if not 0 < catch <= 1:
-        raise ValueError(f"catch must be in (0, 1], got {catch!r}")
-    bad = sorted(m for m, agree in margins if not agree)
-    if not bad:
-        return 0.0
-    k = math.ceil(catch * len(bad))  # the k smallest margins must fall below the threshold
-    above = [m for m, _ in margins if m > bad[k - 1]]
-    # halfway to the next margin above the k-th: escalates the same questions, with slack
-    nxt = min(above) if above else bad[k - 1] + 1e-6
-    return min(1.0, round(0.5 * (bad[k - 1] + nxt), 6))
 
 
 def rates(margins: list[tuple[float, bool]], threshold: float) -> dict:
