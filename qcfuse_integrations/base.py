@@ -170,7 +170,7 @@ class GenerationOptions:
     """One call's fusion and decoding settings: the component's defaults, overridden per call."""
 
     method: str
-    ratio: float
+    ratio: float | None  # None: the engine's (EngineConfig.ratio, or what its fidelity target chooses)
     generation: GenerationConfig
     extra: dict = field(default_factory=dict)
 
@@ -194,9 +194,11 @@ class GenerationOptions:
             stop = (stop,)
         if not isinstance(stop, (list, tuple)):
             raise TypeError(f"stop must be a list of strings, got {type(stop).__name__}")
-        ratio = float(get("ratio", 0.15))
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        ratio = get("ratio", None)
+        if ratio is not None:
+            ratio = float(ratio)
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         for name in ("max_new_tokens", "top_k"):
             value = max_new if name == "max_new_tokens" else get("top_k", 0)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -469,7 +469,7 @@ class Audit:
             "target": self._target(),
             "config": label,
             "status": choice.status if choice is not None else "fixed",
-            "reason": choice.reason if choice is not None else "the ratio asked (no fidelity target)",
+            "reason": choice.reason if choice is not None else _fixed_reason(self._target()),
             "measured": None if measured is None else {k: measured[k] for k in ("n", "agree", "agree_ci")},
             "samples": self.summary()["samples"],
         }
@@ -518,3 +518,10 @@ class Audit:
         if len(pairs) < need or all(a for _, a in pairs):
             return None
         return pick_threshold(pairs, GUARD_CATCH)
+
+
+def _fixed_reason(target: float | None) -> str:
+    """Why a request ran at the ratio it asked: there is no target, or it named its own ratio."""
+    if target is None:
+        return "the ratio asked (no fidelity target)"
+    return "the ratio asked (a request naming its ratio or method overrides the fidelity target)"

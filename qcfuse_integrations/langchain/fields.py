@@ -19,7 +19,12 @@ class EngineFields(BaseModel):
     dtype: str | None = Field(default=None, description=ENGINE_FIELDS["dtype"])
     device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
     method: str = Field(default="qcfuse", description="Recompute method, a name in qcfuse_core.SELECTORS")
-    ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of context tokens recomputed")
+    ratio: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of context tokens recomputed; None: the engine's, EngineConfig.ratio (0.15) or what its fidelity target chooses",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
     top_k: int = Field(default=0, ge=0, description="0: off")

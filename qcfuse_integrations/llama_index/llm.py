@@ -84,7 +84,12 @@ class QCFuseLLM(EngineBacked, FunctionCallingLLM):
     dtype: Optional[str] = Field(default=None, description=ENGINE_FIELDS["dtype"])
     device: str = Field(default="cpu", description=ENGINE_FIELDS["device"])
     method: str = Field(default="qcfuse", description="Recompute-selection method (qcfuse_core.SELECTORS).")
-    ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Share of chunk tokens recomputed.")
+    ratio: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of chunk tokens recomputed; None: the engine's, EngineConfig.ratio (0.15) or what its fidelity target chooses.",
+    )
     max_new_tokens: int = Field(
         default=128, ge=1, description="Tokens generated at most (LlamaIndex's num_output; call option max_tokens)."
     )
