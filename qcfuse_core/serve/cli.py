@@ -41,45 +41,7 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (needs qcfuse[serve])")
     p.add_argument("--store", type=Path, default=cache_dir() / "store", help="store folder (default: %(default)s)")
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME|DIR",
-        help="a packaged model (smollm2-135m, gemma3-270m) or a local HF model folder (default: the embedded "
-        "SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--model-name", default=None, help="the model id clients send and /v1/models lists (default: the model's name)"
-    )
-    p.add_argument(
-        "--shape",
-        default=None,
-        help="benchmarks: instead of --model, random weights of a named shape (e.g. llama-3.1-8b, seed 0) with a "
-        "byte-level tokenizer - the model `qcfuse bench load --shape` runs in process",
-    )
-    p.add_argument(
-        "--host-bytes",
-        type=_bytes,
-        default=None,
-        metavar="BYTES",
-        help="with --shape: the host tier's size (e.g. 36e9; default: from available RAM), as `bench load` takes it",
-    )
-    p.add_argument(
-        "--gpu-chunk-bytes",
-        type=_bytes,
-        default=None,
-        metavar="BYTES",
-        help="with --shape: at most this much chunk cache on the GPU (default: what the engine's GPU budget leaves)",
-    )
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "fp8"],
-        help="the running requests' KV caches: auto, the model's dtype; fp8, e4m3 with a scale per token and KV "
-        "head (half the bytes a decode step reads; CacheConfig.kv_dtype)",
-    )
+    _model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=port, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free one)")
     p.add_argument("--max-tokens", type=at_least(1), default=4096, help="the most tokens a request may ask for")
@@ -139,6 +101,49 @@ def add_commands(sub) -> None:
     _learning_options(p)
     _replica_options(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _model_options(p) -> None:
+    """The model the server runs: a packaged or local one, or a named shape (benchmarks)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|DIR",
+        help="a packaged model (smollm2-135m, gemma3-270m) or a local HF model folder (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="the model id clients send and /v1/models lists (default: the model's name)"
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        help="benchmarks: instead of --model, random weights of a named shape (e.g. llama-3.1-8b, seed 0) with a "
+        "byte-level tokenizer - the model `qcfuse bench load --shape` runs in process",
+    )
+    p.add_argument(
+        "--host-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="with --shape: the host tier's size (e.g. 36e9; default: from available RAM), as `bench load` takes it",
+    )
+    p.add_argument(
+        "--gpu-chunk-bytes",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="with --shape: at most this much chunk cache on the GPU (default: what the engine's GPU budget leaves)",
+    )
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="the running requests' KV caches: auto, the model's dtype; fp8, e4m3 with a scale per token and KV "
+        "head (half the bytes a decode step reads; CacheConfig.kv_dtype)",
+    )
 
 
 def _learning_options(p) -> None:
